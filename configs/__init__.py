@@ -1,0 +1,1 @@
+"""YAML presets (package data): SM partitioning per op, per GPU x TP size. Loaded by overlap.config."""

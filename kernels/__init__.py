@@ -1,0 +1,2 @@
+"""Triton kernels only (@triton.jit code and their minimal launch helpers); nothing here imports
+torch.distributed or other packages of this project."""

@@ -1,0 +1,254 @@
+"""Persistent Triton GEMM with a local or a scatter-to-owners epilogue, and the owner-side reduction.
+
+Only ``@triton.jit`` code and tiny pure helpers live here; validation, pools, streams and the
+allocator belong to the launcher.
+
+``persistent_gemm_kernel`` computes ``C[M, N] = A[M, K] @ B[K, N]`` (bf16/fp16 in, fp32 accumulation,
+output in C's dtype).
+
+    grid = (num_programs,)            # num_sms - sm_margin; each program walks tiles pid, pid + num_programs, ...
+    persistent_gemm_kernel[grid](
+        a, b, c, M, N, K, lda, ldb, ldc, tile_row_offset,
+        dst_ptrs, flag_ptrs, tile_counters, rows_per_rank, src_rank, epoch, flags_per_source,
+        BLOCK_M=..., BLOCK_N=..., BLOCK_K=..., GROUP_M=..., EPILOGUE=0 or 1,
+        USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False, num_warps=..., num_stages=...)
+
+* A is [M, K] with row stride ``lda``; B is [K, N] with row stride ``ldb`` or, with ``B_TRANSPOSED``,
+  [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
+* M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank``, ``epoch`` are runtime ints
+  (M, epoch and the rank-dependent ints are excluded from specialisation, so they never recompile).
+* ``USE_DESCRIPTORS=True`` loads A and B (and stores C in epilogue 0) through ``tl.make_tensor_descriptor``
+  (TMA on Hopper; out-of-bounds loads read zero, so M/N/K tails are free). It requires 16-byte-aligned
+  base pointers and row strides (bf16/fp16: multiples of 8 elements) and, on the GPU, an allocator for
+  the descriptors' global scratch, set once per process before the first launch::
+
+      triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+  ``USE_DESCRIPTORS=False`` is the masked-pointer fallback for unaligned shapes (much slower on GPU).
+* Tile order: row block ``(r + tile_row_offset) % num_row_blocks`` where ``r`` walks the row blocks in
+  GROUP_M-swizzled order, so each rank can start at the rows it needs first.
+
+EPILOGUE 0 (local): stores the tile into C (row stride ``ldc``). ``dst_ptrs``, ``flag_ptrs`` and
+``tile_counters`` may be None; the scatter ints are ignored (pass 0; ``epoch`` 1).
+
+EPILOGUE 1 (scatter to owners): the M rows are split into ``world_size`` owner chunks of
+``rows_per_rank`` rows (M = world_size * rows_per_rank); row ``m`` belongs to owner ``o = m //
+rows_per_rank``. ``dst_ptrs`` is an int64 tensor of ``world_size`` data pointers; ``dst_ptrs[o]`` is
+owner o's contiguous partials buffer [world_size, rows_per_rank, N] in C's dtype, and row m is stored
+at ``[src_rank, m - o * rows_per_rank, :]``. ``c`` is only used for its dtype (pass the own buffer).
+A tile straddling two owners is split per row.
+
+Completion protocol (epoch-numbered flags, last-tile detection, robust to M changing between calls):
+
+* ``tile_counters`` is a LOCAL int32 array of at least ``cdiv(M, BLOCK_M)`` words, zero before the
+  first launch. After a tile's stores, the program adds 1 to ``tile_counters[row_block]`` (acq_rel);
+  the program that completes the row block's last column tile resets the word to 0 (so it is zero
+  again for the next launch, which is stream-ordered after this one) and, for every owner o whose
+  rows the row block covers, writes ``epoch`` with ``atomic_xchg(sem="release", scope="sys")`` into
+  ``flag_ptrs[o]`` (an int32 array [world_size, flags_per_source] on owner o) at
+  ``[src_rank, row_block - (o * rows_per_rank) // BLOCK_M]``.
+* ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; flags start at 0 and
+  ``epoch`` must grow by 1 (or more) per launch, starting at 1. A flag equal to ``epoch`` means every
+  column tile of that row block has been stored by that source in this launch.
+
+``reduce_partials_kernel`` runs on owner o (a small persistent grid, e.g. 16 programs, so it leaves SMs
+to the GEMM). For each owner-local tile it waits (``WAIT=True``) until, for every source and every GEMM
+row block overlapping the tile's rows, the flag is ``>= epoch`` (acquire, scope sys); then it sums the
+``world_size`` partials in fp32 and stores into ``out`` [rows_per_rank, N] (row stride ``ld_out``).
+A wait gives up after ``max_spins`` polls: it writes ``1 + src`` (first failure only) into the int32
+``error`` word, and every program stops doing work once that word is nonzero; ``out`` is then
+incomplete. Compile and warm both kernels on every rank before the first cross-rank wait (JIT time
+would otherwise count against ``max_spins``).
+"""
+
+import triton
+import triton.language as tl
+
+EPILOGUE_LOCAL = 0
+EPILOGUE_SCATTER = 1
+
+# Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; under the
+# interpreter only, operands are widened to fp32 first. Compiled kernels never see this branch.
+_WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def num_output_tiles(m: int, n: int, block_m: int, block_n: int) -> int:
+    return cdiv(m, block_m) * cdiv(n, block_n)
+
+
+def scatter_flags_per_source(rows_per_rank: int, block_m: int) -> int:
+    """Flag words an owner needs per source: its rows can touch cdiv(rows, BLOCK_M) + 1 GEMM row blocks."""
+    return cdiv(rows_per_rank, block_m) + 1
+
+
+@triton.jit
+def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M: tl.constexpr):
+    # GROUP_M row blocks share each B column panel while it is hot in L2; the rotation afterwards keeps
+    # the order a permutation while letting every rank begin at its own row block.
+    tiles_per_group = GROUP_M * num_col_blocks
+    group_id = tile_id // tiles_per_group
+    first_row_block = group_id * GROUP_M
+    rows_in_group = tl.minimum(num_row_blocks - first_row_block, GROUP_M)
+    index_in_group = tile_id % tiles_per_group
+    swizzled_row_block = first_row_block + index_in_group % rows_in_group
+    col_block = index_in_group // rows_in_group
+    row_block = (swizzled_row_block + tile_row_offset) % num_row_blocks
+    return row_block, col_block
+
+
+@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "epoch"])
+def persistent_gemm_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K,
+    lda, ldb, ldc,
+    tile_row_offset,
+    dst_ptrs, flag_ptrs, tile_counters_ptr,
+    rows_per_rank, src_rank, epoch, flags_per_source,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    out_dtype: tl.constexpr = c_ptr.dtype.element_ty
+    program_id = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_row_blocks = tl.cdiv(M, BLOCK_M)
+    num_col_blocks = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_row_blocks * num_col_blocks
+    num_k_steps = tl.cdiv(K, BLOCK_K)
+
+    if USE_DESCRIPTORS:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[lda, 1], block_shape=[BLOCK_M, BLOCK_K])
+        if B_TRANSPOSED:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[ldb, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[ldb, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+        if EPILOGUE == 0:
+            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[ldc, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+
+    for tile_id in tl.range(program_id, num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
+                                                 GROUP_M)
+        first_row = row_block * BLOCK_M
+        first_col = col_block * BLOCK_N
+        rows = first_row + tl.arange(0, BLOCK_M)
+        cols = first_col + tl.arange(0, BLOCK_N)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_step in range(num_k_steps):
+            first_k = k_step * BLOCK_K
+            if USE_DESCRIPTORS:
+                a_tile = a_desc.load([first_row, first_k])
+                if B_TRANSPOSED:
+                    b_tile = b_desc.load([first_col, first_k]).T
+                else:
+                    b_tile = b_desc.load([first_k, first_col])
+            else:
+                ks = first_k + tl.arange(0, BLOCK_K)
+                k_in_range = ks < K
+                a_tile = tl.load(a_ptr + rows.to(tl.int64)[:, None] * lda + ks[None, :],
+                                 mask=(rows < M)[:, None] & k_in_range[None, :], other=0.0)
+                if B_TRANSPOSED:
+                    b_tile = tl.load(b_ptr + cols.to(tl.int64)[None, :] * ldb + ks[:, None],
+                                     mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
+                else:
+                    b_tile = tl.load(b_ptr + ks.to(tl.int64)[:, None] * ldb + cols[None, :],
+                                     mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
+            if _WIDEN_DOT_OPERANDS:
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc)
+
+        result = acc.to(out_dtype)
+        if EPILOGUE == 0:
+            if USE_DESCRIPTORS:
+                c_desc.store([first_row, first_col], result)
+            else:
+                tl.store(c_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], result,
+                         mask=(rows < M)[:, None] & (cols < N)[None, :])
+        else:
+            # Per-row destinations: a tile may straddle owners when rows_per_rank % BLOCK_M != 0.
+            row_in_range = rows < M
+            owner = rows // rows_per_rank
+            owner_base = tl.load(dst_ptrs + owner, mask=row_in_range, other=0).to(tl.pointer_type(out_dtype))
+            dst_row = (src_rank * rows_per_rank + rows - owner * rows_per_rank).to(tl.int64)
+            dst = owner_base[:, None] + dst_row[:, None] * N + cols[None, :]
+            tl.store(dst, result, mask=row_in_range[:, None] & (cols < N)[None, :])
+
+            # Every thread's stores must precede the single-thread release below.
+            tl.debug_barrier()
+            counter = tile_counters_ptr + row_block
+            tiles_done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+            if tiles_done_before == num_col_blocks - 1:
+                # Last column tile of this row block in this launch: the acquire above made all other
+                # programs' stores for the row block visible to us, so our release publishes them too.
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                last_row = tl.minimum(first_row + BLOCK_M, M) - 1
+                for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
+                    owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
+                    flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
+                    tl.atomic_xchg(owner_flags + flag_index, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_for_flag(flag_ptr, epoch, max_spins):
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < epoch) & (spins < max_spins):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+    return seen >= epoch
+
+
+@triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank"])
+def reduce_partials_kernel(
+    partials_ptr, out_ptr, flags_ptr, error_ptr,
+    rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, max_spins,
+    WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
+    num_col_blocks = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_row_blocks * num_col_blocks
+    source_stride = rows_per_rank.to(tl.int64) * N
+    owner_first_row = owner_rank * rows_per_rank
+    owner_first_gemm_block = owner_first_row // gemm_block_m
+
+    for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        row_block = tile_id // num_col_blocks
+        col_block = tile_id % num_col_blocks
+        first_row = row_block * BLOCK_M
+        rows = first_row + tl.arange(0, BLOCK_M)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+
+        all_arrived = tl.load(error_ptr, volatile=True) == 0
+        if WAIT:
+            # The GEMM flags whole GEMM row blocks; this tile may overlap two of them.
+            last_row = tl.minimum(first_row + BLOCK_M, rows_per_rank) - 1
+            first_flag = (owner_first_row + first_row) // gemm_block_m - owner_first_gemm_block
+            last_flag = (owner_first_row + last_row) // gemm_block_m - owner_first_gemm_block
+            for src in range(world_size):
+                for flag_index in range(first_flag, last_flag + 1):
+                    if all_arrived:
+                        arrived = _wait_for_flag(flags_ptr + src * flags_per_source + flag_index, epoch,
+                                                 max_spins)
+                        if not arrived:
+                            tl.atomic_cas(error_ptr, 0, 1 + src)
+                        all_arrived = arrived
+            # Order the other threads' partial loads after the single-thread acquire.
+            tl.debug_barrier()
+
+        if all_arrived:
+            mask = (rows < rows_per_rank)[:, None] & (cols < N)[None, :]
+            offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for src in range(world_size):
+                total += tl.load(partials_ptr + src * source_stride + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * ld_out + cols[None, :], total.to(out_dtype),
+                     mask=mask)

@@ -1,0 +1,54 @@
+"""Epoch flags on the device: a release store and a bounded acquire wait.
+
+The wait is bounded by wall time read from %globaltimer (not only by spin count: a peer that is still
+JIT-compiling can take seconds). On expiry it records `error_code` and the epoch it expected in the
+error words (first writer wins) and exits, so the stream moves on and the host raises on its next check.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["signal_kernel", "wait_kernel", "launch_signal", "launch_wait", "read_globaltimer"]
+
+
+@triton.jit
+def read_globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def signal_kernel(flag_ptr, epoch):
+    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_kernel(flag_ptr, epoch, error_ptr, error_code, timeout_ns, USE_TIMER: tl.constexpr):
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if USE_TIMER:
+        start = read_globaltimer()
+        now = start
+        while (seen < epoch) & (now - start < timeout_ns):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            now = read_globaltimer()
+    if seen < epoch:
+        old = tl.atomic_cas(error_ptr, 0, error_code, sem="relaxed", scope="gpu")
+        if old == 0:
+            tl.store(error_ptr + 1, epoch)
+
+
+def launch_signal(flag: torch.Tensor, epoch: int) -> None:
+    """Enqueue on the current stream: flag[0] = epoch with release semantics at system scope."""
+    signal_kernel[(1,)](flag, epoch)
+
+
+def launch_wait(flag: torch.Tensor, epoch: int, error_words: torch.Tensor, *, error_code: int,
+                timeout_ns: int) -> None:
+    """Enqueue on the current stream a wait for flag[0] >= epoch, at most `timeout_ns`.
+
+    `error_words` is an int32 tensor of 2 words: [code, expected epoch], written only on expiry.
+    """
+    wait_kernel[(1,)](flag, epoch, error_words, error_code, timeout_ns, USE_TIMER=flag.is_cuda)

@@ -1,0 +1,1 @@
+"""torchrun entry points: `python -m launch.bench` (side-by-side benchmarks)."""

@@ -1,0 +1,73 @@
+"""One results format: a JSON file with provenance plus rows, and a markdown table for humans."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from . import envs
+
+__all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug"]
+
+
+def git_commit() -> str:
+    """HEAD of the checkout ('+dirty' when it has uncommitted changes), else OVERLAP_GIT_COMMIT."""
+    try:
+        root = Path(__file__).resolve().parents[1]
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return envs.git_commit() or "unknown"
+
+
+def command_line() -> str:
+    """The command that reproduces this run: OVERLAP_COMMAND if a script set it, else reconstructed."""
+    given = envs.command()
+    if given:
+        return given
+    module = next((a for a in sys.orig_argv if a.startswith("launch.")), None) if hasattr(sys, "orig_argv") else None
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    world = envs.torchrun_world()
+    if module and world:
+        return f"torchrun --standalone --nproc-per-node {world[2]} -m {module} {args}".strip()
+    return " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv))
+
+
+def device_slug(device_name: str) -> str:
+    from .config import gpu_slug
+    return gpu_slug(device_name)
+
+
+def write_results(path: str | Path, rows: list[dict], *, device: str, tp: int, extra: dict | None = None) -> Path:
+    """Write {"device", "tp", "commit", "command", "date", "rows", ...extra} as JSON; returns the path."""
+    doc = {"device": device, "tp": tp, "commit": git_commit(), "command": command_line(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           **(extra or {}), "rows": rows}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of `columns` (missing cells blank)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""The timing harness every benchmark uses (DESIGN.md "Definitions").
+
+Per repetition and per variant (variants interleaved round-robin, the order rotated each rep): the
+device is drained, the ranks meet at a barrier, L2 is flushed, then the variant runs between two events
+on the current stream (host clock on CPU). A variant that uses side streams must join them back into the
+current stream before it returns. After all reps the per-rep times are reduced with MAX over the ranks
+of the group, and each variant reports median / min / max of those maxima.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+
+__all__ = ["Stats", "Timer", "bench_interleaved", "progress"]
+
+L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
+
+
+@dataclass(frozen=True)
+class Stats:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how much to trust a difference between two variants."""
+        return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else 0.0
+
+    def as_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}median_ms": self.median_ms, f"{prefix}min_ms": self.min_ms,
+                f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps}
+
+
+def progress(message: str, *, rank: int = 0) -> None:
+    if rank == 0 and envs.progress_enabled():
+        print(f"[overlap] {message}", file=sys.stderr, flush=True)
+
+
+class Timer:
+    """Start/stop around a region of the current stream: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pending: list = []
+
+    def time(self, fn: Callable[[], object]) -> int:
+        """Run fn between two marks; returns a ticket redeemed by `elapsed_ms` after `sync`."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            self._pending.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            self._pending.append((t0, time.perf_counter()))
+        return len(self._pending) - 1
+
+    def elapsed_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self._pending]
+        return [(e - s) * 1e3 for s, e in self._pending]
+
+
+def _barrier(group, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.ProcessGroup | None,
+                      device: torch.device, warmup: int = 3, reps: int = 20, flush_l2: bool = True,
+                      label: str = "") -> dict[str, Stats]:
+    """Time every variant `reps` times, interleaved; returns Stats per variant (max over ranks)."""
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    names = list(variants)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) \
+        if flush_l2 and device.type == "cuda" else None
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    _barrier(group, device)
+    timer = Timer(device)
+    tickets: dict[str, list[int]] = {n: [] for n in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            _barrier(group, device)
+            if flush is not None:
+                flush.zero_()
+            tickets[name].append(timer.time(variants[name]))
+    elapsed = timer.elapsed_ms()
+    table = torch.tensor([[elapsed[t] for t in tickets[n]] for n in names], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        reduce_on = table.to(device) if device.type == "cuda" else table
+        dist.all_reduce(reduce_on, op=dist.ReduceOp.MAX, group=group)
+        table = reduce_on.cpu()
+    del flush
+    out = {}
+    for i, name in enumerate(names):
+        samples = table[i].tolist()
+        out[name] = Stats(statistics.median(samples), min(samples), max(samples), len(samples))
+    return out

@@ -1,0 +1,7 @@
+"""Persistent symmetric memory: one allocation per rank, exchanged once, named regions and epoch flags."""
+
+from .errors import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout
+from .pool import PoolStats, Region, SymmetricPool, live_pool_count
+
+__all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
+           "SignalTimeout", "live_pool_count"]

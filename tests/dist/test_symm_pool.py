@@ -1,0 +1,177 @@
+"""SymmetricPool on the host backend: real processes, gloo, POSIX shared memory."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from symm_mem import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout, SymmetricPool
+from symm_mem.host import SHM_DIR, SHM_PREFIX
+from tests.multiproc import RankFailure, run_ranks
+
+
+def our_shm_entries():
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+
+
+def _peer_reads(rank, world, rows, cols):
+    group = dist.group.WORLD
+    with SymmetricPool(1 << 20, group=group) as pool:
+        buf = pool.reserve("x", (rows, cols), torch.float32)
+        buf.copy_(torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1000.0 * rank)
+        pool.barrier()
+        for peer in range(world):
+            expect = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1000.0 * peer
+            got = pool.peer("x", peer).clone()
+            assert torch.equal(got, expect), f"rank {rank} read wrong data from {peer}"
+        pool.barrier()
+        return pool.stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_encoded_peer_reads_are_exact(world):
+    stats = run_ranks(_peer_reads, world, 33, 17)
+    assert all(s.rendezvous_count == 1 and s.handles_open == world for s in stats)
+    assert our_shm_entries() == []
+
+
+def _epoch_flags(rank, world, steps):
+    group = dist.group.WORLD
+    with SymmetricPool(1 << 16, group=group) as pool:
+        data = pool.reserve("slot", (64,), torch.int64, num_signals=world)
+        warm = pool.stats()
+        right = (rank + 1) % world
+        for step in range(1, steps + 1):
+            # Scramble the workspace every step: a reader that does not wait for the flag sees garbage.
+            data.copy_(torch.randint(-2**40, 2**40, (64,)))
+            payload = torch.arange(64, dtype=torch.int64) * 7 + rank * 10_000 + step
+            pool.barrier()  # every slot is scrambled before anyone writes
+            # Each rank writes into its right neighbour's slot, then signals it with the step number.
+            pool.peer("slot", right).copy_(payload)
+            pool.signal("slot", rank, step, rank=right)
+            left = (rank - 1) % world
+            pool.wait("slot", left, step, timeout_s=10, peer=left)
+            expect = torch.arange(64, dtype=torch.int64) * 7 + left * 10_000 + step
+            assert torch.equal(data, expect), f"step {step}: stale or torn data from rank {left}"
+            assert int(pool.signals("slot")[left]) == step
+            pool.barrier()  # nobody scrambles a slot that is still being checked
+        after = pool.stats()
+        assert after == warm, (warm, after)
+        return after
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_epoch_flags_across_100_steps(world):
+    stats = run_ranks(_epoch_flags, world, 100)
+    assert stats[0].allocations == 1 and stats[0].rendezvous_count == 1
+
+
+def _reuse_adds_nothing(rank, world):
+    pool = SymmetricPool(1 << 20, group=dist.group.WORLD)
+    pool.reserve("a", (128,), torch.bfloat16, num_signals=2)
+    pool.ptr_table("a")
+    for r in range(world):
+        pool.peer("a", r)
+    before = pool.stats()
+    for step in range(1000):
+        pool.reserve("a", (128,), torch.bfloat16, num_signals=2)
+        pool.peer("a", step % world)
+        pool.ptr_table("a")
+    after = pool.stats()
+    pool.close()
+    return before, after
+
+
+def test_1000_steps_of_reuse_add_no_rendezvous_and_no_allocation():
+    for before, after in run_ranks(_reuse_adds_nothing, 2):
+        assert before == after
+
+
+def _two_tp_groups(rank, world):
+    # Two TP groups of 2 inside a world of 4; each pool only sees its own group.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    with SymmetricPool(1 << 16, group=group) as pool:
+        assert (pool.rank, pool.world_size) == (rank % 2, 2)
+        buf = pool.reserve("x", (8,), torch.int32)
+        buf.fill_(rank)
+        pool.barrier()
+        seen = [int(pool.peer("x", r)[0]) for r in range(2)]
+        pool.barrier()
+    return seen
+
+
+def test_two_tp_groups_in_a_world_of_four():
+    assert run_ranks(_two_tp_groups, 4) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _errors(rank, world):
+    pool = SymmetricPool(8192, group=dist.group.WORLD, num_signal_words=32)
+    pool.reserve("a", (1000,), torch.float32)
+    msgs = []
+    for bad in [lambda: pool.reserve("b", (2000,), torch.float32),
+                lambda: pool.reserve("a", (10,), torch.float32),
+                lambda: pool.reserve("c", (1,), torch.float32, num_signals=100),
+                lambda: pool.peer("nope", 0),
+                lambda: pool.peer("a", world),
+                lambda: pool.signal("a", 0, 1, rank=0)]:
+        with pytest.raises(PoolError) as info:
+            bad()
+        msgs.append(str(info.value))
+    with pytest.raises(SignalTimeout) as info:
+        pool.reserve("d", (4,), torch.float32, num_signals=1)
+        pool.wait("d", 0, 5, timeout_s=0.2, peer=1 - rank)
+    msgs.append(str(info.value))
+    pool.close()
+    pool.close()
+    with pytest.raises(PoolClosedError):
+        pool.reserve("a", (1000,), torch.float32)
+    return msgs
+
+
+def test_errors_name_region_bytes_and_flag():
+    msgs = run_ranks(_errors, 2)[0]
+    cap = msgs[0]
+    assert "'b'" in cap and "8000 bytes" in cap and "4096 of 8192 bytes left" in cap, cap
+    assert "already reserved" in msgs[1]
+    assert "signals" in msgs[2]
+    assert "no region 'nope'" in msgs[3]
+    assert "rank 2 is not in the group" in msgs[4]
+    assert "flag index 0 out of range" in msgs[5]
+    assert "flag d[0] >= 5" in msgs[6] and "peer rank" in msgs[6] and "last value 0" in msgs[6]
+
+
+def test_capacity_error_is_a_pool_error():
+    assert issubclass(PoolCapacityError, PoolError)
+
+
+def _killed(rank, world):
+    pool = SymmetricPool(1 << 16, group=dist.group.WORLD)
+    pool.reserve("x", (16,), torch.float32)
+    pool.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    pool.close()
+    return "survived"
+
+
+def test_killed_rank_leaves_no_shm_entries():
+    before = our_shm_entries()
+    values = run_ranks(_killed, 2, allow_exit=frozenset({1}))
+    assert values[0] == "survived"
+    assert our_shm_entries() == before == []
+
+
+def test_wrong_backend_for_device_is_refused():
+    def make():
+        return SymmetricPool(1024, group=object(), backend="torch", device="cpu")
+    with pytest.raises(PoolError, match="does not serve device cpu"):
+        make()
+    with pytest.raises(PoolError, match="backend='mpi' is not one of"):
+        SymmetricPool(1024, group=object(), backend="mpi", device="cpu")
+    with pytest.raises(PoolError, match="group= is required"):
+        SymmetricPool(1024, group=None, device="cpu")

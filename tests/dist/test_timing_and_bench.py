@@ -1,0 +1,69 @@
+"""The timing harness (interleaving, max over ranks) and the bench CLI end to end on CPU ranks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from overlap.report import format_table, write_results
+from overlap.timing import bench_interleaved
+from tests.multiproc import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _slow_rank(rank, world):
+    order = []
+    variants = {
+        "fast": lambda: order.append("fast"),
+        # rank 1 is slow: the reported time must be rank 1's (max over ranks) on every rank
+        "slow": lambda: (order.append("slow"), time.sleep(0.02 if rank == 1 else 0.001)),
+    }
+    stats = bench_interleaved(variants, group=dist.group.WORLD, device=__import__("torch").device("cpu"),
+                              warmup=1, reps=6)
+    return stats, order
+
+
+def test_interleaved_max_over_ranks():
+    (s0, order0), (s1, _) = run_ranks(_slow_rank, 2)
+    assert s0 == s1                       # every rank reports the same reduced numbers
+    assert s0["slow"].min_ms >= 19.0      # rank 1's sleep, not rank 0's
+    assert s0["fast"].median_ms < 5.0
+    assert s0["slow"].reps == 6 and s0["fast"].min_ms <= s0["fast"].median_ms <= s0["fast"].max_ms
+    timed = order0[2:]                    # after one warm-up of each
+    assert timed[:4] == ["fast", "slow", "slow", "fast"]  # order rotated every rep
+
+
+def test_results_json_has_provenance(tmp_path):
+    path = write_results(tmp_path / "r.json", [{"a": 1.5}], device="cpu", tp=2, extra={"op": "x"})
+    doc = json.loads(path.read_text())
+    assert {"device", "tp", "commit", "command", "date", "rows", "op"} <= set(doc)
+    assert doc["rows"] == [{"a": 1.5}] and doc["tp"] == 2
+    assert format_table([{"a": 1.23456, "b": "x"}], ["a", "b"]).splitlines()[2] == "| 1.235 | x |"
+
+
+def test_bench_cli_runs_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "pool_bw.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "launch.bench", "--op", "pool_bw", "--sizes-mb", "1,2", "--reps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tp"] == 2 and doc["device"] == "cpu" and len(doc["rows"]) == 2
+    assert "launch.bench --op pool_bw --sizes-mb 1,2" in doc["command"]
+    for row in doc["rows"]:
+        assert row["ce_pull_GBps"] > 0 and row["allgather_GBps"] > 0 and row["allgather_backend"] == "gloo"
+        assert row["ce_pull_min_ms"] <= row["ce_pull_median_ms"] <= row["ce_pull_max_ms"]
+    assert "| size_bytes |" in proc.stdout and "pool_bw 2/2" in proc.stderr
+
+
+def test_bench_refuses_one_rank(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": "29731"}
+    proc = subprocess.run([sys.executable, "-m", "launch.bench", "--cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr

@@ -1,0 +1,166 @@
+"""Pools on real GPUs (run by tests/gpu/run_all.sh on the GPU machine; marker `gpu`)."""
+
+import torch
+import torch.distributed as dist
+
+from ipc import IpcPool, live_ipc_pool_count
+from symm_mem import SignalTimeout, SymmetricPool, live_pool_count
+from tests.multiproc import run_ranks
+
+
+def _peer_reads_and_device_flags(rank, world, backend):
+    group = dist.group.WORLD
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with SymmetricPool(64 << 20, group=group, backend=backend) as pool:
+        x = pool.reserve("x", (1000, 77), torch.bfloat16, num_signals=world)
+        right, left = (rank + 1) % world, (rank - 1) % world
+        for step in range(1, 101):
+            x.copy_(torch.randn(1000, 77, device=dev))  # scrambled workspace every step
+            pool.barrier()
+            payload = (torch.randn(1000, 77, generator=torch.Generator().manual_seed(step * 10 + rank))
+                       .to(torch.bfloat16).to(dev))
+            pool.peer("x", right).copy_(payload)
+            pool.signal("x", rank, step, rank=right)   # release after the copy, same stream
+            pool.wait("x", left, step, timeout_s=10)   # device-side, bounded
+            expect = (torch.randn(1000, 77, generator=torch.Generator().manual_seed(step * 10 + left))
+                      .to(torch.bfloat16).to(dev))
+            if not torch.equal(x, expect):
+                raise AssertionError(f"{backend}: step {step} data from rank {left} not bit-exact")
+            pool.check_errors()
+            pool.barrier()
+        reads = [pool.peer("x", r).float().sum().item() for r in range(world)]
+        pool.barrier()
+        torch.cuda.synchronize()
+        return pool.stats().rendezvous_count, reads
+
+
+def test_torch_backend_peer_reads_and_epoch_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_device_flags, 2, "torch", backend="nccl", timeout_s=240)
+    assert all(r[0] == 1 for r in results)
+    assert results[0][1] == results[1][1]  # both ranks read the same bytes of every copy
+
+
+def test_nvshmem_backend_peer_reads_and_epoch_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_device_flags, 2, "nvshmem", backend="nccl", timeout_s=240)
+    assert results[0][1] == results[1][1]
+
+
+def _device_wait_times_out(rank, world):
+    with SymmetricPool(1 << 20, group=dist.group.WORLD, backend="torch") as pool:
+        pool.reserve("f", (16,), torch.float32, num_signals=1)
+        if rank == 0:  # rank 1 deliberately never signals
+            pool.wait("f", 0, 7, timeout_s=0.5, peer=1)
+            torch.cuda.synchronize()
+            try:
+                pool.check_errors()
+            except SignalTimeout as exc:
+                message = str(exc)
+            else:
+                message = "no error"
+        else:
+            message = "not waiting"
+        dist.barrier()
+        return message
+
+
+def test_device_wait_is_bounded_and_reported(num_gpus):
+    msg = run_ranks(_device_wait_times_out, 2, backend="nccl", timeout_s=120)[0]
+    assert "flag f[0] >= 7" in msg and "last value 0" in msg, msg
+
+
+def _ipc_reads(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(3001, 129, device=dev, dtype=torch.bfloat16)
+    block = torch.empty(1 << 20, device=dev, dtype=torch.int32)
+    b = block[4096:4096 + 999]
+    b.copy_(torch.arange(999, device=dev, dtype=torch.int32) * (rank + 3))
+    expected = [None] * world
+    dist.all_gather_object(expected, a.cpu())
+    with IpcPool(group=dist.group.WORLD) as ipc:
+        ipc.exchange({"a": a, "b": b})
+        for r in range(world):
+            if not torch.equal(ipc.peer("a", r).cpu(), expected[r]):
+                raise AssertionError(f"IPC read of rank {r} not bit-exact")
+            want = torch.arange(999, dtype=torch.int32) * (r + 3)
+            if not torch.equal(ipc.peer("b", r).cpu(), want):
+                raise AssertionError(f"IPC offset view of rank {r} wrong")
+        torch.cuda.synchronize()
+        dist.barrier()
+        stats = ipc.stats()
+    return stats.opened, ipc.stats().closed
+
+
+def test_ipc_pool_bit_exact_and_counted(num_gpus):
+    for opened, closed in run_ranks(_ipc_reads, 2, backend="nccl", timeout_s=120):
+        assert opened == 2 and closed == 2  # a and b: two allocation bases from the peer
+
+
+def _cycles(rank, world, backend, n):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    anchor = SymmetricPool(1 << 20, group=group, backend=backend) if backend == "nvshmem" else None
+    x = torch.randn(1 << 20, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    samples = []
+    for i in range(n):
+        with SymmetricPool(8 << 20, group=group, backend=backend) as pool:
+            pool.reserve("r", (1024,), torch.float32).fill_(i)
+        with IpcPool(group=group) as ipc:
+            ipc.exchange({"x": x})
+            ipc.peer("x", 1 - rank)[:4].sum()
+        if i % 250 == 249:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            samples.append(torch.cuda.mem_get_info()[0])
+    if anchor is not None:
+        anchor.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return free_before, samples, torch.cuda.mem_get_info()[0], live_pool_count(), live_ipc_pool_count()
+
+
+def _check_cycles(results):
+    for free_before, samples, free_after, pools, ipcs in results:
+        assert pools == 0 and ipcs == 0
+        drift = free_before - free_after
+        assert drift <= 64 << 20, f"free device memory dropped by {drift / 2**20:.1f} MiB: {samples}"
+
+
+def test_1000_torch_pool_and_ipc_cycles_keep_memory_and_handles_stable(num_gpus):
+    _check_cycles(run_ranks(_cycles, 2, "torch", 1000, backend="nccl", timeout_s=420))
+
+
+def test_1000_nvshmem_pool_cycles_keep_memory_stable(num_gpus):
+    _check_cycles(run_ranks(_cycles, 2, "nvshmem", 1000, backend="nccl", timeout_s=420))
+
+
+def _ce_pull_bandwidth(rank, world):
+    from launch.pool_bw import ring_pull
+    nbytes = 64 << 20
+    dev = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(priority=-1)
+    with SymmetricPool(nbytes, group=dist.group.WORLD) as pool:
+        pool.reserve("shard", (nbytes,), torch.uint8).random_(0, 256)
+        out = torch.empty(world, nbytes, dtype=torch.uint8, device=dev)
+        pool.barrier()
+        times = []
+        for _ in range(25):
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            ring_pull(pool, out, nbytes, stream)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        assert torch.equal(out[1 - rank], pool.peer("shard", 1 - rank))
+        pool.barrier()
+    times.sort()
+    return (world - 1) * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
+
+
+def test_copy_engine_pull_of_64mb_reaches_330_gbps(num_gpus):
+    gbps = run_ranks(_ce_pull_bandwidth, 2, backend="nccl", timeout_s=120)
+    assert min(gbps) >= 330, f"copy-engine pull {gbps} GB/s < 330"

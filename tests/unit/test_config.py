@@ -1,0 +1,135 @@
+"""Presets load; every invalid field gives its own message naming file, key, value and what is allowed."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from overlap.config import (ConfigError, OpConfig, dump_config, gpu_slug, load_config, load_preset,
+                            parse_config, preset_path)
+
+PRESETS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
+
+
+def test_there_are_presets_for_h200_tp2_tp4_tp8_and_cpu():
+    names = {p.name for p in PRESETS}
+    assert {"h200_tp2.yaml", "h200_tp4.yaml", "h200_tp8.yaml", "cpu.yaml", "cuda_default.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_loads(path):
+    cfg = load_config(path)
+    assert cfg.op_config("ag_gemm", 4096).op == "ag_gemm"
+    assert cfg.op_config("gemm_rs", 4096).op == "gemm_rs"
+    if cfg.node.tp_size:
+        assert path.name.endswith(f"_tp{cfg.node.tp_size}.yaml")
+
+
+@pytest.mark.parametrize("name,world,expect", [
+    ("NVIDIA H200", 2, "h200_tp2.yaml"), ("NVIDIA H200", 8, "h200_tp8.yaml"),
+    ("NVIDIA H200", 4, "h200_tp4.yaml"), ("NVIDIA H200", 3, "cuda_default.yaml"),
+    ("NVIDIA H100 80GB HBM3", 2, "cuda_default.yaml"), ("cpu", 4, "cpu.yaml")])
+def test_automatic_selection_and_fallback(name, world, expect):
+    assert preset_path(name, world).name == expect
+    assert load_preset(name, world).node.tp_size in (None, world)
+
+
+def test_gpu_slug():
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+
+
+def _base():
+    return yaml.safe_load((Path(PRESETS[0]).parent / "h200_tp2.yaml").read_text())
+
+
+def _set(raw, dotted, value):
+    node = raw
+    *head, last = dotted.split(".")
+    for k in head:
+        node = node[k]
+    node[last] = value
+    return raw
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("ops.gemm_rs.sm_margin", -1, "0 <= x <= 131"),
+    ("ops.gemm_rs.sm_margin", 132, "0 <= x <= 131"),
+    ("ops.ag_gemm.method", "magic", "decomposed | fused"),
+    ("ops.ag_gemm.chunks_per_rank", 0, "1 <= x <= 64"),
+    ("ops.ag_gemm.comm_stream_priority", 3, "-5 <= x <= 0"),
+    ("ops.ag_gemm.num_comm_sms", "8", "an int"),
+    ("ops.ag_gemm.sm_margin", True, "an int"),
+    ("node.tp_size", "two", "an int or null"),
+    ("node.pool_bytes", 0, "1 <= x"),
+    ("node.gpu_name", 5, "a string"),
+])
+def test_each_invalid_field_names_file_key_value_and_allowed(tmp_path, key, value, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_set(_base(), key, value)))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert str(path) in msg and key in msg and repr(value) in msg and needle in msg, msg
+    assert info.value.key == key and info.value.value == value
+
+
+def test_unknown_key_is_named(tmp_path):
+    raw = _base()
+    raw["ops"]["ag_gemm"]["sm_margn"] = 4
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"ops\.ag_gemm\.sm_margn: unknown key 'sm_margn'; allowed: .*sm_margin"):
+        load_config(path)
+
+
+def test_missing_section_and_bad_yaml(tmp_path):
+    raw = _base()
+    del raw["ops"]["gemm_rs"]
+    with pytest.raises(ConfigError, match="missing op sections"):
+        parse_config(raw, file="x.yaml")
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("node: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_preset_for_another_tp_size_is_refused():
+    cfg = load_config(preset_path("NVIDIA H200", 2))
+    with pytest.raises(ConfigError, match=r"node\.tp_size: got 2; allowed: 8"):
+        cfg.check_world_size(8)
+
+
+def test_buckets_select_by_m_and_round_trip(tmp_path):
+    raw = _base()
+    raw["ops"]["ag_gemm"]["by_m"] = [{"m_max": 1024, "method": "fused", "sm_margin": 4},
+                                     {"m_max": 4096, "chunks_per_rank": 2}]
+    cfg = parse_config(copy.deepcopy(raw), file="mem")
+    assert cfg.op_config("ag_gemm", 1000).method == "fused"
+    assert cfg.op_config("ag_gemm", 1000).sm_margin == 4
+    assert cfg.op_config("ag_gemm", 2048).chunks_per_rank == 2
+    assert cfg.op_config("ag_gemm", 2048).method == "decomposed"
+    assert cfg.op_config("ag_gemm", 16384) == cfg.ag_gemm.default
+    out = tmp_path / "tuned.yaml"
+    dump_config(cfg, out, header="tuned by a test")
+    again = load_config(out)
+    assert again.ag_gemm == cfg.ag_gemm and again.gemm_rs == cfg.gemm_rs and again.node == cfg.node
+    raw["ops"]["ag_gemm"]["by_m"][1]["m_max"] = 512
+    with pytest.raises(ConfigError, match=r"by_m\[1\]\.m_max: got 512; allowed: an int with 1025"):
+        parse_config(raw, file="mem")
+
+
+def test_op_config_is_frozen_keyword_only_and_validated():
+    cfg = OpConfig(op="gemm_rs", method="fused", sm_margin=8)
+    with pytest.raises(Exception):
+        cfg.sm_margin = 4
+    with pytest.raises(TypeError):
+        OpConfig("gemm_rs", "fused")
+    with pytest.raises(ConfigError, match="sm_margin"):
+        OpConfig(op="gemm_rs", method="fused", sm_margin=-3)
+    with pytest.raises(ConfigError, match="sm_margin: got 132; allowed: an int with 0 <= x <= 131"):
+        cfg.__class__(op="gemm_rs", method="fused", sm_margin=132).validate(num_sms=132)

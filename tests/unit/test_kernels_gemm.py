@@ -1,0 +1,209 @@
+"""CPU (Triton interpreter) tests for kernels/gemm.py: local and scatter epilogues, the reduction and its bounded wait."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # The interpreter must be chosen before triton is imported anywhere.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from kernels.gemm import (  # noqa: E402
+    EPILOGUE_LOCAL,
+    EPILOGUE_SCATTER,
+    cdiv,
+    persistent_gemm_kernel,
+    reduce_partials_kernel,
+    scatter_flags_per_source,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+GEMM_REL_TOLERANCE = 1e-2
+
+if DEVICE == "cuda":
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=DEVICE))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (torch.linalg.norm(actual.float() - expected) / torch.linalg.norm(expected)).item()
+
+
+def random_matrix(rows, cols, dtype, generator):
+    return torch.randn(rows, cols, generator=generator, dtype=torch.float32).to(dtype).to(DEVICE)
+
+
+def launch_local_gemm(a, b, c, num_programs, tile_row_offset, use_descriptors=True, b_transposed=False):
+    m, k = a.shape
+    n = c.shape[1]
+    persistent_gemm_kernel[(num_programs,)](
+        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), tile_row_offset,
+        None, None, None, 0, 0, 1, 0,
+        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
+        WARP_SPECIALIZE=False, **GEMM_BLOCKS)
+
+
+@pytest.mark.parametrize("num_programs,tile_row_offset", [(1, 0), (3, 2), (3, 5)])
+def test_local_epilogue_matches_fp32_reference_with_tails(num_programs, tile_row_offset):
+    generator = torch.Generator().manual_seed(num_programs * 10 + tile_row_offset)
+    m, n, k = 200, 72, 80  # tails in every dimension for 32-wide blocks
+    a = random_matrix(m, k, torch.bfloat16, generator)
+    b = random_matrix(k, n, torch.bfloat16, generator)
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    launch_local_gemm(a, b, c, num_programs, tile_row_offset)
+    assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
+
+
+def test_local_epilogue_fp16_transposed_b_and_strided_c():
+    generator = torch.Generator().manual_seed(7)
+    m, n, k = 72, 40, 48
+    a = random_matrix(m, k, torch.float16, generator)
+    weight = random_matrix(n, k, torch.float16, generator)  # [N, K] like nn.Linear
+    c_storage = torch.full((m, n + 8), float("nan"), dtype=torch.float16, device=DEVICE)
+    c = c_storage[:, :n]
+    launch_local_gemm(a, weight, c, num_programs=2, tile_row_offset=1, b_transposed=True)
+    assert relative_error(c, a.float() @ weight.float().T) <= GEMM_REL_TOLERANCE
+    assert torch.isnan(c_storage[:, n:]).all(), "the store wrote past N into the padding columns"
+
+
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_pointer_fallback_handles_unaligned_strides(b_transposed):
+    generator = torch.Generator().manual_seed(11)
+    m, n, k = 50, 37, 45  # row lengths not multiples of 8: descriptors would be rejected
+    a = random_matrix(m, k, torch.bfloat16, generator)
+    b = random_matrix(n, k, torch.bfloat16, generator) if b_transposed else random_matrix(k, n, torch.bfloat16,
+                                                                                         generator)
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    launch_local_gemm(a, b, c, num_programs=3, tile_row_offset=1, use_descriptors=False, b_transposed=b_transposed)
+    reference = a.float() @ (b.float().T if b_transposed else b.float())
+    assert relative_error(c, reference) <= GEMM_REL_TOLERANCE
+
+
+class ScatterWorld:
+    """Owner buffers, flags and per-source counters of a simulated tensor-parallel group, all in one process."""
+
+    def __init__(self, world_size, rows_per_rank, n, flags_per_source, max_row_blocks):
+        self.world_size = world_size
+        self.partials = [torch.empty(world_size, rows_per_rank, n, dtype=torch.bfloat16, device=DEVICE)
+                         for _ in range(world_size)]
+        self.flags = [torch.zeros(world_size, flags_per_source, dtype=torch.int32, device=DEVICE)
+                      for _ in range(world_size)]
+        self.tile_counters = [torch.zeros(max_row_blocks, dtype=torch.int32, device=DEVICE)
+                              for _ in range(world_size)]
+        self.dst_ptrs = torch.tensor([p.data_ptr() for p in self.partials], dtype=torch.int64, device=DEVICE)
+        self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=DEVICE)
+
+
+def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, epoch, num_programs, use_descriptors=True):
+    m, k = a.shape
+    n = b.shape[1]
+    persistent_gemm_kernel[(num_programs,)](
+        a, b, world.partials[src_rank], m, n, k, a.stride(0), b.stride(0), n, src_rank * 3,
+        world.dst_ptrs, world.flag_ptrs, world.tile_counters[src_rank],
+        rows_per_rank, src_rank, epoch, world.flags[0].shape[1],
+        EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
+        **GEMM_BLOCKS)
+
+
+def expected_flag_indices(owner, rows_per_rank, block_m):
+    first = (owner * rows_per_rank) // block_m
+    last = ((owner + 1) * rows_per_rank - 1) // block_m
+    return last - first + 1
+
+
+@pytest.mark.parametrize("world_size,rows_per_rank_by_epoch", [(2, [45, 45]), (3, [40, 23])])
+def test_scatter_epilogue_stores_rows_at_owners_and_sets_epoch_flags(world_size, rows_per_rank_by_epoch):
+    # rows_per_rank is never a multiple of BLOCK_M, so tiles straddle owners; the second epoch
+    # changes M to check that flags and counters stay consistent across shape changes.
+    generator = torch.Generator().manual_seed(world_size)
+    n, k = 40, 48
+    block_m = GEMM_BLOCKS["BLOCK_M"]
+    flags_per_source = max(scatter_flags_per_source(r, block_m) for r in rows_per_rank_by_epoch)
+    max_row_blocks = max(cdiv(world_size * r, block_m) for r in rows_per_rank_by_epoch)
+    world = ScatterWorld(world_size, max(rows_per_rank_by_epoch), n, flags_per_source, max_row_blocks)
+
+    for epoch, rows_per_rank in enumerate(rows_per_rank_by_epoch, start=1):
+        for partials in world.partials:
+            partials.fill_(float("nan"))
+        m = world_size * rows_per_rank
+        products = []
+        for src in range(world_size):
+            a = random_matrix(m, k, torch.bfloat16, generator)
+            b = random_matrix(k, n, torch.bfloat16, generator)
+            products.append(a.float() @ b.float())
+            run_scatter_gemm(world, a, b, src, rows_per_rank, epoch, num_programs=1 + src)
+
+        for owner in range(world_size):
+            # The buffer is sized for the largest epoch; this epoch's layout is [world, rows_per_rank, n].
+            owner_view = world.partials[owner].view(-1)[: world_size * rows_per_rank * n].view(
+                world_size, rows_per_rank, n)
+            for src in range(world_size):
+                expected = products[src][owner * rows_per_rank:(owner + 1) * rows_per_rank]
+                assert relative_error(owner_view[src], expected) <= GEMM_REL_TOLERANCE, (owner, src)
+            used = expected_flag_indices(owner, rows_per_rank, block_m)
+            assert (world.flags[owner][:, :used] == epoch).all(), world.flags[owner]
+            assert (world.flags[owner][:, used:] < epoch).all(), "a flag outside the owner's rows was set"
+        for counters in world.tile_counters:
+            assert (counters == 0).all(), "tile counters must return to zero for the next launch"
+
+
+def test_scatter_epilogue_pointer_fallback():
+    generator = torch.Generator().manual_seed(5)
+    world_size, rows_per_rank, n, k = 2, 21, 27, 35
+    world = ScatterWorld(world_size, rows_per_rank, n, scatter_flags_per_source(rows_per_rank, 32),
+                         cdiv(world_size * rows_per_rank, 32))
+    a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
+    b = random_matrix(k, n, torch.bfloat16, generator)
+    run_scatter_gemm(world, a, b, src_rank=1, rows_per_rank=rows_per_rank, epoch=4, num_programs=2,
+                     use_descriptors=False)
+    product = a.float() @ b.float()
+    for owner in range(world_size):
+        expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
+        assert relative_error(world.partials[owner][1], expected) <= GEMM_REL_TOLERANCE
+        used = expected_flag_indices(owner, rows_per_rank, 32)
+        assert (world.flags[owner][1, :used] == 4).all() and (world.flags[owner][0] == 0).all()
+
+
+def run_reduction(partials, out, flags, error, epoch, wait, max_spins=8, owner_rank=1, gemm_block_m=32):
+    world_size, rows_per_rank, n = partials.shape
+    reduce_partials_kernel[(3,)](
+        partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, epoch, flags.shape[1],
+        gemm_block_m, owner_rank, max_spins, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
+
+
+def sequential_fp32_sum(partials):
+    total = torch.zeros(partials.shape[1:], dtype=torch.float32, device=partials.device)
+    for source_partial in partials:
+        total += source_partial.float()
+    return total
+
+
+@pytest.mark.parametrize("world_size,wait", [(2, False), (3, False), (3, True)])
+def test_reduction_sums_partials_in_fp32(world_size, wait):
+    generator = torch.Generator().manual_seed(20 + world_size)
+    rows_per_rank, n = 37, 40
+    partials = torch.randn(world_size, rows_per_rank, n, generator=generator).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    epoch = 3
+    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), epoch, dtype=torch.int32,
+                       device=DEVICE)
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    run_reduction(partials, out, flags, error, epoch, wait)
+    assert error.item() == 0
+    torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+
+
+def test_reduction_wait_times_out_with_error_code_of_missing_source():
+    world_size, rows_per_rank, n = 3, 37, 40
+    partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    epoch = 5
+    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), epoch, dtype=torch.int32,
+                       device=DEVICE)
+    flags[1, 1] = epoch - 1  # source 1 has not finished one row block of this epoch
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    run_reduction(partials, out, flags, error, epoch, wait=True, max_spins=4)
+    assert error.item() == 1 + 1
