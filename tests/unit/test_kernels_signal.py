@@ -1,0 +1,28 @@
+"""Flag kernels under the Triton interpreter (TRITON_INTERPRET=1; the timer path is GPU-only)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from kernels.signal import launch_signal, launch_wait  # noqa: E402
+
+
+def test_signal_writes_epoch_and_wait_passes_when_flag_is_set():
+    flag = torch.zeros(1, dtype=torch.int32)
+    errors = torch.zeros(2, dtype=torch.int32)
+    launch_signal(flag, 5)
+    assert int(flag) == 5
+    launch_wait(flag, 5, errors, error_code=17, timeout_ns=1000)
+    launch_wait(flag, 3, errors, error_code=17, timeout_ns=1000)  # older epochs are satisfied too
+    assert errors.tolist() == [0, 0]
+
+
+def test_expired_wait_records_code_and_epoch_first_writer_wins():
+    flag = torch.full((1,), 4, dtype=torch.int32)
+    errors = torch.zeros(2, dtype=torch.int32)
+    launch_wait(flag, 6, errors, error_code=21, timeout_ns=0)
+    assert errors.tolist() == [21, 6]
+    launch_wait(flag, 9, errors, error_code=33, timeout_ns=0)
+    assert errors.tolist() == [21, 6]
