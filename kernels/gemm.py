@@ -36,7 +36,8 @@ EPILOGUE 1 (scatter to owners): the M rows are split into ``world_size`` owner c
 rows_per_rank``. ``dst_ptrs`` is an int64 tensor of ``world_size`` data pointers; ``dst_ptrs[o]`` is
 owner o's contiguous partials buffer [world_size, rows_per_rank, N] in C's dtype, and row m is stored
 at ``[src_rank, m - o * rows_per_rank, :]``. ``c`` is only used for its dtype (pass the own buffer).
-A tile straddling two owners is split per row.
+A tile straddling owners (rows_per_rank % BLOCK_M != 0) is stored once per owner, masked by rows.
+Every buffer in ``dst_ptrs`` must be 16-byte aligned (the kernel tells the compiler so, to vectorise).
 
 Completion protocol (epoch-numbered flags, last-tile detection, robust to M changing between calls):
 
@@ -173,13 +174,18 @@ def persistent_gemm_kernel(
                 tl.store(c_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], result,
                          mask=(rows < M)[:, None] & (cols < N)[None, :])
         else:
-            # Per-row destinations: a tile may straddle owners when rows_per_rank % BLOCK_M != 0.
-            row_in_range = rows < M
-            owner = rows // rows_per_rank
-            owner_base = tl.load(dst_ptrs + owner, mask=row_in_range, other=0).to(tl.pointer_type(out_dtype))
-            dst_row = (src_rank * rows_per_rank + rows - owner * rows_per_rank).to(tl.int64)
-            dst = owner_base[:, None] + dst_row[:, None] * N + cols[None, :]
-            tl.store(dst, result, mask=row_in_range[:, None] & (cols < N)[None, :])
+            # One store per owner the tile covers (two when rows_per_rank % BLOCK_M != 0), each from a
+            # scalar base: a per-row pointer tensor doubled the GEMM time. The alignment hint (the
+            # buffers are 16-byte aligned allocations) is what lets the stores vectorise.
+            last_row = tl.minimum(first_row + BLOCK_M, M) - 1
+            col_in_range = (cols < N)[None, :]
+            for store_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
+                owner_base = tl.multiple_of(tl.load(dst_ptrs + store_owner).to(tl.pointer_type(out_dtype)), 16)
+                owner_first_row = store_owner * rows_per_rank
+                in_owner = (rows >= owner_first_row) & (rows < owner_first_row + rows_per_rank) & (rows < M)
+                dst_row = (src_rank * rows_per_rank - owner_first_row + rows).to(tl.int64)
+                tl.store(owner_base + dst_row[:, None] * N + cols[None, :], result,
+                         mask=in_owner[:, None] & col_in_range)
 
             # Every thread's stores must precede the single-thread release below.
             tl.debug_barrier()
@@ -189,7 +195,6 @@ def persistent_gemm_kernel(
                 # Last column tile of this row block in this launch: the acquire above made all other
                 # programs' stores for the row block visible to us, so our release publishes them too.
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                last_row = tl.minimum(first_row + BLOCK_M, M) - 1
                 for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
                     owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
                     flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M

@@ -244,7 +244,7 @@ class SymmetricPool:
         if self.device.type == "cpu":
             flags[index] = epoch
             return
-        from kernels.signal import launch_signal
+        from kernels.flags import launch_signal
         launch_signal(flags[index:index + 1], epoch)
 
     def wait(self, name: str, index: int, epoch: int, *, timeout_s: float | None = None,
@@ -259,7 +259,7 @@ class SymmetricPool:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         flag = self.signals(name)[index:index + 1]
         if self.device.type == "cuda":
-            from kernels.signal import launch_wait
+            from kernels.flags import launch_wait
             word = self.region(name).first_flag_word + index
             launch_wait(flag, epoch, self._signal_words(self.rank)[ERROR_WORD:ERROR_WORD + 2],
                         error_code=word, timeout_ns=int(timeout_s * 1e9))

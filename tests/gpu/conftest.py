@@ -1,10 +1,15 @@
+from pathlib import Path
+
 import pytest
 import torch
+
+_HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.gpu)
+        if _HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture

@@ -20,6 +20,9 @@ from kernels.gemm import (  # noqa: E402
     scatter_flags_per_source,
 )
 
+# Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy >= 1.25 deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 GEMM_REL_TOLERANCE = 1e-2

@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from kernels.signal import launch_signal, launch_wait  # noqa: E402
+from kernels.flags import launch_signal, launch_wait  # noqa: E402
 
 
 def test_signal_writes_epoch_and_wait_passes_when_flag_is_set():

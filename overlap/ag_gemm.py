@@ -1,0 +1,201 @@
+"""AllGather + GEMM: `out = all_gather(a_shard) @ w` with the gather on the copy engine, overlapped.
+
+Shapes: a_shard [M/W, K], w [K, N_local], out [M, N_local]; M <= max_m, M % W == 0.
+
+Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<name>.a` [2, max_m, K]):
+  compute stream: a_shard -> rows of this rank in a[b] (skipped when the caller wrote `input_slot`),
+                  then flag ready[rank] = e on every peer (release);
+  comm stream (high priority, 0 SMs): for peer p = rank+1, rank+2, ... : wait ready[p] >= e (bounded),
+                  copy p's rows of p's a[b] into the same rows of this rank's a[b] (copy engine), in
+                  `chunks_per_rank` pieces, each followed by its readiness signal (event or flag);
+  consumer on the compute stream: `decomposed` = one cuBLAS mm per chunk, local chunk first, each
+                  waiting only for its own event; `fused` = one persistent Triton GEMM whose tile loop
+                  waits for the flag of the chunk it reads next (tiles ordered by arrival);
+  the comm stream is joined back into the compute stream before the call returns.
+Double buffering makes an end-of-step barrier unnecessary: peers read this rank's a[b] only during step
+e, and every peer has finished reading a[b] of step e-2 before it signals ready for step e-1, which this
+rank waited for during step e-1.
+
+On CPU (host pool) the same schedule runs with a thread as the comm stream and torch.mm.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from symm_mem import SymmetricPool
+
+from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
+from .config import OpConfig
+
+__all__ = ["AgGemm", "ag_gemm"]
+
+
+class AgGemm:
+    """Op context built once per (group, pool, max_m, k, n_local, dtype, config); call it many times.
+
+    Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU).
+    The gathered `a` returned with `return_gathered=True` is a view into the pool that stays valid until
+    the second-next call of this op; clone it to keep it longer.
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, pool: SymmetricPool, max_m: int, k: int, n_local: int,
+                 dtype: torch.dtype, config: OpConfig, name: str = "ag_gemm"):
+        if config.op != "ag_gemm":
+            raise OpInputError(f"config.op is {config.op!r}; AgGemm needs an ag_gemm config")
+        for arg, value in (("max_m", max_m), ("k", k), ("n_local", n_local)):
+            if not isinstance(value, int) or value <= 0:
+                raise OpInputError(f"{arg} must be a positive int, got {value!r}")
+        self.group, self.pool, self.config = group, pool, config
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if (self.rank, self.world_size) != (pool.rank, pool.world_size):
+            raise OpInputError("pool was built on another group than group=")
+        check_divisible("max_m", max_m, self.world_size, "the group size")
+        self.max_m, self.k, self.n_local, self.dtype = max_m, k, n_local, dtype
+        self.device = pool.device
+        self.name = name
+        self.gathered = pool.reserve(f"{name}.a", (2, max_m, k), dtype, num_signals=self.world_size)
+        self._epoch = 0
+        if self.device.type == "cuda":
+            self._comm_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
+            num_chunks = self.world_size * config.chunks_per_rank
+            self._events = [torch.cuda.Event() for _ in range(num_chunks)]
+            self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
+        self._fused = None
+        if config.method == "fused" and self.device.type == "cuda":
+            from ._ag_gemm_fused import FusedAgConsumer
+            self._fused = FusedAgConsumer(self)
+
+    # ----- public --------------------------------------------------------------------------------------
+    def input_slot(self, m: int) -> torch.Tensor:
+        """[m/W, K] view where the next call expects this rank's shard; writing it there saves a copy."""
+        self._check_m(m)
+        rows = m // self.world_size
+        return self.gathered[(self._epoch + 1) % 2, self.rank * rows:(self.rank + 1) * rows]
+
+    def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False):
+        """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local]."""
+        self._validate(a_shard, w)
+        m = a_shard.shape[0] * self.world_size
+        self._epoch += 1
+        a = self.gathered[self._epoch % 2, :m]
+        out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            self._run_cuda(a_shard, w, a, out)
+        else:
+            self._run_host(a_shard, w, a, out)
+        return (out, a) if return_gathered else out
+
+    def close(self) -> None:
+        """Drop references to pool memory (the pool itself is owned by the caller)."""
+        self.gathered = None
+        self._fused = None
+
+    # ----- validation ------------------------------------------------------------------------------------
+    def _check_m(self, m: int) -> None:
+        check_divisible("M", m, self.world_size, "the group size")
+        check_at_most("M", m, self.max_m, "max_m of this op")
+
+    def _validate(self, a_shard, w) -> None:
+        if self.gathered is None:
+            raise OpInputError(f"{self.name} is closed")
+        check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
+        check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
+        check_at_most("a_shard rows x group size", a_shard.shape[0] * self.world_size, self.max_m,
+                      "max_m of this op")
+
+    # ----- schedule --------------------------------------------------------------------------------------
+    def chunks(self, m: int) -> list[tuple[int, int, int]]:
+        """(owner rank, first row, row count) in arrival order: local rank first, then ring order."""
+        rows = m // self.world_size
+        per = self.config.chunks_per_rank
+        out = []
+        for step in range(self.world_size):
+            owner = (self.rank + step) % self.world_size
+            bounds = [owner * rows + (rows * i) // per for i in range(per + 1)]
+            out.extend((owner, lo, hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
+        return out
+
+    def _publish(self, a_shard, a) -> None:
+        rows = a_shard.shape[0]
+        slot = a[self.rank * rows:(self.rank + 1) * rows]
+        if slot.data_ptr() != a_shard.data_ptr():
+            slot.copy_(a_shard)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.pool.signal(f"{self.name}.a", self.rank, self._epoch, rank=peer)
+
+    def _pull(self, chunk, a, *, host: bool) -> None:
+        owner, lo, count = chunk
+        src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % 2, lo:lo + count]
+        a[lo:lo + count].copy_(src, non_blocking=not host)
+
+    def _run_host(self, a_shard, w, a, out) -> None:
+        m = a.shape[0]
+        chunks = self.chunks(m)
+        ready = [threading.Event() for _ in chunks]
+        failure: list[BaseException] = []
+        self._publish(a_shard, a)
+
+        def comm() -> None:
+            try:
+                waited = set()
+                for i, chunk in enumerate(chunks):
+                    owner = chunk[0]
+                    if owner != self.rank and owner not in waited:
+                        self.pool.wait(f"{self.name}.a", owner, self._epoch, peer=owner, op=self.name)
+                        waited.add(owner)
+                    if owner != self.rank:
+                        self._pull(chunk, a, host=True)
+                    ready[i].set()
+            except BaseException as exc:  # surfaced on the caller's thread
+                failure.append(exc)
+                for event in ready:
+                    event.set()
+
+        thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
+        thread.start()
+        for i, (owner, lo, count) in enumerate(chunks):
+            ready[i].wait()
+            if failure:
+                break
+            torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    def _run_cuda(self, a_shard, w, a, out) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        self._publish(a_shard, a)
+        chunks = self.chunks(a.shape[0])
+        comm = self._comm_stream
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            waited = set()
+            for i, chunk in enumerate(chunks):
+                owner = chunk[0]
+                if owner != self.rank:
+                    if owner not in waited:
+                        self.pool.wait(f"{self.name}.a", owner, self._epoch, peer=owner, op=self.name)
+                        waited.add(owner)
+                    self._pull(chunk, a, host=False)
+                if self._fused is not None:
+                    self._fused.signal_chunk(i, self._epoch)
+                else:
+                    self._events[i].record(comm)
+        if self._fused is not None:
+            self._fused.run(a, w, out, chunks, self._epoch)
+        else:
+            for i, (owner, lo, count) in enumerate(chunks):
+                if owner != self.rank:
+                    compute.wait_event(self._events[i])
+                torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+        compute.wait_stream(comm)
+
+
+def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, *, op: AgGemm, return_gathered: bool = False):
+    """Functional form: `op(a_shard, w)` (the op context holds the pool region, streams and events)."""
+    return op(a_shard, w, return_gathered=return_gathered)
