@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["signal_kernel", "wait_kernel", "launch_signal", "launch_wait", "read_globaltimer"]
+__all__ = ["signal_kernel", "wait_kernel", "signal_range_kernel", "launch_signal", "launch_wait",
+           "launch_signal_range", "read_globaltimer"]
 
 
 @triton.jit
@@ -52,3 +53,16 @@ def launch_wait(flag: torch.Tensor, epoch: int, error_words: torch.Tensor, *, er
     `error_words` is an int32 tensor of 2 words: [code, expected epoch], written only on expiry.
     """
     wait_kernel[(1,)](flag, epoch, error_words, error_code, timeout_ns, USE_TIMER=flag.is_cuda)
+
+
+@triton.jit
+def signal_range_kernel(flag_ptr, first, count, epoch, BLOCK: tl.constexpr):
+    offsets = first + tl.arange(0, BLOCK)
+    for start in range(0, count, BLOCK):
+        tl.atomic_xchg(flag_ptr + start + offsets, epoch, mask=start + tl.arange(0, BLOCK) < count,
+                       sem="release", scope="sys")
+
+
+def launch_signal_range(flags: torch.Tensor, first: int, count: int, epoch: int) -> None:
+    """Enqueue on the current stream: flags[first:first + count] = epoch (release, system scope)."""
+    signal_range_kernel[(1,)](flags, first, count, epoch, BLOCK=128)

@@ -65,6 +65,7 @@ class AgGemm:
             self._events = [torch.cuda.Event() for _ in range(num_chunks)]
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
         self._fused = None
+        self._trace = None
         if config.method == "fused" and self.device.type == "cuda":
             from ._ag_gemm_fused import FusedAgConsumer
             self._fused = FusedAgConsumer(self)
@@ -89,6 +90,29 @@ class AgGemm:
             self._run_host(a_shard, w, a, out)
         return (out, a) if return_gathered else out
 
+    def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
+        """The same schedule with no consumer: returns the gathered a [M, K] (a pool view, see above).
+        The "comm solo" of the k-factor and the benchmarks."""
+        check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
+        self._check_m(a_shard.shape[0] * self.world_size)
+        self._epoch += 1
+        a = self.gathered[self._epoch % 2, :a_shard.shape[0] * self.world_size]
+        if self.device.type == "cuda":
+            self._run_cuda(a_shard, None, a, None)
+        else:
+            self._run_host(a_shard, None, a, None)
+        return a
+
+    def enable_trace(self, on: bool = True) -> None:
+        """Record CUDA events on both streams at each call (for k-factors): see `last_trace_ms`."""
+        self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on else None
+
+    def last_trace_ms(self) -> dict[str, float]:
+        """Spans of the last traced call: compute stream and comm stream, ms (synchronises)."""
+        start, comm_start, comm_end, end = self._trace
+        end.synchronize()
+        return {"compute_ms": start.elapsed_time(end), "comm_ms": comm_start.elapsed_time(comm_end)}
+
     def close(self) -> None:
         """Drop references to pool memory (the pool itself is owned by the caller)."""
         self.gathered = None
@@ -112,10 +136,11 @@ class AgGemm:
         """(owner rank, first row, row count) in arrival order: local rank first, then ring order."""
         rows = m // self.world_size
         per = self.config.chunks_per_rank
+        rows_per_chunk = -(-rows // per)  # the fused kernel maps a row to its chunk flag the same way
         out = []
         for step in range(self.world_size):
             owner = (self.rank + step) % self.world_size
-            bounds = [owner * rows + (rows * i) // per for i in range(per + 1)]
+            bounds = [owner * rows + min(rows, i * rows_per_chunk) for i in range(per + 1)]
             out.extend((owner, lo, hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
         return out
 
@@ -162,18 +187,24 @@ class AgGemm:
             ready[i].wait()
             if failure:
                 break
-            torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+            if w is not None:
+                torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
         thread.join()
         if failure:
             raise failure[0]
 
     def _run_cuda(self, a_shard, w, a, out) -> None:
         compute = torch.cuda.current_stream(self.device)
+        trace = self._trace
+        if trace:
+            trace[0].record(compute)
         self._publish(a_shard, a)
         chunks = self.chunks(a.shape[0])
         comm = self._comm_stream
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
+            if trace:
+                trace[1].record(comm)
             waited = set()
             for i, chunk in enumerate(chunks):
                 owner = chunk[0]
@@ -186,7 +217,11 @@ class AgGemm:
                     self._fused.signal_chunk(i, self._epoch)
                 else:
                     self._events[i].record(comm)
-        if self._fused is not None:
+            if trace:
+                trace[2].record(comm)
+        if w is None:
+            pass
+        elif self._fused is not None:
             self._fused.run(a, w, out, chunks, self._epoch)
         else:
             for i, (owner, lo, count) in enumerate(chunks):
@@ -194,6 +229,8 @@ class AgGemm:
                     compute.wait_event(self._events[i])
                 torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
         compute.wait_stream(comm)
+        if trace:
+            trace[3].record(compute)
 
 
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, *, op: AgGemm, return_gathered: bool = False):

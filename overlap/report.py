@@ -60,6 +60,8 @@ def write_results(path: str | Path, rows: list[dict], *, device: str, tp: int, e
 
 
 def _cell(value) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)

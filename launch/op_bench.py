@@ -1,0 +1,202 @@
+"""AG+GEMM and GEMM+RS benchmarks: ours (each method) next to NCCL-then-GEMM, PyTorch async-TP, GEMM
+alone and communication alone, timed in one interleaved run per shape point (overlap.timing).
+
+One row per (point, method[, sm_margin]); every row carries the point's baselines, so
+E = T_ideal / T and the speedups can be read off each row. Correctness is checked before timing.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from overlap.ag_gemm import AgGemm
+from overlap.config import OpConfig
+from overlap.gemm_rs import GemmRs
+from overlap.reference import ag_gemm_reference, gemm_rs_reference
+from overlap.shapes import ShapePoint
+from overlap.timing import bench_interleaved, progress
+from symm_mem import SymmetricPool
+
+from ._dist import DistContext
+
+TRACE_REPS = 10
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _torch_group_name(group) -> str | None:
+    try:
+        import torch.distributed._symmetric_memory as symm
+        name = group.group_name
+        if hasattr(symm, "enable_symm_mem_for_group"):
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm.enable_symm_mem_for_group(name)
+        return name
+    except Exception:
+        return None
+
+
+def _baseline_columns(stats, t_ours_ms: float, t_gemm: float, t_comm: float) -> dict:
+    t_ideal = max(t_gemm, t_comm)
+    seq = stats["seq"].median_ms
+    row = {"t_gemm_ms": t_gemm, "t_comm_ms": t_comm, "t_ideal_ms": t_ideal, "t_seq_nccl_ms": seq,
+           "t_ours_ms": t_ours_ms, "E_ours": t_ideal / t_ours_ms, "E_seq": t_ideal / seq,
+           "speedup_vs_seq": seq / t_ours_ms,
+           "hidden_comm": (t_gemm + t_comm - t_ours_ms) / t_comm if t_comm else None}
+    if "torch" in stats:
+        row.update(t_torch_ms=stats["torch"].median_ms, E_torch=t_ideal / stats["torch"].median_ms,
+                   speedup_vs_torch=stats["torch"].median_ms / t_ours_ms)
+    else:
+        row.update(t_torch_ms=None, E_torch=None, speedup_vs_torch=None)
+    for name, s in stats.items():
+        row[f"t_{name}_ms"] = s.median_ms
+        row[f"t_{name}_min_ms"], row[f"t_{name}_max_ms"] = s.min_ms, s.max_ms
+    return row
+
+
+def _gemm_variants(ctx, a, w, out_cublas, out_triton) -> dict:
+    variants = {"gemm_cublas": lambda: torch.mm(a, w, out=out_cublas)}
+    if ctx.device.type == "cuda":
+        from overlap.triton_gemm import triton_mm
+        variants["gemm_triton"] = lambda: triton_mm(a, w, out_triton)
+    return variants
+
+
+def _t_gemm(stats) -> float:
+    return min(stats[n].median_ms for n in ("gemm_cublas", "gemm_triton") if n in stats)
+
+
+# ----- AG + GEMM -------------------------------------------------------------------------------------
+def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
+                   reps: int) -> list[dict]:
+    world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
+    m, k, n = point.m, point.k, point.n
+    gen = torch.Generator(device="cpu").manual_seed(10 + ctx.rank + m + n)
+    a_shard = torch.randn(m // world, k, generator=gen).to(dtype).to(dev)
+    w = (torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype).to(dev)
+    pool_bytes = len(configs) * 2 * m * k * dtype.itemsize + (1 << 20)
+    rows = []
+    with SymmetricPool(pool_bytes, group=ctx.group, device=dev) as pool:
+        ops = {c.method + str(i): AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype,
+                                        config=c, name=f"ag{i}") for i, c in enumerate(configs)}
+        ref_out, a_full = ag_gemm_reference(a_shard, w, group=ctx.group)
+        for key, op in ops.items():
+            out, a = op(a_shard, w, return_gathered=True)
+            if not torch.equal(a, a_full):
+                raise RuntimeError(f"{point.layer} M={m}: {key} gathered a is not bit-exact")
+            err = _rel_err(out, a_full.float() @ w.float())
+            if err > 1e-2:
+                raise RuntimeError(f"{point.layer} M={m}: {key} relative error {err:.3g} > 1e-2")
+        gather_buf = torch.empty(m, k, dtype=dtype, device=dev)
+        out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)
+        variants = {f"ours_{key}": (lambda op=op: op(a_shard, w)) for key, op in ops.items()}
+        variants["seq"] = lambda: ag_gemm_reference(a_shard, w, group=ctx.group)
+        group_name = _torch_group_name(ctx.group) if dev.type == "cuda" else None
+        if group_name:
+            variants["torch"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w], 0, group_name)
+        variants.update(_gemm_variants(ctx, a_full, w, out_c, out_t))
+        variants["comm_nccl"] = lambda: dist.all_gather_into_tensor(gather_buf, a_shard, group=ctx.group)
+        first = next(iter(ops.values()))
+        variants["comm_ce"] = lambda: first.all_gather(a_shard)
+        stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
+        t_gemm = _t_gemm(stats)
+        t_comm = min(stats["comm_nccl"].median_ms, stats["comm_ce"].median_ms)
+        for (key, op), cfg in zip(ops.items(), configs):
+            k_comm, k_comp = _k_factors(ctx, op, a_shard, w, stats["comm_ce"].median_ms,
+                                        stats["gemm_cublas"].median_ms if cfg.method == "decomposed" else t_gemm)
+            row = {"layer": point.layer, "op": "ag_gemm", "M": m, "K": k, "N": n, "method": cfg.method,
+                   "sm_margin": cfg.sm_margin, "chunks_per_rank": cfg.chunks_per_rank,
+                   **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
+                   "k_comm": k_comm, "k_comp": k_comp}
+            rows.append(row)
+        for op in ops.values():
+            op.close()
+        pool.barrier()
+    return rows
+
+
+def _k_factors(ctx, op: AgGemm, a_shard, w, t_comm_solo: float, t_comp_solo: float):
+    """k from stream spans of traced calls: comm stream (pulls) and compute stream (the consumer)."""
+    if ctx.device.type != "cuda":
+        return None, None
+    op.enable_trace(True)
+    comm, comp = [], []
+    for _ in range(TRACE_REPS):
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        op(a_shard, w)
+        spans = op.last_trace_ms()
+        comm.append(spans["comm_ms"])
+        comp.append(spans["compute_ms"])
+    op.enable_trace(False)
+    spans = torch.tensor([statistics.median(comm), statistics.median(comp)], device=ctx.device)
+    dist.all_reduce(spans, op=dist.ReduceOp.MAX, group=ctx.group)
+    return spans[0].item() / t_comm_solo, spans[1].item() / t_comp_solo
+
+
+# ----- GEMM + RS -------------------------------------------------------------------------------------
+def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
+                   reps: int) -> list[dict]:
+    world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
+    m, k, n = point.m, point.k, point.n
+    gen = torch.Generator(device="cpu").manual_seed(20 + ctx.rank + m + n)
+    a = torch.randn(m, k, generator=gen).to(dtype).to(dev)
+    w = (torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype).to(dev)
+    pool_bytes = len(configs) * 2 * m * n * dtype.itemsize + (1 << 20)
+    rows = []
+    with SymmetricPool(pool_bytes, group=ctx.group, device=dev) as pool:
+        ops = {f"{c.method}{i}": GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=k, n=n, dtype=dtype,
+                                       config=c, name=f"rs{i}") for i, c in enumerate(configs)}
+        ref = gemm_rs_reference(a, w, group=ctx.group)
+        for key, op in ops.items():
+            out = op(a, w)
+            if dev.type == "cuda":
+                op.check_errors()
+            err = _rel_err(out, ref)
+            if err > 1e-2:
+                raise RuntimeError(f"{point.layer} M={m}: {key} relative error {err:.3g} vs seq > 1e-2")
+        partial = torch.mm(a, w)
+        rs_out = torch.empty(m // world, n, dtype=dtype, device=dev)
+        out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)
+        variants = {f"ours_{key}": (lambda op=op: op(a, w)) for key, op in ops.items()}
+        variants["seq"] = lambda: gemm_rs_reference(a, w, group=ctx.group)
+        group_name = _torch_group_name(ctx.group) if dev.type == "cuda" else None
+        if group_name:
+            variants["torch"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                a, w, "sum", 0, group_name)
+        variants.update(_gemm_variants(ctx, a, w, out_c, out_t))
+        variants["comm_nccl"] = lambda: dist.reduce_scatter_tensor(rs_out, partial, group=ctx.group)
+        stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
+        t_gemm = _t_gemm(stats)
+        t_comm = stats["comm_nccl"].median_ms
+        for (key, op), cfg in zip(ops.items(), configs):
+            row = {"layer": point.layer, "op": "gemm_rs", "M": m, "K": k, "N": n, "method": cfg.method,
+                   "sm_margin": cfg.sm_margin, "num_comm_sms": cfg.num_comm_sms,
+                   **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
+                   "k_comm": None, "k_comp": None}
+            rows.append(row)
+            op.close()
+        pool.barrier()
+    return rows
+
+
+def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list[OpConfig], *, warmup: int,
+        reps: int) -> list[dict]:
+    bench_point = bench_ag_point if op == "ag_gemm" else bench_rs_point
+    rows = []
+    for i, point in enumerate(points):
+        new = bench_point(ctx, point, configs, warmup=warmup, reps=reps)
+        rows.extend(new)
+        best = min(new, key=lambda r: r["t_ours_ms"])
+        torch_e = f"{best['E_torch']:.2f}" if best["E_torch"] else "-"
+        progress(f"{op} {i + 1}/{len(points)} {point.layer} M={point.m}: best {best['method']} "
+                 f"{best['t_ours_ms']:.3f} ms  E {best['E_ours']:.2f} (seq {best['E_seq']:.2f}, torch {torch_e})",
+                 rank=ctx.rank)
+    return rows

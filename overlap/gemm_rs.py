@@ -1,0 +1,217 @@
+"""GEMM + ReduceScatter: `out_shard = reduce_scatter(a @ w)`, the reduction on `sm_margin` SMs.
+
+Shapes: a [M, K_local], w [K_local, N], out_shard [M/W, N]; M <= max_m, M % W == 0.
+
+Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W source slots of
+[M/W, N]: slot s of rank o receives source s's partial product for o's rows. Flags `<name>.partials`
+(int32, [W, flags_per_source], epoch-valued) say which GEMM row blocks of which source have landed.
+
+  fused:      one persistent Triton GEMM on num_sms - sm_margin programs, tiles rotated by rank; each
+              tile is stored straight into its owner's slot (NVLink stores) and the row block's flag is
+              released when its last column tile is stored. A reduction kernel on `num_comm_sms`
+              programs (its own high-priority stream) waits for each row block's W flags and sums.
+  decomposed: one cuBLAS mm per owner chunk (owners in ring order, own chunk last) limited to
+              num_sms - sm_margin SMs, each chunk pushed to its owner with the copy engine and flagged;
+              the same reduction kernel.
+Double buffering replaces an end barrier: a source writes slot b of step e only after its own step e-1
+reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
+step e-2 reduction (the last reader of slot b) had finished.
+
+On CPU (host pool) the same protocol runs with torch.mm, stores into peers' shared memory and host waits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from symm_mem import SignalTimeout, SymmetricPool
+
+from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
+from .config import OpConfig
+
+__all__ = ["GemmRs", "gemm_rs"]
+
+FLAG_BLOCK_M = 128  # row-block granularity of the flags (the fused GEMM's BLOCK_M)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GemmRs:
+    """Op context built once per (group, pool, max_m, k_local, n, dtype, config); call it many times.
+
+    The output is valid on the caller's current stream when the call returns (CUDA), or at once (CPU).
+    A device-side wait that expired is reported by `check_errors()` (it synchronises; call it at step
+    boundaries, not inside the hot loop).
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, pool: SymmetricPool, max_m: int, k_local: int, n: int,
+                 dtype: torch.dtype, config: OpConfig, name: str = "gemm_rs", timeout_s: float | None = None):
+        if config.op != "gemm_rs":
+            raise OpInputError(f"config.op is {config.op!r}; GemmRs needs a gemm_rs config")
+        for arg, value in (("max_m", max_m), ("k_local", k_local), ("n", n)):
+            if not isinstance(value, int) or value <= 0:
+                raise OpInputError(f"{arg} must be a positive int, got {value!r}")
+        self.group, self.pool, self.config, self.name = group, pool, config, name
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if (self.rank, self.world_size) != (pool.rank, pool.world_size):
+            raise OpInputError("pool was built on another group than group=")
+        check_divisible("max_m", max_m, self.world_size, "the group size")
+        self.max_m, self.k_local, self.n, self.dtype, self.device = max_m, k_local, n, dtype, pool.device
+        self.timeout_s = pool.timeout_s if timeout_s is None else timeout_s
+        max_rows = max_m // self.world_size
+        self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
+        self._slot_elems = self.world_size * max_rows * n
+        self.partials = pool.reserve(f"{name}.partials", (2, self._slot_elems), dtype,
+                                     num_signals=self.world_size * self.flags_per_source)
+        self._epoch = 0
+        if self.device.type == "cuda":
+            self._setup_cuda()
+
+    def _setup_cuda(self) -> None:
+        from .triton_gemm import num_sms
+        self.num_sms = num_sms(self.device)
+        self.config.validate(num_sms=self.num_sms)
+        self._reduce_stream = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
+        self._comm_stream = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
+        self._errors = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._tile_counters = torch.zeros(_cdiv(self.max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32,
+                                          device=self.device)
+        base = self.pool.ptr_table(f"{self.name}.partials")
+        self._dst_ptrs = [base + b * self._slot_elems * self.dtype.itemsize for b in range(2)]
+        self._flag_ptrs = self.pool.ptr_table(f"{self.name}.partials", signals=True)
+        self._staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
+        self._events = [torch.cuda.Event() for _ in range(self.world_size)]
+
+    # ----- public --------------------------------------------------------------------------------------
+    def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """out_shard [M/W, N] for a [M, K_local], w [K_local, N]."""
+        self._validate(a, w)
+        m = a.shape[0]
+        self._epoch += 1
+        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self._run_host(a, w, out)
+        elif self.config.method == "fused":
+            self._run_fused(a, w, out)
+        else:
+            self._run_decomposed(a, w, out)
+        return out
+
+    def check_errors(self) -> None:
+        """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""
+        if self.device.type != "cuda":
+            return
+        code = int(self._errors[0].item())
+        if code:
+            self._errors.zero_()
+            raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
+                                observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)
+
+    def close(self) -> None:
+        self.partials = None
+
+    # ----- validation ------------------------------------------------------------------------------------
+    def _validate(self, a, w) -> None:
+        if self.partials is None:
+            raise OpInputError(f"{self.name} is closed")
+        check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
+        check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
+        check_divisible("M", a.shape[0], self.world_size, "the group size")
+        check_at_most("M", a.shape[0], self.max_m, "max_m of this op")
+
+    def _slots(self, rank: int, rows: int) -> torch.Tensor:
+        """[W, rows, N] view of `rank`'s buffer of this step (contiguous prefix of the slot area)."""
+        flat = self.pool.peer(f"{self.name}.partials", rank)[self._epoch % 2]
+        return flat[:self.world_size * rows * self.n].view(self.world_size, rows, self.n)
+
+    def owners(self) -> list[int]:
+        """Ring order from rank + 1; the own chunk last (its reduction input needs no transfer)."""
+        return [(self.rank + step) % self.world_size for step in range(1, self.world_size + 1)]
+
+    # ----- CPU -----------------------------------------------------------------------------------------
+    def _run_host(self, a, w, out) -> None:
+        rows = a.shape[0] // self.world_size
+        region = f"{self.name}.partials"
+        for owner in self.owners():
+            partial = torch.mm(a[owner * rows:(owner + 1) * rows], w)
+            self._slots(owner, rows)[self.rank].copy_(partial)
+            self.pool.signal(region, self.rank * self.flags_per_source, self._epoch, rank=owner)
+        for src in range(self.world_size):
+            self.pool.wait(region, src * self.flags_per_source, self._epoch, timeout_s=self.timeout_s,
+                           peer=src, op=self.name)
+        out.copy_(self._slots(self.rank, rows).float().sum(dim=0))
+
+    # ----- CUDA ----------------------------------------------------------------------------------------
+    def _reduce(self, rows: int, out: torch.Tensor) -> None:
+        from kernels.gemm import reduce_partials_kernel
+        programs = max(1, self.config.num_comm_sms or self.config.sm_margin or 8)
+        reduce_partials_kernel[(programs,)](
+            self._slots(self.rank, rows), out, self.pool.signals(f"{self.name}.partials"), self._errors,
+            rows, self.n, out.stride(0), self.world_size, self._epoch, self.flags_per_source,
+            FLAG_BLOCK_M, self.rank, int(self.timeout_s * 1e9),
+            WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4)
+
+    def _run_fused(self, a, w, out) -> None:
+        from kernels.gemm import EPILOGUE_SCATTER, persistent_gemm_kernel
+        from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator
+
+        ensure_allocator()
+        m = a.shape[0]
+        rows = m // self.world_size
+        blocks = choose_blocks(m, self.n, self.k_local)
+        blocks = type(blocks)(FLAG_BLOCK_M, *[getattr(blocks, f) for f in
+                                              ("block_n", "block_k", "group_m", "num_warps", "num_stages")])
+        compute = torch.cuda.current_stream(self.device)
+        self._reduce_stream.wait_stream(compute)
+        persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
+            a, w, self._staging, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
+            ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M,
+            self._dst_ptrs[self._epoch % 2], self._flag_ptrs, self._tile_counters,
+            rows, self.rank, self._epoch, self.flags_per_source,
+            BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+            EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
+            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        with torch.cuda.stream(self._reduce_stream):
+            self._reduce(rows, out)
+        compute.wait_stream(self._reduce_stream)
+
+    def _run_decomposed(self, a, w, out) -> None:
+        from kernels.flags import launch_signal_range
+
+        rows = a.shape[0] // self.world_size
+        region = f"{self.name}.partials"
+        compute = torch.cuda.current_stream(self.device)
+        self._reduce_stream.wait_stream(compute)
+        self._comm_stream.wait_stream(compute)
+        carveout = self.config.sm_margin
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            for i, owner in enumerate(self.owners()):
+                chunk = a[owner * rows:(owner + 1) * rows]
+                if owner == self.rank:
+                    torch.mm(chunk, w, out=self._slots(owner, rows)[self.rank])
+                    launch_signal_range(self.pool.peer_signals(region, owner), self.rank * self.flags_per_source,
+                                        self.flags_per_source, self._epoch)
+                    continue
+                staged = self._staging[owner * rows:(owner + 1) * rows]
+                torch.mm(chunk, w, out=staged)
+                self._events[i].record(compute)
+                self._comm_stream.wait_event(self._events[i])
+                with torch.cuda.stream(self._comm_stream):
+                    self._slots(owner, rows)[self.rank].copy_(staged, non_blocking=True)
+                    launch_signal_range(self.pool.peer_signals(region, owner),
+                                        self.rank * self.flags_per_source, self.flags_per_source, self._epoch)
+        finally:
+            torch._C._set_sm_carveout_experimental(0)
+        with torch.cuda.stream(self._reduce_stream):
+            self._reduce(rows, out)
+        compute.wait_stream(self._reduce_stream)
+        compute.wait_stream(self._comm_stream)
+
+
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, op: GemmRs) -> torch.Tensor:
+    """Functional form: `op(a, w)`."""
+    return op(a, w)

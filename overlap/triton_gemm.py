@@ -1,0 +1,82 @@
+"""Launchers of the persistent Triton GEMM (kernels/gemm.py): block choice, allocator, grid.
+
+`triton_mm(a, b, out, num_programs=...)` is the local-epilogue GEMM (the "GEMM alone" of the benchmarks
+and the compute of the fused ops with `num_sms - sm_margin` programs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GemmBlocks", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms"]
+
+_allocator_set = False
+
+
+def ensure_allocator() -> None:
+    """Tensor descriptors need global scratch from an allocator, set once per process."""
+    global _allocator_set
+    if _allocator_set:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+    _allocator_set = True
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs are enough to exercise the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class GemmBlocks:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda") -> GemmBlocks:
+    """Pure heuristic: 128x256x64 / 8 warps / 3 stages matched cuBLAS on H200 for large shapes (GPU.md);
+    narrow N gets 128-wide tiles so that small GEMMs still fill the SMs."""
+    if device_type != "cuda":
+        return GemmBlocks(16, 16, 16, 4, 1, 1)
+    if n <= 2048 or m * n <= 4096 * 4096:
+        return GemmBlocks(128, 128, 64, 8, 8, 4)
+    return GemmBlocks(128, 256, 64, 8, 8, 3)
+
+
+def descriptor_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_programs: int | None = None,
+              blocks: GemmBlocks | None = None, tile_row_offset: int = 0) -> torch.Tensor:
+    """out[M, N] = a[M, K] @ b[K, N] on the current stream with `num_programs` persistent programs."""
+    from kernels.gemm import EPILOGUE_LOCAL, persistent_gemm_kernel
+
+    m, k = a.shape
+    n = b.shape[1]
+    if out.shape != (m, n) or b.shape[0] != k:
+        raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
+    if a.is_cuda:
+        ensure_allocator()
+    blocks = blocks or choose_blocks(m, n, k, device_type=a.device.type)
+    programs = num_programs or num_sms(a.device)
+    persistent_gemm_kernel[(programs,)](
+        a, b, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), tile_row_offset,
+        None, None, None, 0, 0, 1, 0,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptor_ok(a, b, out), B_TRANSPOSED=False,
+        WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    return out
