@@ -63,7 +63,7 @@ WAIT_CHUNKS (the AllGather consumer, "fused" AG+GEMM; normally with EPILOGUE 0, 
 A [M, K] is being gathered while the kernel runs. It is made of owner blocks of ``rows_per_rank`` rows
 (owner ``o`` holds rows ``[o * rows_per_rank, (o + 1) * rows_per_rank)``); each owner block is split into
 ``chunks_per_rank`` chunks of ``rows_per_chunk = cdiv(rows_per_rank, chunks_per_rank)`` rows (the last
-chunk of an owner may be shorter, or even empty, in which case no row maps to it). Row r belongs to
+chunk of an owner may be shorter, or even empty: no row maps to it and its flag is never read). Row r is in
 chunk ``(r // rows_per_rank) * chunks_per_rank + (r % rows_per_rank) // rows_per_chunk``
 (``ag_chunk_index``; ``ag_chunk_rows`` gives a chunk's rows). ``chunk_flags_ptr`` is a LOCAL int32 array
 with one flag per chunk (owner-major: index = owner * chunks_per_rank + chunk of that owner, NOT arrival
@@ -78,14 +78,20 @@ output is then incomplete (C keeps whatever it held: poison it or ignore it) and
 For EPILOGUE 1 a skipped tile also never bumps its tile counter, so neither its flags nor the counters
 are valid afterwards (reset the counters before reusing them after a failure).
 Tile order for the AllGather: pass ``tile_row_offset = ag_tile_row_offset(rank, rows_per_rank, BLOCK_M)``
-(``cdiv(rank * rows_per_rank, BLOCK_M)``): the first row block walked is the first one that starts
-inside the local rows, so the walk is local rows, then owners rank + 1, rank + 2, ... (ring arrival
-order), and the row block straddling owners rank - 1 and rank (it needs rank - 1's last chunk, the last
-to arrive) comes last. ``(rank * rows_per_rank) // BLOCK_M`` also works but, when ``rows_per_rank %
+(``cdiv(rank * rows_per_rank, BLOCK_M)``): the walk starts at the first row block that begins at or after
+the first local row, so it goes local rows, then owners rank + 1, rank + 2, ... (ring arrival order),
+and the row block straddling owners rank - 1 and rank (it needs rank - 1's last chunk, the last to
+arrive) comes last. ``(rank * rows_per_rank) // BLOCK_M`` also works but, when ``rows_per_rank %
 BLOCK_M != 0``, starts on that straddling block, and the programs given its tiles idle until the whole
-gather is done. ``WAIT_CHUNKS`` requires ``WARP_SPECIALIZE=False`` (a warp-specialised partition could
-issue A loads without the wait; static assert). With ``WAIT_CHUNKS=False`` the extra arguments are never
-read and the kernel compiles to the same code as without them.
+gather is done. Local chunks need a flag too (signal them before or with the launch).
+The producer must not need an SM that the GEMM holds: with ``num_programs`` = all SMs a release-store
+kernel queued behind the copies may never be scheduled (the waits then expire); write the flags with a
+stream memory op (``stream_write_value32``) or keep an SM margin.
+``WAIT_CHUNKS`` requires ``WARP_SPECIALIZE=False`` (a warp-specialised partition could issue A loads
+without the wait; static assert). After the waits the kernel issues ``fence.proxy.async.global`` (compiled
+code only) so that the TMA loads of A are ordered after the generic-proxy acquire. With
+``WAIT_CHUNKS=False`` the extra arguments are never read and the kernel compiles to the same code as
+without them (only the kernel's parameter list grows).
 
 Bounded waits (both kernels): ``USE_TIMER=True`` (the default unless the process runs the Triton
 interpreter, where the inline asm cannot run) polls until the flag is ready or ``timeout_ns`` of wall time
@@ -124,6 +130,7 @@ _WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 # %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER.
 TIMER_AVAILABLE = not triton.knobs.runtime.interpret
+_COMPILED = tl.constexpr(TIMER_AVAILABLE)
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -160,7 +167,7 @@ def ag_chunk_rows(chunk_index: int, rows_per_rank: int, chunks_per_rank: int) ->
 
 
 def ag_tile_row_offset(rank: int, rows_per_rank: int, block_m: int) -> int:
-    """tile_row_offset for the AllGather consumer: the first row block that starts in the local rows."""
+    """tile_row_offset for the AllGather consumer: the first row block starting at or after the first local row."""
     return cdiv(rank * rows_per_rank, block_m)
 
 
@@ -203,13 +210,18 @@ def _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row, last_row, rows_per_r
     last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
     ready = tl.load(error_ptr, volatile=True) == 0
     for chunk in range(first_chunk, last_chunk + 1):
-        if ready:
+        # An owner's trailing chunks can be empty (e.g. 9 rows in 4 chunks of 3); nobody needs to signal those.
+        if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
             arrived = _wait_for_flag(chunk_flags_ptr + chunk, chunk_epoch, timeout_ns, USE_TIMER)
             if not arrived:
                 tl.atomic_cas(error_ptr, 0, 1 + chunk, sem="relaxed", scope="gpu")
             ready = arrived
-    # The acquire above ran on one thread: order every thread's (and the TMA's) A loads after it.
+    # The acquire above ran on one thread: order every thread's A loads after it, then (compiled code only)
+    # order this thread's generic-proxy view before its async-proxy (TMA) loads of A.
     tl.debug_barrier()
+    if _COMPILED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     return ready
 
 
@@ -306,7 +318,8 @@ def persistent_gemm_kernel(
                 last_row = tl.minimum(first_row + BLOCK_M, M) - 1
                 col_in_range = (cols < N)[None, :]
                 for store_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
-                    owner_base = tl.multiple_of(tl.load(dst_ptrs + store_owner).to(tl.pointer_type(out_dtype)), 16)
+                    owner_base = tl.multiple_of(
+                        tl.load(dst_ptrs + store_owner).to(tl.pointer_type(out_dtype)), 16)
                     owner_first_row = store_owner * rows_per_rank
                     in_owner = (rows >= owner_first_row) & (rows < owner_first_row + rows_per_rank) & (rows < M)
                     dst_row = (src_rank * rows_per_rank - owner_first_row + rows).to(tl.int64)
@@ -323,25 +336,16 @@ def persistent_gemm_kernel(
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                     for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
                         owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
-                        flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
+                        flag_index = (src_rank * flags_per_source + row_block
+                                      - (flag_owner * rows_per_rank) // BLOCK_M)
                         tl.atomic_xchg(owner_flags + flag_index, epoch, sem="release", scope="sys")
 
 
-@triton.jit
-def _wait_for_flag(flag_ptr, epoch, max_spins):
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    spins = 0
-    while (seen < epoch) & (spins < max_spins):
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
-    return seen >= epoch
-
-
-@triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank"])
+@triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank", "timeout_ns"])
 def reduce_partials_kernel(
     partials_ptr, out_ptr, flags_ptr, error_ptr,
-    rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, max_spins,
-    WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
+    WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
 ):
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -368,7 +372,7 @@ def reduce_partials_kernel(
                 for flag_index in range(first_flag, last_flag + 1):
                     if all_arrived:
                         arrived = _wait_for_flag(flags_ptr + src * flags_per_source + flag_index, epoch,
-                                                 max_spins)
+                                                 timeout_ns, USE_TIMER)
                         if not arrived:
                             tl.atomic_cas(error_ptr, 0, 1 + src)
                         all_arrived = arrived

@@ -22,16 +22,24 @@ On CPU (host pool) the same schedule runs with a thread as the comm stream and t
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from symm_mem import SymmetricPool
+from symm_mem import SignalTimeout, SymmetricPool
 
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
 from .config import OpConfig
 
-__all__ = ["AgGemm", "ag_gemm"]
+__all__ = ["AgGemm", "Chunk", "ag_gemm"]
+
+
+class Chunk(NamedTuple):
+    owner: int        # rank whose shard these rows are
+    first_row: int    # in the gathered a
+    num_rows: int
+    flag_index: int   # owner-major: owner * chunks_per_rank + chunk within the owner
 
 
 class AgGemm:
@@ -57,6 +65,7 @@ class AgGemm:
         self.max_m, self.k, self.n_local, self.dtype = max_m, k, n_local, dtype
         self.device = pool.device
         self.name = name
+        self.timeout_s = pool.timeout_s
         self.gathered = pool.reserve(f"{name}.a", (2, max_m, k), dtype, num_signals=self.world_size)
         self._epoch = 0
         if self.device.type == "cuda":
@@ -103,6 +112,15 @@ class AgGemm:
             self._run_host(a_shard, None, a, None)
         return a
 
+    def check_errors(self) -> None:
+        """Raise SignalTimeout if a bounded wait of the last calls expired (synchronises the device)."""
+        self.pool.check_errors()
+        code = self._fused.error_code() if self._fused is not None else 0
+        if code:
+            per = self.config.chunks_per_rank
+            raise SignalTimeout(region=f"{self.name} chunk flags", index=code - 1, epoch=self._epoch,
+                                observed=-1, timeout_s=self.timeout_s, peer=(code - 1) // per, op=self.name)
+
     def enable_trace(self, on: bool = True) -> None:
         """Record CUDA events on both streams at each call (for k-factors): see `last_trace_ms`."""
         self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on else None
@@ -132,8 +150,8 @@ class AgGemm:
                       "max_m of this op")
 
     # ----- schedule --------------------------------------------------------------------------------------
-    def chunks(self, m: int) -> list[tuple[int, int, int]]:
-        """(owner rank, first row, row count) in arrival order: local rank first, then ring order."""
+    def chunks(self, m: int) -> list[Chunk]:
+        """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
         rows = m // self.world_size
         per = self.config.chunks_per_rank
         rows_per_chunk = -(-rows // per)  # the fused kernel maps a row to its chunk flag the same way
@@ -141,7 +159,8 @@ class AgGemm:
         for step in range(self.world_size):
             owner = (self.rank + step) % self.world_size
             bounds = [owner * rows + min(rows, i * rows_per_chunk) for i in range(per + 1)]
-            out.extend((owner, lo, hi - lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
+            out.extend(Chunk(owner, lo, hi - lo, owner * per + c)
+                       for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
         return out
 
     def _publish(self, a_shard, a) -> None:
@@ -153,8 +172,8 @@ class AgGemm:
             if peer != self.rank:
                 self.pool.signal(f"{self.name}.a", self.rank, self._epoch, rank=peer)
 
-    def _pull(self, chunk, a, *, host: bool) -> None:
-        owner, lo, count = chunk
+    def _pull(self, chunk: Chunk, a, *, host: bool) -> None:
+        owner, lo, count, _ = chunk
         src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % 2, lo:lo + count]
         a[lo:lo + count].copy_(src, non_blocking=not host)
 
@@ -183,7 +202,7 @@ class AgGemm:
 
         thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
         thread.start()
-        for i, (owner, lo, count) in enumerate(chunks):
+        for i, (owner, lo, count, _) in enumerate(chunks):
             ready[i].wait()
             if failure:
                 break
@@ -214,7 +233,7 @@ class AgGemm:
                         waited.add(owner)
                     self._pull(chunk, a, host=False)
                 if self._fused is not None:
-                    self._fused.signal_chunk(i, self._epoch)
+                    self._fused.signal_chunk(chunk.flag_index, self._epoch)
                 else:
                     self._events[i].record(comm)
             if trace:
@@ -222,9 +241,9 @@ class AgGemm:
         if w is None:
             pass
         elif self._fused is not None:
-            self._fused.run(a, w, out, chunks, self._epoch)
+            self._fused.run(a, w, out, self._epoch)
         else:
-            for i, (owner, lo, count) in enumerate(chunks):
+            for i, (owner, lo, count, _) in enumerate(chunks):
                 if owner != self.rank:
                     compute.wait_event(self._events[i])
                 torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])

@@ -106,5 +106,5 @@ def test_chunks_are_local_first_then_ring_order():
         config = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=2)
     chunks = AgGemm.chunks(Fake(), 40)
     assert [c[0] for c in chunks] == [1, 1, 2, 2, 3, 3, 0, 0]
-    assert chunks[:2] == [(1, 10, 5), (1, 15, 5)]
+    assert chunks[:2] == [(1, 10, 5, 2), (1, 15, 5, 3)]
     assert sum(c[2] for c in chunks) == 40

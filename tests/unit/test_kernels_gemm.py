@@ -1,4 +1,5 @@
-"""CPU (Triton interpreter) tests for kernels/gemm.py: local and scatter epilogues, the reduction and its bounded wait."""
+"""CPU (Triton interpreter) tests for kernels/gemm.py: local and scatter epilogues, the AllGather-consumer chunk
+waits (WAIT_CHUNKS), the reduction and the bounded waits (the interpreter polls once: USE_TIMER=False)."""
 
 import os
 
@@ -11,9 +12,17 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
+import triton.language as tl  # noqa: E402
+
 from kernels.gemm import (  # noqa: E402
     EPILOGUE_LOCAL,
     EPILOGUE_SCATTER,
+    TIMER_AVAILABLE,
+    _tile_coordinates,
+    ag_chunk_index,
+    ag_chunk_rows,
+    ag_rows_per_chunk,
+    ag_tile_row_offset,
     cdiv,
     persistent_gemm_kernel,
     reduce_partials_kernel,
@@ -26,6 +35,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 GEMM_REL_TOLERANCE = 1e-2
+# Bound of every flag wait on the GPU (USE_TIMER, the default there); the interpreter polls once.
+TIMEOUT_NS = 2_000_000_000
 
 if DEVICE == "cuda":
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=DEVICE))
@@ -100,7 +111,8 @@ class ScatterWorld:
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=DEVICE)
 
 
-def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, epoch, num_programs, use_descriptors=True):
+def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, epoch, num_programs, use_descriptors=True,
+                     **chunk_wait_args):
     m, k = a.shape
     n = b.shape[1]
     persistent_gemm_kernel[(num_programs,)](
@@ -108,7 +120,7 @@ def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, epoch, num_programs, 
         world.dst_ptrs, world.flag_ptrs, world.tile_counters[src_rank],
         rows_per_rank, src_rank, epoch, world.flags[0].shape[1],
         EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-        **GEMM_BLOCKS)
+        **GEMM_BLOCKS, **chunk_wait_args)
 
 
 def expected_flag_indices(owner, rows_per_rank, block_m):
@@ -170,11 +182,11 @@ def test_scatter_epilogue_pointer_fallback():
         assert (world.flags[owner][1, :used] == 4).all() and (world.flags[owner][0] == 0).all()
 
 
-def run_reduction(partials, out, flags, error, epoch, wait, max_spins=8, owner_rank=1, gemm_block_m=32):
+def run_reduction(partials, out, flags, error, epoch, wait, timeout_ns=TIMEOUT_NS, owner_rank=1, gemm_block_m=32):
     world_size, rows_per_rank, n = partials.shape
     reduce_partials_kernel[(3,)](
         partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, epoch, flags.shape[1],
-        gemm_block_m, owner_rank, max_spins, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
+        gemm_block_m, owner_rank, timeout_ns, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
 
 
 def sequential_fp32_sum(partials):
@@ -208,5 +220,173 @@ def test_reduction_wait_times_out_with_error_code_of_missing_source():
                        device=DEVICE)
     flags[1, 1] = epoch - 1  # source 1 has not finished one row block of this epoch
     error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    run_reduction(partials, out, flags, error, epoch, wait=True, max_spins=4)
+    run_reduction(partials, out, flags, error, epoch, wait=True, timeout_ns=100_000)
     assert error.item() == 1 + 1
+
+
+def test_timer_is_used_exactly_when_not_interpreting():
+    assert TIMER_AVAILABLE == (os.environ.get("TRITON_INTERPRET") != "1")
+
+
+# ----- AllGather consumer: WAIT_CHUNKS ------------------------------------------------------------------------
+
+def test_chunk_geometry_helpers_partition_the_rows_owner_major():
+    for rows_per_rank, chunks_per_rank in [(45, 1), (45, 2), (23, 2), (10, 3), (9, 4), (7, 7)]:
+        world_size = 3
+        per_chunk = ag_rows_per_chunk(rows_per_rank, chunks_per_rank)
+        covered = []
+        for chunk in range(world_size * chunks_per_rank):
+            first, count = ag_chunk_rows(chunk, rows_per_rank, chunks_per_rank)
+            assert 0 <= count <= per_chunk
+            assert all(ag_chunk_index(r, rows_per_rank, chunks_per_rank) == chunk for r in range(first, first + count))
+            covered.extend(range(first, first + count))
+        assert covered == list(range(world_size * rows_per_rank))
+    assert ag_chunk_rows(3, 9, 4) == (9, 0)  # 9 rows in chunks of 3: the owner's last chunk is empty
+    assert ag_chunk_rows(5, 10, 3) == (18, 2)  # owner 1, chunk 2: rows 10 + 8 .. 10 + 9
+    assert ag_tile_row_offset(0, 45, 32) == 0 and ag_tile_row_offset(1, 45, 32) == 2
+    assert ag_tile_row_offset(2, 64, 32) == 4  # aligned owners: the owner's first row block
+
+
+@triton.jit
+def _record_tile_order_kernel(out_ptr, num_tiles, num_row_blocks, num_col_blocks, tile_row_offset,
+                              GROUP_M: tl.constexpr):
+    for tile_id in range(num_tiles):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M)
+        tl.store(out_ptr + 2 * tile_id, row_block)
+        tl.store(out_ptr + 2 * tile_id + 1, col_block)
+
+
+@pytest.mark.parametrize("num_row_blocks,num_col_blocks,group_m,offset", [(7, 3, 2, 3), (9, 2, 4, 5), (5, 4, 8, 2)])
+def test_tile_walk_is_rotated_row_major_by_group(num_row_blocks, num_col_blocks, group_m, offset):
+    num_tiles = num_row_blocks * num_col_blocks
+    order = torch.full((num_tiles, 2), -1, dtype=torch.int32, device=DEVICE)
+    _record_tile_order_kernel[(1,)](order, num_tiles, num_row_blocks, num_col_blocks, offset, GROUP_M=group_m)
+    order = order.cpu().tolist()
+    assert sorted(map(tuple, order)) == [(r, c) for r in range(num_row_blocks) for c in range(num_col_blocks)]
+    # Position of each tile's row block in the rotated walk; it may only run GROUP_M - 1 blocks ahead of
+    # the first tile's block of the group, and groups never go back.
+    rotated = [(row_block - offset) % num_row_blocks for row_block, _ in order]
+    groups = [position // group_m for position in rotated]
+    assert groups == sorted(groups)
+    assert rotated[0] == 0
+
+
+def launch_ag_gemm(a, b, c, chunk_flags, error, *, rows_per_rank, chunks_per_rank, chunk_epoch, rank,
+                   num_programs, use_descriptors=True):
+    m, k = a.shape
+    n = c.shape[1]
+    persistent_gemm_kernel[(num_programs,)](
+        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0),
+        ag_tile_row_offset(rank, rows_per_rank, GEMM_BLOCKS["BLOCK_M"]),
+        None, None, None, rows_per_rank, 0, 1, 0,
+        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
+        chunk_flags_ptr=chunk_flags, chunks_per_rank=chunks_per_rank, chunk_epoch=chunk_epoch, error_ptr=error,
+        timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True, **GEMM_BLOCKS)
+
+
+def ag_inputs(world_size, rows_per_rank, n, k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
+    b = random_matrix(k, n, torch.bfloat16, generator)
+    c = torch.full((world_size * rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    return a, b, c
+
+
+# rows_per_rank is never a multiple of BLOCK_M (32), so row blocks straddle owners and chunks.
+AG_CASES = [  # world_size, rows_per_rank, chunks_per_rank, rank, num_programs
+    (2, 45, 1, 1, 3),
+    (2, 45, 2, 0, 2),
+    (3, 23, 2, 2, 3),
+    (3, 40, 1, 1, 1),
+    (3, 40, 2, 0, 4),
+]
+
+
+@pytest.mark.parametrize("world_size,rows_per_rank,chunks_per_rank,rank,num_programs", AG_CASES)
+def test_ag_consumer_with_ready_chunks_matches_fp32_reference(world_size, rows_per_rank, chunks_per_rank, rank,
+                                                              num_programs):
+    n, k = 40, 48  # tails for 32-wide blocks, and descriptor-friendly strides
+    a, b, c = ag_inputs(world_size, rows_per_rank, n, k, seed=100 * world_size + rows_per_rank + chunks_per_rank)
+    epoch = 7
+    # Ready means >= epoch: some flags are already ahead (a faster producer of the next step is not possible,
+    # but the wait must not demand equality).
+    chunk_flags = torch.tensor([epoch + (i % 2) for i in range(world_size * chunks_per_rank)], dtype=torch.int32,
+                               device=DEVICE)
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
+                   chunk_epoch=epoch, rank=rank, num_programs=num_programs)
+    assert error.item() == 0
+    assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
+
+
+def test_ag_consumer_pointer_fallback_with_unaligned_shapes():
+    world_size, rows_per_rank, chunks_per_rank = 3, 17, 2
+    a, b, c = ag_inputs(world_size, rows_per_rank, n=37, k=45, seed=3)
+    chunk_flags = torch.full((world_size * chunks_per_rank,), 2, dtype=torch.int32, device=DEVICE)
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
+                   chunk_epoch=2, rank=1, num_programs=3, use_descriptors=False)
+    assert error.item() == 0
+    assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
+
+
+def test_ag_consumer_never_waits_for_empty_chunks():
+    # 9 rows per owner in 4 chunks of cdiv(9, 4) = 3 rows: every owner's last chunk holds no row, so a producer
+    # may leave its flag alone.
+    world_size, rows_per_rank, chunks_per_rank = 3, 9, 4
+    a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=21)
+    chunk_flags = torch.full((world_size * chunks_per_rank,), 3, dtype=torch.int32, device=DEVICE)
+    chunk_flags[chunks_per_rank - 1::chunks_per_rank] = 0
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
+                   chunk_epoch=3, rank=2, num_programs=2)
+    assert error.item() == 0
+    assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
+
+
+@pytest.mark.parametrize("world_size,rows_per_rank,chunks_per_rank,stale_chunk", [
+    (2, 45, 2, 3),   # the last chunk of owner 1
+    (3, 23, 2, 2),   # owner 1's first chunk, in a row block shared with owner 0
+    (3, 40, 1, 0),
+])
+def test_ag_consumer_stale_chunk_records_its_error_code(world_size, rows_per_rank, chunks_per_rank, stale_chunk):
+    a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=stale_chunk)
+    epoch = 4
+    chunk_flags = torch.full((world_size * chunks_per_rank,), epoch, dtype=torch.int32, device=DEVICE)
+    chunk_flags[stale_chunk] = epoch - 1
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
+                   chunk_epoch=epoch, rank=1, num_programs=3)
+    assert error.item() == 1 + stale_chunk
+
+
+def test_ag_consumer_does_no_work_once_an_error_is_recorded():
+    world_size, rows_per_rank, chunks_per_rank = 2, 45, 2
+    a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=9)
+    chunk_flags = torch.full((world_size * chunks_per_rank,), 1, dtype=torch.int32, device=DEVICE)
+    error = torch.full((1,), 77, dtype=torch.int32, device=DEVICE)  # e.g. an earlier wait of this step failed
+    launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
+                   chunk_epoch=1, rank=0, num_programs=2)
+    assert error.item() == 77, "the first recorded failure must win"
+    assert torch.isnan(c).all(), "a program computed a tile after the error word was set"
+
+
+def test_chunk_waits_also_work_with_the_scatter_epilogue():
+    generator = torch.Generator().manual_seed(13)
+    world_size, rows_per_rank, n, k = 3, 23, 40, 48
+    world = ScatterWorld(world_size, rows_per_rank, n, scatter_flags_per_source(rows_per_rank, 32),
+                         cdiv(world_size * rows_per_rank, 32))
+    a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
+    b = random_matrix(k, n, torch.bfloat16, generator)
+    chunk_flags = torch.full((world_size * 2,), 5, dtype=torch.int32, device=DEVICE)
+    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    run_scatter_gemm(world, a, b, src_rank=2, rows_per_rank=rows_per_rank, epoch=6, num_programs=2,
+                     chunk_flags_ptr=chunk_flags, chunks_per_rank=2, chunk_epoch=5, error_ptr=error,
+                     timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True)
+    assert error.item() == 0
+    product = a.float() @ b.float()
+    for owner in range(world_size):
+        expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
+        assert relative_error(world.partials[owner][2], expected) <= GEMM_REL_TOLERANCE
+        used = expected_flag_indices(owner, rows_per_rank, 32)
+        assert (world.flags[owner][2, :used] == 6).all()

@@ -1,0 +1,166 @@
+"""Correctness smoke of every CUDA code path with 2 processes sharing ONE GPU (gloo between them).
+
+For a machine with a single GPU: no NCCL (it refuses two ranks on one device), so references are built
+from CPU copies exchanged with gloo. Timing means nothing here (the two contexts time-slice the GPU).
+Run: python -m tests.gpu.smoke_one_gpu  (prints one line per check, exits non-zero on failure)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+
+
+def _gather_cpu(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.cpu())
+    return out
+
+
+def _rel(out, ref) -> float:
+    return ((out.double().cpu() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _checks(rank, world):
+    from ipc import IpcPool
+    from overlap.ag_gemm import AgGemm
+    from overlap.config import OpConfig
+    from overlap.gemm_rs import GemmRs
+    from overlap.triton_gemm import triton_mm
+    from symm_mem import SignalTimeout, SymmetricPool
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    group = dist.group.WORLD
+    report = []
+
+    def check(name, fn):
+        try:
+            report.append(f"{name}: {fn()}")
+        except Exception as exc:
+            report.append(f"{name}: FAIL {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+
+    def triton_alone():
+        gen = torch.Generator().manual_seed(5)
+        a = torch.randn(1000, 264, generator=gen).bfloat16().to(dev)
+        b = torch.randn(264, 520, generator=gen).bfloat16().to(dev)
+        out = torch.full((1000, 520), float("nan"), dtype=torch.bfloat16, device=dev)
+        triton_mm(a, b, out, num_programs=100)
+        err = _rel(out, a.double().cpu() @ b.double().cpu())
+        assert err < 1e-2, err
+        return f"ok rel={err:.2e}"
+
+    check("triton_mm", triton_alone)
+
+    pool = SymmetricPool(256 << 20, group=group, backend="torch", device=dev)
+
+    def pool_flags():
+        x = pool.reserve("x", (300, 77), torch.bfloat16, num_signals=world)
+        for step in range(1, 6):
+            payload = torch.randn(300, 77, generator=torch.Generator().manual_seed(step * 10 + rank))
+            pool.peer("x", 1 - rank).copy_(payload.bfloat16().to(dev))
+            pool.signal("x", rank, step, rank=1 - rank)
+            pool.wait("x", 1 - rank, step, timeout_s=20)
+            torch.cuda.synchronize()
+            pool.check_errors()
+            want = torch.randn(300, 77, generator=torch.Generator().manual_seed(step * 10 + 1 - rank)).bfloat16()
+            assert torch.equal(x.cpu(), want), f"step {step}"
+            pool.barrier()
+            torch.cuda.synchronize()
+        return "ok"
+
+    check("pool signal/wait", pool_flags)
+
+    def wait_timeout():
+        pool.reserve("t", (4,), torch.float32, num_signals=1)
+        pool.wait("t", 0, 99, timeout_s=0.2)
+        torch.cuda.synchronize()
+        try:
+            pool.check_errors()
+        except SignalTimeout as exc:
+            return f"ok ({exc})"
+        raise AssertionError("no timeout reported")
+
+    check("device wait timeout", wait_timeout)
+
+    def ipc():
+        t = torch.randn(999, device=dev)
+        with IpcPool(group=group) as p:
+            p.exchange({"t": t})
+            peer = p.peer("t", 1 - rank).cpu()
+            assert torch.equal(peer, _gather_cpu(t)[1 - rank])
+            dist.barrier()
+            return f"ok opened={p.stats().opened}"
+
+    check("ipc", ipc)
+
+    for method, chunks in (("decomposed", 1), ("decomposed", 3), ("fused", 1), ("fused", 2)):
+        def ag(method=method, chunks=chunks):
+            m, k, n = 2 * 333, 200, 136
+            op = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
+                        config=OpConfig(op="ag_gemm", method=method, chunks_per_rank=chunks),
+                        name=f"ag_{method}_{chunks}")
+            errs = []
+            for step in range(3):
+                gen = torch.Generator().manual_seed(100 * step + rank)
+                a_shard = torch.randn(m // world, k, generator=gen).bfloat16().to(dev)
+                w = torch.randn(k, n, generator=torch.Generator().manual_seed(7 + step)).bfloat16().to(dev)
+                out, a = op(a_shard, w, return_gathered=True)
+                torch.cuda.synchronize()
+                full = torch.cat(_gather_cpu(a_shard))
+                assert torch.equal(a.cpu(), full), "gathered a not bit-exact"
+                errs.append(_rel(out, full.double() @ w.double().cpu()))
+                pool.check_errors()
+                dist.barrier()
+            assert max(errs) < 1e-2, errs
+            return f"ok rel={max(errs):.2e}"
+        check(f"ag_gemm {method} chunks={chunks}", ag)
+
+    for method, margin in (("decomposed", 8), ("fused", 16), ("fused", 0)):
+        def rs(method=method, margin=margin):
+            m, k, n = 2 * 300, 264, 520
+            op = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.bfloat16,
+                        config=OpConfig(op="gemm_rs", method=method, sm_margin=margin, num_comm_sms=max(8, margin)),
+                        name=f"rs_{method}_{margin}", timeout_s=20)
+            errs = []
+            for step in range(3):
+                gen = torch.Generator().manual_seed(200 * step + rank)
+                a = torch.randn(m, k, generator=gen).bfloat16().to(dev)
+                w = torch.randn(k, n, generator=gen).bfloat16().to(dev)
+                out = op(a, w)
+                torch.cuda.synchronize()
+                op.check_errors()
+                parts = _gather_cpu(torch.mm(a.float(), w.float()))
+                ref = sum(p.double() for p in parts)[rank * (m // world):(rank + 1) * (m // world)]
+                errs.append(_rel(out, ref))
+                dist.barrier()
+            assert max(errs) < 1e-2, errs
+            return f"ok rel={max(errs):.2e}"
+        check(f"gemm_rs {method} margin={margin}", rs)
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    pool.close()
+    return report
+
+
+def main() -> int:
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1"})
+    reports = run_ranks(_checks, 2, backend="gloo", timeout_s=500)
+    failed = False
+    for rank, report in enumerate(reports):
+        for line in report:
+            print(f"rank {rank} | {line}")
+            failed |= ": FAIL" in line
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
