@@ -1,0 +1,82 @@
+"""The persistent Triton GEMM alone (local epilogue, all SMs) against cuBLAS on every local GEMM of the
+AG and RS shape tables at a given TP size: it bounds everything the fused ops can reach.
+
+    python -m launch.gemm_bench --tp 2 [--m 1024,4096,16384] [--out results/gemm_<gpu>_tp2.json]
+
+Single process, one GPU. Each Triton block configuration is timed interleaved with cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from overlap.report import device_slug, format_table, write_results
+from overlap.shapes import M_VALUES, ag_points, rs_points
+from overlap.timing import bench_interleaved, progress
+from overlap.triton_gemm import GemmBlocks, choose_blocks, num_sms, triton_mm
+
+CANDIDATES = {
+    "128x256x64w8s3": GemmBlocks(128, 256, 64, 8, 8, 3),
+    "128x128x64w8s4": GemmBlocks(128, 128, 64, 8, 8, 4),
+    "128x128x64w4s4": GemmBlocks(128, 128, 64, 8, 4, 4),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.gemm_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--m", type=lambda s: tuple(int(x) for x in s.split(",")), default=M_VALUES)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("launch.gemm_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", 0)
+    points = ag_points(args.tp, ms=args.m) + rs_points(args.tp, ms=args.m)
+    rows = []
+    for i, pt in enumerate(points):
+        gen = torch.Generator().manual_seed(i)
+        a = torch.randn(pt.m, pt.k, generator=gen).bfloat16().to(dev)
+        b = (torch.randn(pt.k, pt.n, generator=gen) / pt.k ** 0.5).bfloat16().to(dev)
+        ref = torch.mm(a, b)
+        outs = {name: torch.full_like(ref, float("nan")) for name in CANDIDATES}
+        for name, blocks in CANDIDATES.items():
+            triton_mm(a, b, outs[name], blocks=blocks)
+            err = ((outs[name].float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err < 1e-2:
+                raise RuntimeError(f"{pt.layer} M={pt.m} {name}: relative error {err:.3g} vs cuBLAS")
+        out_c = torch.empty_like(ref)
+        variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
+        variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
+                         for name, blk in CANDIDATES.items()})
+        stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps)
+        best = min(CANDIDATES, key=lambda n: stats[n].median_ms)
+        heuristic = next(n for n, blk in CANDIDATES.items() if blk == choose_blocks(pt.m, pt.n, pt.k))
+        flops = 2 * pt.m * pt.n * pt.k
+        row = {"layer": pt.layer, "op": pt.op, "M": pt.m, "K": pt.k, "N": pt.n,
+               "t_cublas_ms": stats["cublas"].median_ms, "t_triton_best_ms": stats[best].median_ms,
+               "best_blocks": best, "heuristic_blocks": heuristic,
+               "t_triton_heuristic_ms": stats[heuristic].median_ms,
+               "triton_over_cublas": stats["cublas"].median_ms / stats[best].median_ms,
+               "heuristic_over_cublas": stats["cublas"].median_ms / stats[heuristic].median_ms,
+               "tflops_cublas": flops / stats["cublas"].median_ms / 1e9,
+               "tflops_triton": flops / stats[best].median_ms / 1e9, "num_sms": num_sms(dev)}
+        for name, s in stats.items():
+            row.update(s.as_dict(f"{name}_"))
+        rows.append(row)
+        progress(f"gemm {i + 1}/{len(points)} {pt.layer} M={pt.m}: cuBLAS {row['t_cublas_ms']:.3f} ms, "
+                 f"triton {row['t_triton_best_ms']:.3f} ms ({best})")
+    out = args.out or f"results/gemm_{device_slug(torch.cuda.get_device_name(dev))}_tp{args.tp}.json"
+    write_results(out, rows, device=torch.cuda.get_device_name(dev), tp=args.tp, extra={"op": "gemm"})
+    print(format_table(rows, ["layer", "op", "M", "K", "N", "t_cublas_ms", "t_triton_best_ms", "best_blocks",
+                              "triton_over_cublas", "heuristic_over_cublas"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
