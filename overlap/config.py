@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["OpConfig", "OpBucket", "OpPreset", "NodeConfig", "OverlapConfig", "ConfigError", "OPS",
+__all__ = ["OpConfig", "OpBucket", "OpPreset", "NodeConfig", "ModelConfig", "MODELS", "OverlapConfig", "ConfigError", "OPS",
            "METHODS", "load_config", "parse_config", "to_dict", "preset_path", "load_preset", "dump_config", "gpu_slug"]
 
 OPS = ("ag_gemm", "gemm_rs")
@@ -28,7 +28,7 @@ STREAM_PRIORITY_RANGE = (-5, 0)  # CUDA: lower is higher priority
 
 class ConfigError(ValueError):
     def __init__(self, message: str, *, file: str = "<dict>", key: str = "", value=None, allowed: str = ""):
-        self.file, self.key, self.value, self.allowed = file, key, value, allowed
+        self.file, self.key, self.value, self.allowed, self.detail = file, key, value, allowed, message
         super().__init__(f"{file}: {key}: {message}" if key else f"{file}: {message}")
 
 
@@ -99,11 +99,41 @@ class NodeConfig:
     pool_bytes: int
 
 
+MODELS = {  # Llama-style MLP dims: hidden size and FFN size (gate and up are each ffn_hidden wide)
+    "llama8b": {"hidden": 4096, "ffn_hidden": 14336},
+    "llama70b": {"hidden": 8192, "ffn_hidden": 28672},
+    "tiny": {"hidden": 64, "ffn_hidden": 176},
+}
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The TP MLP to build: `name` picks dims from MODELS unless hidden/ffn_hidden are given."""
+    name: str
+    hidden: int
+    ffn_hidden: int
+    activation: str = "swiglu"
+
+    def __post_init__(self):
+        _int_in("model.hidden", self.hidden, 1, 1 << 20)
+        _int_in("model.ffn_hidden", self.ffn_hidden, 1, 1 << 22)
+        if self.activation not in ACTIVATIONS:
+            raise _bad("model.activation", self.activation, " | ".join(ACTIVATIONS))
+
+    @classmethod
+    def named(cls, name: str, activation: str = "swiglu") -> "ModelConfig":
+        if name not in MODELS:
+            raise _bad("model.name", name, " | ".join(MODELS))
+        return cls(name=name, activation=activation, **MODELS[name])
+
+
 @dataclass(frozen=True, kw_only=True)
 class OverlapConfig:
     node: NodeConfig
     ag_gemm: OpPreset
     gemm_rs: OpPreset
+    model: ModelConfig | None = None
     source: str = "<dict>"
 
     def op_config(self, op: str, m: int) -> OpConfig:
@@ -180,8 +210,24 @@ def _make_op(op, fields, num_sms, file, key) -> OpConfig:
     return OpConfig(op=op, **fields)
 
 
+def _parse_model(raw, file) -> ModelConfig:
+    _check_keys(raw, {"name", "hidden", "ffn_hidden", "activation"}, "model", file)
+    if "name" not in raw or not isinstance(raw["name"], str):
+        raise _bad("model.name", raw.get("name"), "a string (a MODELS name, or any name with hidden and "
+                   "ffn_hidden given)", file)
+    fields = dict(MODELS.get(raw["name"], {}))
+    fields.update({k: v for k, v in raw.items() if k != "name"})
+    if "hidden" not in fields or "ffn_hidden" not in fields:
+        raise _bad("model.name", raw["name"], f"one of {', '.join(MODELS)} or give hidden and ffn_hidden", file)
+    try:
+        return ModelConfig(name=raw["name"], **fields)
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=file, key=exc.key, value=exc.value,
+                          allowed=exc.allowed) from None
+
+
 def parse_config(raw, *, file: str = "<dict>") -> OverlapConfig:
-    _check_keys(raw, {"node", "ops"}, "", file)
+    _check_keys(raw, {"node", "ops", "model"}, "", file)
     if "node" not in raw or "ops" not in raw:
         raise ConfigError("a preset needs the sections 'node' and 'ops'", file=file)
     node = _parse_node(raw["node"], file)
@@ -190,7 +236,8 @@ def parse_config(raw, *, file: str = "<dict>") -> OverlapConfig:
     if missing:
         raise ConfigError(f"missing op sections {missing}", file=file, key="ops")
     ops = {op: _parse_op(op, raw["ops"][op], node.num_sms, file) for op in OPS}
-    return OverlapConfig(node=node, source=file, **ops)
+    model = _parse_model(raw["model"], file) if raw.get("model") is not None else None
+    return OverlapConfig(node=node, model=model, source=file, **ops)
 
 
 def load_config(path: str | Path) -> OverlapConfig:
@@ -251,7 +298,10 @@ def to_dict(cfg: OverlapConfig) -> dict:
         if preset.by_m:
             entry["by_m"] = [{"m_max": b.m_max, **_op_dict(b.config, preset.default)} for b in preset.by_m]
         ops[op] = entry
-    return {"node": dataclasses.asdict(cfg.node), "ops": ops}
+    out = {"node": dataclasses.asdict(cfg.node), "ops": ops}
+    if cfg.model is not None:
+        out["model"] = dataclasses.asdict(cfg.model)
+    return out
 
 
 def dump_config(cfg: OverlapConfig, path: str | Path, *, header: str = "") -> None:

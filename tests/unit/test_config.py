@@ -133,3 +133,20 @@ def test_op_config_is_frozen_keyword_only_and_validated():
         OpConfig(op="gemm_rs", method="fused", sm_margin=-3)
     with pytest.raises(ConfigError, match="sm_margin: got 132; allowed: an int with 0 <= x <= 131"):
         cfg.__class__(op="gemm_rs", method="fused", sm_margin=132).validate(num_sms=132)
+
+
+def test_model_section_parses_validates_and_round_trips(tmp_path):
+    from overlap.config import ModelConfig
+    raw = _base()
+    raw["model"] = {"name": "llama8b", "activation": "gelu"}
+    cfg = parse_config(raw, file="m.yaml")
+    assert cfg.model == ModelConfig(name="llama8b", hidden=4096, ffn_hidden=14336, activation="gelu")
+    out = tmp_path / "m.yaml"
+    dump_config(cfg, out)
+    assert load_config(out).model == cfg.model
+    raw["model"] = {"name": "mine", "hidden": 128}
+    with pytest.raises(ConfigError, match="model.name: got 'mine'"):
+        parse_config(raw, file="m.yaml")
+    raw["model"] = {"name": "llama8b", "activation": "relu"}
+    with pytest.raises(ConfigError, match=r"m.yaml: model.activation: got 'relu'; allowed: swiglu \| gelu"):
+        parse_config(raw, file="m.yaml")
