@@ -28,15 +28,20 @@ def signal_kernel(flag_ptr, epoch):
 
 @triton.jit
 def wait_kernel(flag_ptr, epoch, error_ptr, error_code, timeout_ns, USE_TIMER: tl.constexpr):
+    # error_ptr -> [code, expected epoch, abort]; a nonzero abort word (another rank gave up) ends the
+    # wait at once, recorded with code -1.
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    abort = tl.load(error_ptr + 2, volatile=True)
     if USE_TIMER:
         start = read_globaltimer()
         now = start
-        while (seen < epoch) & (now - start < timeout_ns):
+        while (seen < epoch) & (now - start < timeout_ns) & (abort == 0):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            abort = tl.load(error_ptr + 2, volatile=True)
             now = read_globaltimer()
     if seen < epoch:
-        old = tl.atomic_cas(error_ptr, 0, error_code, sem="relaxed", scope="gpu")
+        code = tl.where(abort != 0, -1, error_code)
+        old = tl.atomic_cas(error_ptr, 0, code, sem="relaxed", scope="gpu")
         if old == 0:
             tl.store(error_ptr + 1, epoch)
 
@@ -50,7 +55,8 @@ def launch_wait(flag: torch.Tensor, epoch: int, error_words: torch.Tensor, *, er
                 timeout_ns: int) -> None:
     """Enqueue on the current stream a wait for flag[0] >= epoch, at most `timeout_ns`.
 
-    `error_words` is an int32 tensor of 2 words: [code, expected epoch], written only on expiry.
+    `error_words` is an int32 tensor of 3 words: [code, expected epoch, abort]; code and epoch are written
+    only on expiry (code -1 when the abort word ended the wait).
     """
     wait_kernel[(1,)](flag, epoch, error_words, error_code, timeout_ns, USE_TIMER=flag.is_cuda)
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from symm_mem import SignalTimeout, SymmetricPool
 
+from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
 from .config import OpConfig
 
@@ -75,6 +76,7 @@ class AgGemm:
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
         self._fused = None
         self._trace = None
+        self._guard = CallGuard(name, self.device)
         if config.method == "fused" and self.device.type == "cuda":
             from ._ag_gemm_fused import FusedAgConsumer
             self._fused = FusedAgConsumer(self)
@@ -90,13 +92,14 @@ class AgGemm:
         """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local]."""
         self._validate(a_shard, w)
         m = a_shard.shape[0] * self.world_size
-        self._epoch += 1
-        a = self.gathered[self._epoch % 2, :m]
-        out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda":
-            self._run_cuda(a_shard, w, a, out)
-        else:
-            self._run_host(a_shard, w, a, out)
+        with self._guard:
+            self._epoch += 1
+            a = self.gathered[self._epoch % 2, :m]
+            out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
+            if self.device.type == "cuda":
+                self._run_cuda(a_shard, w, a, out)
+            else:
+                self._run_host(a_shard, w, a, out)
         return (out, a) if return_gathered else out
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
@@ -104,12 +107,13 @@ class AgGemm:
         The "comm solo" of the k-factor and the benchmarks."""
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         self._check_m(a_shard.shape[0] * self.world_size)
-        self._epoch += 1
-        a = self.gathered[self._epoch % 2, :a_shard.shape[0] * self.world_size]
-        if self.device.type == "cuda":
-            self._run_cuda(a_shard, None, a, None)
-        else:
-            self._run_host(a_shard, None, a, None)
+        with self._guard:
+            self._epoch += 1
+            a = self.gathered[self._epoch % 2, :a_shard.shape[0] * self.world_size]
+            if self.device.type == "cuda":
+                self._run_cuda(a_shard, None, a, None)
+            else:
+                self._run_host(a_shard, None, a, None)
         return a
 
     def check_errors(self) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from symm_mem import SignalTimeout, SymmetricPool
 
+from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
 from .config import OpConfig
 
@@ -67,6 +68,7 @@ class GemmRs:
         self.partials = pool.reserve(f"{name}.partials", (2, self._slot_elems), dtype,
                                      num_signals=self.world_size * self.flags_per_source)
         self._epoch = 0
+        self._guard = CallGuard(name, self.device)
         if self.device.type == "cuda":
             self._setup_cuda()
 
@@ -90,14 +92,15 @@ class GemmRs:
         """out_shard [M/W, N] for a [M, K_local], w [K_local, N]."""
         self._validate(a, w)
         m = a.shape[0]
-        self._epoch += 1
-        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            self._run_host(a, w, out)
-        elif self.config.method == "fused":
-            self._run_fused(a, w, out)
-        else:
-            self._run_decomposed(a, w, out)
+        with self._guard:
+            self._epoch += 1
+            out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
+            if self.device.type == "cpu":
+                self._run_host(a, w, out)
+            elif self.config.method == "fused":
+                self._run_fused(a, w, out)
+            else:
+                self._run_decomposed(a, w, out)
         return out
 
     def check_errors(self) -> None:

@@ -1,7 +1,8 @@
 """Persistent symmetric memory: one allocation per rank, exchanged once, named regions and epoch flags."""
 
-from .errors import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout
+from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
+                     SignalTimeout)
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
-           "SignalTimeout", "live_pool_count"]
+           "SignalTimeout", "PeerLostError", "PeerAbortError", "live_pool_count"]

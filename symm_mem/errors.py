@@ -1,6 +1,7 @@
 """Exceptions raised by the pools (symmetric memory and IPC)."""
 
-__all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "SignalTimeout"]
+__all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "SignalTimeout", "PeerLostError",
+           "PeerAbortError", "ABORT_REASONS"]
 
 
 class PoolError(RuntimeError):
@@ -39,3 +40,23 @@ class SignalTimeout(TimeoutError):
             f"{what}timed out after {timeout_s:.3g} s waiting{who} for flag {region}[{index}] >= {epoch} "
             f"(last value {observed})"
         )
+
+
+ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted"}
+
+
+class PeerLostError(RuntimeError):
+    """A peer rank's process is gone (killed or crashed) while this rank depended on it."""
+
+    def __init__(self, rank: int, pid: int, *, waiting_for: str = ""):
+        self.rank, self.pid = rank, pid
+        what = f" while waiting for {waiting_for}" if waiting_for else ""
+        super().__init__(f"lost rank {rank} (pid {pid}): its process exited{what}")
+
+
+class PeerAbortError(RuntimeError):
+    """Another rank of the group gave up (timeout, lost peer) and told every rank to stop."""
+
+    def __init__(self, rank: int, reason: int):
+        self.rank, self.reason = rank, reason
+        super().__init__(f"rank {rank} aborted the group: {ABORT_REASONS.get(reason, f'reason {reason}')}")

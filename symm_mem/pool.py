@@ -13,19 +13,24 @@ creation, before the creation barrier.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .errors import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout
+from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
+                     SignalTimeout)
+from .liveness import process_alive
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "live_pool_count"]
 
 ALIGN_BYTES = 256
-ERROR_WORD = 0
+ERROR_WORD = 0        # device waits: [code, expected epoch] of the first wait that expired
+ABORT_WORD = 2        # (aborting rank + 1) | reason << 8, written into every rank by `abort()`
 FIRST_FLAG_WORD = 16  # words 0..15 are reserved for error reporting
+LIVENESS_PERIOD_S = 0.05
 BACKENDS = ("auto", "torch", "nvshmem", "host")
 
 _live_pools = 0
@@ -104,6 +109,9 @@ class SymmetricPool:
         total = self.arena_bytes + 4 * num_signal_words
         self._backend = self._make_backend(total)
         self.rank, self.world_size = self._backend.rank, self._backend.world_size
+        pids: list = [None] * self.world_size
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        self.peer_pids: tuple[int, ...] = tuple(pids)
         self._regions: dict[str, Region] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         self._flag_views: dict[tuple[str, int], torch.Tensor] = {}
@@ -261,28 +269,67 @@ class SymmetricPool:
         if self.device.type == "cuda":
             from kernels.flags import launch_wait
             word = self.region(name).first_flag_word + index
-            launch_wait(flag, epoch, self._signal_words(self.rank)[ERROR_WORD:ERROR_WORD + 2],
+            launch_wait(flag, epoch, self._signal_words(self.rank)[ERROR_WORD:ABORT_WORD + 1],
                         error_code=word, timeout_ns=int(timeout_s * 1e9))
             return
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        next_check = start + LIVENESS_PERIOD_S
         pause = 1e-6
         while (seen := int(flag[0])) < epoch:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + LIVENESS_PERIOD_S
+                self._raise_if_aborted_or_lost(peer, f"flag {name}[{index}] >= {epoch}")
+            if now - start > timeout_s:
+                self.abort(1)
                 raise SignalTimeout(region=name, index=index, epoch=epoch, observed=seen,
                                     timeout_s=timeout_s, peer=peer, op=op)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _raise_if_aborted_or_lost(self, peer: int | None, waiting_for: str) -> None:
+        code = int(self._signal_words(self.rank)[ABORT_WORD].item())
+        if code:
+            raise PeerAbortError((code & 0xFF) - 1, code >> 8)
+        for r in ([peer] if peer is not None else range(self.world_size)):
+            if r != self.rank and not process_alive(self.peer_pids[r]):
+                self.abort(2)
+                raise PeerLostError(r, self.peer_pids[r], waiting_for=waiting_for)
+
+    def lost_peers(self) -> list[int]:
+        """Ranks of the group whose process has exited."""
+        return [r for r, pid in enumerate(self.peer_pids) if r != self.rank and not process_alive(pid)]
+
+    def abort(self, reason: int = 3) -> None:
+        """Tell every rank of the group (that is still alive) to stop: their waits raise PeerAbortError.
+
+        Called by a rank that gave up (a wait timed out, a peer was lost), so that no rank is left waiting
+        for a step that will never come. Only the first abort is kept.
+        """
+        if self._closed:
+            return
+        code = torch.tensor([(self.rank + 1) | (reason << 8)], dtype=torch.int32)
+        for r in range(self.world_size):
+            if r != self.rank and not process_alive(self.peer_pids[r]):
+                continue
+            word = self._signal_words(r)[ABORT_WORD:ABORT_WORD + 1]
+            if int(word.item()) == 0:
+                word.copy_(code.to(word.device))
+        self._sync_device()
 
     def check_errors(self) -> None:
         """Raise SignalTimeout if a device-side wait of this rank expired (synchronises the device)."""
         self._check_open()
         if self.device.type != "cuda":
             return
-        words = self._signal_words(self.rank)[ERROR_WORD:ERROR_WORD + 2]
-        code, epoch = (int(v) for v in words.tolist())
-        if code == 0:
+        words = self._signal_words(self.rank)[ERROR_WORD:ABORT_WORD + 1]
+        code, epoch, abort = (int(v) for v in words.tolist())
+        if code == 0 and abort == 0:
             return
-        words.zero_()
+        if code == 0 or code == -1:
+            self._raise_if_aborted_or_lost(None, "a device-side wait")
+        words[:2].zero_()
+        self.abort(1)
         for region in self._regions.values():
             if region.first_flag_word <= code < region.first_flag_word + region.num_signals:
                 index = code - region.first_flag_word

@@ -11,18 +11,25 @@ from kernels.flags import launch_signal, launch_wait  # noqa: E402
 
 def test_signal_writes_epoch_and_wait_passes_when_flag_is_set():
     flag = torch.zeros(1, dtype=torch.int32)
-    errors = torch.zeros(2, dtype=torch.int32)
+    errors = torch.zeros(3, dtype=torch.int32)
     launch_signal(flag, 5)
     assert int(flag) == 5
     launch_wait(flag, 5, errors, error_code=17, timeout_ns=1000)
     launch_wait(flag, 3, errors, error_code=17, timeout_ns=1000)  # older epochs are satisfied too
-    assert errors.tolist() == [0, 0]
+    assert errors.tolist() == [0, 0, 0]
 
 
 def test_expired_wait_records_code_and_epoch_first_writer_wins():
     flag = torch.full((1,), 4, dtype=torch.int32)
-    errors = torch.zeros(2, dtype=torch.int32)
+    errors = torch.zeros(3, dtype=torch.int32)
     launch_wait(flag, 6, errors, error_code=21, timeout_ns=0)
-    assert errors.tolist() == [21, 6]
+    assert errors.tolist() == [21, 6, 0]
     launch_wait(flag, 9, errors, error_code=33, timeout_ns=0)
-    assert errors.tolist() == [21, 6]
+    assert errors.tolist() == [21, 6, 0]
+
+
+def test_abort_word_ends_a_wait_with_code_minus_one():
+    flag = torch.zeros(1, dtype=torch.int32)
+    errors = torch.tensor([0, 0, 5], dtype=torch.int32)
+    launch_wait(flag, 2, errors, error_code=40, timeout_ns=10**9)
+    assert errors.tolist() == [-1, 2, 5]
