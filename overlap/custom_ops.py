@@ -1,0 +1,252 @@
+"""The TP linear layers as `torch.library` custom ops with fake impls and autograd formulas.
+
+Four ops (namespace `tp_overlap`), each taking an int `layer_id` that names a `LayerOps` in a process-local
+registry (op contexts hold pools and streams, which cannot be op arguments):
+
+    column_forward(x [M/W, H], w [H, L], id)            -> y [M, L], gathered [M, H], stamp (int64 CPU scalar)
+    column_backward(dy [M, L], gathered, stamp, w, id)  -> dx [M/W, H] = RS(dy @ w^T), dw [H, L] = gathered^T @ dy
+    row_forward(x [M, L], w [L, H], id)                  -> y [M/W, H] = RS(x @ w)
+    row_backward(dy [M/W, H], x, w, id)                  -> dx [M, L] = AG(dy) @ w^T, dw [L, H] = x^T @ AG(dy)
+
+`H` is the model width (sequence-sharded side), `L` the rank-local width. Each layer owns one AllGather+GEMM
+and one GEMM+ReduceScatter: column = AG in forward, RS in backward; row = RS in forward, AG in backward.
+The ops are opaque to torch.compile (fake impls give shapes), so `torch.compile(..., fullgraph=True)` works,
+and their outputs are valid on the caller's current stream when they return (CUDA), or at once (CPU).
+
+Saved gathered input (column layers): `save_gathered="view"` keeps the AgGemm pool view (no copy). It
+stays valid until the op's second-next call, i.e. two forwards may be pending before their backwards (the
+double buffer); `stamp` carries the forward's epoch so a backward that finds its input overwritten raises
+instead of producing wrong gradients. `save_gathered="copy"` clones it (one [M, H] copy per forward) for
+schedules with more pending forwards (pipeline micro-batches, recompute).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ._validate import OpInputError
+from .reference import ag_gemm_reference, gemm_rs_reference
+
+__all__ = ["LayerOps", "OverlapLayerOps", "NcclLayerOps", "TorchSymmLayerOps", "register_layer_ops",
+           "unregister_layer_ops", "get_layer_ops", "SAVE_GATHERED"]
+
+SAVE_GATHERED = ("view", "copy")
+_REGISTRY: dict[int, "LayerOps"] = {}
+_NEXT_ID = itertools.count(1)
+
+
+class LayerOps:
+    """The two communicating GEMMs of one layer on one backend; subclasses implement `ag_gemm`/`gemm_rs`.
+
+    ag_gemm(x [M/W, H], w [H, L]) -> (out [M, L], gathered x [M, H], epoch);  gemm_rs(a [M, L], w [L, H]).
+    """
+    world_size: int
+
+    def ag_gemm(self, x, w, *, keep: bool):
+        raise NotImplementedError
+
+    def gemm_rs(self, a, w):
+        raise NotImplementedError
+
+    def transpose(self, w: torch.Tensor) -> torch.Tensor:
+        """w^T as the backend's GEMM wants it (a view for cuBLAS-based backends)."""
+        return w.t()
+
+    def check_saved(self, epoch: int, layer: str) -> None:
+        """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
+
+    def close(self) -> None:
+        pass
+
+
+class OverlapLayerOps(LayerOps):
+    """Our AgGemm + GemmRs contexts (pool regions `<ag_name>.a`, `<rs_name>.partials`)."""
+
+    def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
+                 ag_name: str, rs_name: str, save_gathered: str = "view"):
+        from .ag_gemm import AgGemm
+        from .gemm_rs import GemmRs
+
+        if save_gathered not in SAVE_GATHERED:
+            raise OpInputError(f"save_gathered={save_gathered!r}; allowed: {' | '.join(SAVE_GATHERED)}")
+        self.world_size = dist.get_world_size(group)
+        self.save_gathered = save_gathered
+        self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
+                         config=config.op_config("ag_gemm", max_m), name=ag_name)
+        self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
+                         config=config.op_config("gemm_rs", max_m), name=rs_name)
+
+    def ag_gemm(self, x, w, *, keep: bool):
+        out, gathered = self.ag(x, w, return_gathered=True)
+        if keep and self.save_gathered == "copy":
+            gathered = gathered.clone()
+        return out, gathered, self.ag._epoch
+
+    def gemm_rs(self, a, w):
+        return self.rs(a, w)
+
+    def transpose(self, w):
+        # the ops take row-major [K, N] only: one weight-sized copy per backward (see the report)
+        return w.t().contiguous()
+
+    def check_saved(self, epoch: int, layer: str) -> None:
+        if self.save_gathered == "view" and self.ag._epoch - epoch >= 2:
+            raise OpInputError(
+                f"{layer}: the gathered input saved by a forward was overwritten by {self.ag._epoch - epoch} "
+                f"later forwards before its backward ran (the pool keeps 2); build the layer with "
+                f"save_gathered='copy' for schedules with more than 2 forwards pending")
+
+    def check_errors(self) -> None:
+        self.ag.check_errors()
+        self.rs.check_errors()
+
+    def close(self) -> None:
+        self.ag.close()
+        self.rs.close()
+
+
+class NcclLayerOps(LayerOps):
+    """The baseline: plain collectives (NCCL / gloo) then torch.mm, no overlap (overlap/reference.py)."""
+
+    def __init__(self, *, group):
+        self.group, self.world_size = group, dist.get_world_size(group)
+
+    def ag_gemm(self, x, w, *, keep: bool):
+        out, gathered = ag_gemm_reference(x, w, group=self.group)
+        return out, gathered, 0
+
+    def gemm_rs(self, a, w):
+        return gemm_rs_reference(a, w, group=self.group)
+
+
+class TorchSymmLayerOps(LayerOps):
+    """PyTorch's async-TP fused ops (`torch.ops.symm_mem`), CUDA only: the other baseline."""
+
+    def __init__(self, *, group, device: torch.device):
+        if device.type != "cuda":
+            raise OpInputError("baseline='torch_symm' needs CUDA (torch.ops.symm_mem); use 'nccl' on CPU")
+        import torch.distributed._symmetric_memory as symm
+
+        self.world_size = dist.get_world_size(group)
+        self.group_name = group.group_name
+        if hasattr(symm, "enable_symm_mem_for_group"):  # required by torch <= 2.11, deprecated later
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm.enable_symm_mem_for_group(self.group_name)
+
+    def ag_gemm(self, x, w, *, keep: bool):
+        gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, self.group_name)
+        return outs[0], gathered, 0
+
+    def gemm_rs(self, a, w):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, self.group_name)
+
+
+# ----- registry --------------------------------------------------------------------------------------
+def register_layer_ops(ops: LayerOps) -> int:
+    """Make `ops` reachable from the custom ops; returns the int id to pass as `layer_id`."""
+    layer_id = next(_NEXT_ID)
+    _REGISTRY[layer_id] = ops
+    return layer_id
+
+
+def unregister_layer_ops(layer_id: int) -> None:
+    _REGISTRY.pop(layer_id, None)
+
+
+def get_layer_ops(layer_id: int) -> LayerOps:
+    try:
+        return _REGISTRY[layer_id]
+    except KeyError:
+        raise OpInputError(f"no layer ops with id {layer_id} (closed, or built in another process)") from None
+
+
+# ----- custom ops ------------------------------------------------------------------------------------
+@torch.library.custom_op("tp_overlap::column_forward", mutates_args=())
+def column_forward(x: torch.Tensor, w: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor]:
+    y, gathered, epoch = get_layer_ops(layer_id).ag_gemm(x, w, keep=True)
+    return y, gathered, torch.tensor(epoch, dtype=torch.int64)
+
+
+@column_forward.register_fake
+def _(x, w, layer_id):
+    m = x.shape[0] * get_layer_ops(layer_id).world_size
+    return (x.new_empty(m, w.shape[1]), x.new_empty(m, x.shape[1]),
+            torch.empty((), dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("tp_overlap::column_backward", mutates_args=())
+def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.Tensor, w: torch.Tensor,
+                    layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = get_layer_ops(layer_id)
+    ops.check_saved(int(stamp), f"column layer {layer_id}")
+    grad_y = grad_y.contiguous()
+    grad_x = ops.gemm_rs(grad_y, ops.transpose(w))
+    grad_w = torch.mm(gathered.t(), grad_y)  # the forward's gathered input: no second AllGather
+    return grad_x, grad_w
+
+
+@column_backward.register_fake
+def _(grad_y, gathered, stamp, w, layer_id):
+    m_shard = grad_y.shape[0] // get_layer_ops(layer_id).world_size
+    return grad_y.new_empty(m_shard, w.shape[0]), w.new_empty(w.shape)
+
+
+@torch.library.custom_op("tp_overlap::row_forward", mutates_args=())
+def row_forward(x: torch.Tensor, w: torch.Tensor, layer_id: int) -> torch.Tensor:
+    return get_layer_ops(layer_id).gemm_rs(x, w)
+
+
+@row_forward.register_fake
+def _(x, w, layer_id):
+    return x.new_empty(x.shape[0] // get_layer_ops(layer_id).world_size, w.shape[1])
+
+
+@torch.library.custom_op("tp_overlap::row_backward", mutates_args=())
+def row_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ops = get_layer_ops(layer_id)
+    # AllGather of dy overlapped with the GEMM producing dx; the gathered dy (a pool view valid until
+    # this op's second-next call) is consumed at once by the weight-grad GEMM
+    grad_x, grad_y_full, _ = ops.ag_gemm(grad_y.contiguous(), ops.transpose(w), keep=False)
+    grad_w = torch.mm(x.t(), grad_y_full)
+    return grad_x, grad_w
+
+
+@row_backward.register_fake
+def _(grad_y, x, w, layer_id):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _column_setup(ctx, inputs, output):
+    _, w, layer_id = inputs
+    _, gathered, stamp = output
+    ctx.save_for_backward(gathered, stamp, w)
+    ctx.layer_id = layer_id
+
+
+def _column_grad(ctx, grad_y, _grad_gathered, _grad_stamp):
+    gathered, stamp, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.tp_overlap.column_backward(grad_y, gathered, stamp, w, ctx.layer_id)
+    return grad_x, grad_w, None
+
+
+def _row_setup(ctx, inputs, output):
+    x, w, layer_id = inputs
+    ctx.save_for_backward(x, w)
+    ctx.layer_id = layer_id
+
+
+def _row_grad(ctx, grad_y):
+    x, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.tp_overlap.row_backward(grad_y, x, w, ctx.layer_id)
+    return grad_x, grad_w, None
+
+
+column_forward.register_autograd(_column_grad, setup_context=_column_setup)
+row_forward.register_autograd(_row_grad, setup_context=_row_setup)
