@@ -81,8 +81,8 @@ class OverlapLayerOps(LayerOps):
 
     def ag_gemm(self, x, w, *, keep: bool):
         out, gathered = self.ag(x, w, return_gathered=True)
-        if keep and self.save_gathered == "copy":
-            gathered = gathered.clone()
+        if keep:
+            gathered = gathered.clone() if self.save_gathered == "copy" else _own_version_alias(gathered)
         return out, gathered, self.ag._epoch
 
     def gemm_rs(self, a, w):
@@ -106,6 +106,17 @@ class OverlapLayerOps(LayerOps):
     def close(self) -> None:
         self.ag.close()
         self.rs.close()
+
+
+def _own_version_alias(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as `view` with a version counter of its own.
+
+    Every view of the pool shares the arena's version counter, so any later write anywhere in the pool
+    would make autograd reject the saved view ("modified by an inplace operation"); this rank's region is
+    only rewritten by this op's calls, which `check_saved` tracks by epoch instead.
+    """
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class NcclLayerOps(LayerOps):

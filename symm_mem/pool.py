@@ -31,7 +31,7 @@ ERROR_WORD = 0        # device waits: [code, expected epoch] of the first wait t
 ABORT_WORD = 2        # (aborting rank + 1) | reason << 8, written into every rank by `abort()`
 FIRST_FLAG_WORD = 16  # words 0..15 are reserved for error reporting
 LIVENESS_PERIOD_S = 0.05
-BACKENDS = ("auto", "torch", "nvshmem", "host")
+BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")
 
 _live_pools = 0
 
@@ -75,7 +75,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         return "torch" if device.type == "cuda" else "host"
     if (backend == "host") != (device.type == "cpu"):
         raise PoolError(f"backend={backend!r} does not serve device {device}; host is for cpu, "
-                        f"torch and nvshmem for cuda")
+                        f"torch, nvshmem and ipc for cuda")
     return backend
 
 
@@ -132,6 +132,9 @@ class SymmetricPool:
         if self.backend_name == "torch":
             from .torch_backend import TorchBackend
             return TorchBackend(total_bytes, self.group, self.device)
+        if self.backend_name == "ipc":
+            from .ipc_backend import IpcBackend
+            return IpcBackend(total_bytes, self.group, self.device)
         from .nvshmem_backend import NvshmemBackend
         return NvshmemBackend(total_bytes, self.group, self.device)
 

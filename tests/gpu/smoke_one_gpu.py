@@ -58,7 +58,7 @@ def _checks(rank, world):
 
     check("triton_mm", triton_alone)
 
-    pool = SymmetricPool(256 << 20, group=group, backend="torch", device=dev)
+    pool = SymmetricPool(256 << 20, group=group, backend="ipc", device=dev)
 
     def pool_flags():
         x = pool.reserve("x", (300, 77), torch.bfloat16, num_signals=world)

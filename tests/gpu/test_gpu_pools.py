@@ -45,6 +45,11 @@ def test_nvshmem_backend_peer_reads_and_epoch_flags(num_gpus):
     assert results[0][1] == results[1][1]
 
 
+def test_ipc_backend_peer_reads_and_epoch_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_device_flags, 2, "ipc", backend="nccl", timeout_s=240)
+    assert results[0][1] == results[1][1]
+
+
 def _device_wait_times_out(rank, world):
     with SymmetricPool(1 << 20, group=dist.group.WORLD, backend="torch") as pool:
         pool.reserve("f", (16,), torch.float32, num_signals=1)

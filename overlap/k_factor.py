@@ -1,0 +1,516 @@
+"""k-factor: how much overlapped communication and computation slow each other down (seed 000 §4.1).
+
+Every time is in ms: the median over reps of the MAX over the ranks of the group.
+
+* comm solo    the op's communication path alone on a high-priority side stream (CPU: the calling thread),
+               nothing else running on this rank:
+                 AgGemm: `op.all_gather(a_shard)` -- publish + copy-engine pulls, the op's own schedule;
+                 GemmRs: push of precomputed partials (a @ w) to their owners with the copy engine + flags,
+                 then the reduction kernel on the op's reduction SMs (`num_comm_sms or sm_margin or 8`):
+                 the scatter + reduction of the decomposed method with no GEMM (`RsCommOnly`, or the op's
+                 `reduce_scatter(partials)` once it has one). For the fused method the scatter is really
+                 done by the GEMM epilogue's NVLink stores, which cannot run without the GEMM: the CE push
+                 stands in for it.
+* comp solo    the op's consumer GEMM alone on a side stream (CPU: the calling thread), same SM budget,
+               local epilogue, no waits: AgGemm decomposed = one cuBLAS mm per chunk in the op's order
+               (all SMs, as the op); fused = the persistent Triton GEMM on num_sms - max(sm_margin, 1)
+               programs. GemmRs decomposed = one cuBLAS mm per owner chunk with the SM carveout
+               `sm_margin`; fused = the Triton GEMM on num_sms - sm_margin programs. CPU: torch.mm.
+* overlapped   mode "pair" (default, any op, CPU too): the same comm_fn and comp_fn started together, each
+               on its own stream (CPU: comm on a thread, compute on the caller), with no data dependency:
+               pure contention. Per-stream spans come from CUDA events on each stream (host clocks per
+               thread on CPU); t_total = last end - first start. Mode "op" (CUDA, ops with a per-stream
+               trace: AgGemm today): the op's own call; spans from `op.last_trace_ms()` (for AgGemm the
+               compute span is the whole call, waits for chunks included).
+
+k_comm = t_comm_overlap / t_comm_solo, k_comp = t_comp_overlap / t_comp_solo,
+E = max(t_comm_solo, t_comp_solo) / t_total, hidden_comm = (t_comp_solo + t_comm_solo - t_total) / t_comm_solo.
+`t_op` is the op's own call timed in the same interleaved run (the number to tune on).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+import weakref
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .ag_gemm import AgGemm
+from .gemm_rs import FLAG_BLOCK_M, GemmRs
+from .timing import bench_interleaved
+
+__all__ = ["KFactor", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
+           "step_timeline", "inject_comm_delay"]
+
+HOLD_CYCLES = 1_000_000      # CUDA: ~0.5 ms spin before the step so that the host enqueues both sides first
+CPU_SWITCH_INTERVAL_S = 1e-4  # CPU: the GIL hand-over bound while two threads run (default 5 ms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFactor:
+    """Times in ms (median of max over ranks); k, E and hidden_comm are derived from them."""
+    t_comm_solo: float
+    t_comp_solo: float
+    t_comm_overlap: float
+    t_comp_overlap: float
+    t_total: float
+    k_comm: float
+    k_comp: float
+    E: float
+    hidden_comm: float
+    t_op: float | None = None
+    mode: str = "pair"
+    reps: int = 0
+
+    @classmethod
+    def from_times(cls, *, t_comm_solo: float, t_comp_solo: float, t_comm_overlap: float,
+                   t_comp_overlap: float, t_total: float, **extra) -> "KFactor":
+        def ratio(a, b):
+            return a / b if b > 0 else float("nan")
+        return cls(t_comm_solo=t_comm_solo, t_comp_solo=t_comp_solo, t_comm_overlap=t_comm_overlap,
+                   t_comp_overlap=t_comp_overlap, t_total=t_total,
+                   k_comm=ratio(t_comm_overlap, t_comm_solo), k_comp=ratio(t_comp_overlap, t_comp_solo),
+                   E=ratio(max(t_comm_solo, t_comp_solo), t_total),
+                   hidden_comm=ratio(t_comp_solo + t_comm_solo - t_total, t_comm_solo), **extra)
+
+    def as_row(self) -> dict:
+        """Flat JSON row: *_ms times, k_comm, k_comp, E, hidden_comm, E_op (vs the op's own call)."""
+        row = {f"{name}_ms": getattr(self, name) for name in
+               ("t_comm_solo", "t_comp_solo", "t_comm_overlap", "t_comp_overlap", "t_total", "t_op")}
+        row.update(k_comm=self.k_comm, k_comp=self.k_comp, E=self.E, hidden_comm=self.hidden_comm,
+                   mode=self.mode, reps=self.reps,
+                   E_op=max(self.t_comm_solo, self.t_comp_solo) / self.t_op if self.t_op else None)
+        return row
+
+
+class OpPair(NamedTuple):
+    comm: Callable[[], object]   # the op's communication path alone (see module docstring)
+    comp: Callable[[], object]   # the op's GEMM alone, same SM budget, local epilogue
+    call: Callable[[], object]   # the op itself
+    lanes: Callable[[], dict] | None  # sub-stream marks of the last comm call: name -> (start, end)
+
+
+# ----- marks: CUDA events on a stream, host clock on CPU ------------------------------------------------
+def _mark(stream=None):
+    if stream is None:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def _ms(start, end) -> float:
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+
+
+@contextmanager
+def _cpu_switch_interval(device: torch.device):
+    # Two Python threads share the GIL: with the default 5 ms hand-over a waiting thread can stall for
+    # longer than the whole step; the launcher's CPU mode is only meaningful with a short interval.
+    if device.type == "cuda":
+        yield
+        return
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(CPU_SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+class _PairRunner:
+    """Runs comm_fn / comp_fn alone or together with the same launch structure, keeping every step's marks."""
+
+    def __init__(self, comm_fn, comp_fn, device: torch.device, overlap_flag: threading.Event | None):
+        self.fns = {"comm": comm_fn, "comp": comp_fn}
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.flag = overlap_flag
+        self.steps: dict[str, list] = {"comm": [], "comp": [], "both": []}
+        if self.cuda:
+            self.streams = {"comm": torch.cuda.Stream(device, priority=-1), "comp": torch.cuda.Stream(device)}
+
+    def comm_solo(self) -> None:
+        self.steps["comm"].append(self._step(("comm",)))
+
+    def comp_solo(self) -> None:
+        self.steps["comp"].append(self._step(("comp",)))
+
+    def overlap(self) -> None:
+        self.steps["both"].append(self._step(("comm", "comp")))
+
+    def _step(self, sides) -> dict:
+        both = len(sides) == 2
+        if both and self.flag is not None:
+            self.flag.set()
+        try:
+            return self._step_cuda(sides) if self.cuda else self._step_host(sides, both)
+        finally:
+            if both and self.flag is not None:
+                self.flag.clear()
+
+    def _step_cuda(self, sides) -> dict:
+        from torch.profiler import record_function
+        current = torch.cuda.current_stream(self.device)
+        torch.cuda._sleep(HOLD_CYCLES)   # both sides start together at `go`, not at their launch times
+        marks = {"go": _mark(current)}
+        for side in sides:
+            stream = self.streams[side]
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream), record_function(f"kfactor.{side}"):
+                start = _mark(stream)
+                self.fns[side]()
+                marks[side] = (start, _mark(stream))
+        for side in sides:
+            current.wait_stream(self.streams[side])
+        return marks
+
+    def _step_host(self, sides, both: bool) -> dict:
+        from torch.profiler import record_function
+        marks: dict = {"go": _mark()}
+        failure: list[BaseException] = []
+
+        def run(side):
+            try:
+                with record_function(f"kfactor.{side}"):
+                    start = _mark()
+                    self.fns[side]()
+                    marks[side] = (start, _mark())
+            except BaseException as exc:  # re-raised on the calling thread
+                failure.append(exc)
+
+        if both:
+            thread = threading.Thread(target=run, args=("comm",), name="kfactor-comm", daemon=True)
+            thread.start()
+            run("comp")
+            thread.join()
+        else:
+            run(sides[0])
+        if failure:
+            raise failure[0]
+        return marks
+
+    @staticmethod
+    def spans(marks: dict) -> tuple[float, ...]:
+        """(comm, comp, total) ms of one overlapped step; total = last end - first start."""
+        (c0, c1), (p0, p1) = marks["comm"], marks["comp"]
+        go = marks["go"]
+        offsets = [_ms(go, m) for m in (c0, c1, p0, p1)]
+        return _ms(c0, c1), _ms(p0, p1), max(offsets[1], offsets[3]) - min(offsets[0], offsets[2])
+
+
+def _reduce_max(table: list[list[float]], group, device) -> torch.Tensor:
+    t = torch.tensor(table, dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        on = t.to(device) if device.type == "cuda" else t
+        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
+        t = on.cpu()
+    return t
+
+
+def measure_pair(comm_fn: Callable[[], object], comp_fn: Callable[[], object], *, device: torch.device,
+                 group: dist.ProcessGroup | None, reps: int = 20, warmup: int = 3,
+                 op_fn: Callable[[], object] | None = None, overlap_flag: threading.Event | None = None,
+                 flush_l2: bool = True) -> KFactor:
+    """k-factor of running comm_fn next to comp_fn (mode "pair"; see the module docstring).
+
+    Collective: every rank of `group` calls it with the same reps/warmup. The three variants (comm alone,
+    comp alone, both) and `op_fn` (the op's own call, giving t_op) are interleaved by
+    `overlap.timing.bench_interleaved` (barrier, L2 flush, rotated order). comm_fn runs on a high-priority
+    side stream, comp_fn on another (CUDA), or comm_fn on a thread and comp_fn on the caller (CPU);
+    both must leave their work on the current stream they are called on. `overlap_flag` is set while
+    an overlapped step runs (the test aid `inject_comm_delay` reads it).
+    """
+    runner = _PairRunner(comm_fn, comp_fn, device, overlap_flag)
+    variants = {"comm_solo": runner.comm_solo, "comp_solo": runner.comp_solo, "overlap": runner.overlap}
+    if op_fn is not None:
+        variants["op"] = op_fn
+    with _cpu_switch_interval(device):
+        stats = bench_interleaved(variants, group=group, device=device, warmup=warmup, reps=reps,
+                                  flush_l2=flush_l2)  # synchronises the device before returning
+    comm = [_ms(*m["comm"]) for m in runner.steps["comm"][warmup:]]
+    comp = [_ms(*m["comp"]) for m in runner.steps["comp"][warmup:]]
+    both = [runner.spans(m) for m in runner.steps["both"][warmup:]]
+    table = _reduce_max([comm, comp] + [list(col) for col in zip(*both)], group, device)
+    med = [statistics.median(row) for row in table.tolist()]
+    return KFactor.from_times(t_comm_solo=med[0], t_comp_solo=med[1], t_comm_overlap=med[2],
+                              t_comp_overlap=med[3], t_total=med[4], mode="pair", reps=reps,
+                              t_op=stats["op"].median_ms if op_fn is not None else None)
+
+
+# ----- adapters for our ops --------------------------------------------------------------------------
+class RsCommOnly:
+    """The communication of GEMM+RS with no GEMM: push precomputed partials [M, N] to their owners (copy
+    engine, ring order from rank + 1, own chunk last), flag them, reduce the W partials of this rank's
+    rows into [M/W, N] with the reduction kernel (CUDA) or torch (CPU). Own pool region and epochs, so
+    it never disturbs the op's flags. Built once per (pool, max_m, n, dtype); call it many times.
+    """
+
+    def __init__(self, pool, *, max_m: int, n: int, dtype: torch.dtype, stream_priority: int = -1,
+                 name: str = "kfactor.rs_comm"):
+        self.pool, self.name, self.n, self.dtype = pool, name, n, dtype
+        self.rank, self.world_size, self.device = pool.rank, pool.world_size, pool.device
+        max_rows = max_m // self.world_size
+        self.flags_per_source = -(-max_rows // FLAG_BLOCK_M) + 1
+        self.slots = pool.reserve(name, (2, self.world_size * max_rows * n), dtype,
+                                  num_signals=self.world_size * self.flags_per_source)
+        self.epoch = 0
+        self.marks: dict = {}
+        if self.device.type == "cuda":
+            self.push_stream = torch.cuda.Stream(self.device, priority=stream_priority)
+            self.reduce_stream = torch.cuda.Stream(self.device, priority=stream_priority)
+            self.errors = torch.zeros(2, dtype=torch.int32, device=self.device)
+
+    def _slots(self, rank: int, rows: int) -> torch.Tensor:
+        flat = self.pool.peer(self.name, rank)[self.epoch % 2]
+        return flat[:self.world_size * rows * self.n].view(self.world_size, rows, self.n)
+
+    def __call__(self, partials: torch.Tensor, out: torch.Tensor, *, programs: int = 8) -> torch.Tensor:
+        """out [M/W, N] = sum over ranks of their partials' rows of this rank; valid on the current stream."""
+        self.epoch += 1
+        rows = partials.shape[0] // self.world_size
+        fps = self.flags_per_source
+        owners = [(self.rank + s) % self.world_size for s in range(1, self.world_size + 1)]
+        if self.device.type != "cuda":
+            push0 = _mark()
+            for owner in owners:
+                self._slots(owner, rows)[self.rank].copy_(partials[owner * rows:(owner + 1) * rows])
+                self.pool.signal(self.name, self.rank * fps, self.epoch, rank=owner)
+            reduce0 = _mark()
+            for src in range(self.world_size):
+                self.pool.wait(self.name, src * fps, self.epoch, peer=src, op=self.name)
+            out.copy_(self._slots(self.rank, rows).float().sum(dim=0))
+            self.marks = {"push": (push0, reduce0), "reduce": (reduce0, _mark())}
+            return out
+        from kernels.flags import launch_signal_range
+        from kernels.gemm import reduce_partials_kernel
+        current = torch.cuda.current_stream(self.device)
+        self.push_stream.wait_stream(current)    # also orders this step after the last step's reduction
+        self.reduce_stream.wait_stream(current)
+        with torch.cuda.stream(self.push_stream):
+            push0 = _mark(self.push_stream)
+            for owner in owners:
+                self._slots(owner, rows)[self.rank].copy_(partials[owner * rows:(owner + 1) * rows],
+                                                          non_blocking=True)
+                launch_signal_range(self.pool.peer_signals(self.name, owner), self.rank * fps, fps, self.epoch)
+            push1 = _mark(self.push_stream)
+        with torch.cuda.stream(self.reduce_stream):
+            reduce0 = _mark(self.reduce_stream)
+            reduce_partials_kernel[(max(1, programs),)](
+                self._slots(self.rank, rows), out, self.pool.signals(self.name), self.errors, rows, self.n,
+                out.stride(0), self.world_size, self.epoch, fps, FLAG_BLOCK_M, self.rank,
+                int(self.pool.timeout_s * 1e9), WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4)
+            self.marks = {"push": (push0, push1), "reduce": (reduce0, _mark(self.reduce_stream))}
+        current.wait_stream(self.push_stream)
+        current.wait_stream(self.reduce_stream)
+        return out
+
+    def check_errors(self) -> None:
+        """Raise if a reduction wait expired (CUDA; synchronises)."""
+        if self.device.type == "cuda" and int(self.errors[0].item()):
+            code = int(self.errors[0].item())
+            self.errors.zero_()
+            raise RuntimeError(f"{self.name}: the reduction's wait for source rank {code - 1} expired "
+                               f"(epoch {self.epoch}, {self.pool.timeout_s} s)")
+
+
+_rs_comm_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _rs_comm_for(op: GemmRs) -> RsCommOnly:
+    # One per (pool, shape): a second instance on the same region would restart epochs under stale flags.
+    per_pool = _rs_comm_cache.setdefault(op.pool, {})
+    key = (op.max_m, op.n, op.dtype)
+    if key not in per_pool:
+        per_pool[key] = RsCommOnly(op.pool, max_m=op.max_m, n=op.n, dtype=op.dtype,
+                                   stream_priority=op.config.comm_stream_priority,
+                                   name=f"kfactor.rs_comm{len(per_pool)}")
+    return per_pool[key]
+
+
+@contextmanager
+def _carveout(device: torch.device, sm_margin: int):
+    """cuBLAS on num_sms - sm_margin SMs for the calls inside; reset to 0 after (GPU.md)."""
+    if device.type != "cuda" or not sm_margin:
+        yield
+        return
+    torch._C._set_sm_carveout_experimental(sm_margin)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(0)
+
+
+def op_pair(op, inputs) -> OpPair:
+    """comm / comp / call closures of AgGemm (inputs = a_shard, w) or GemmRs (inputs = a, w).
+
+    Collective for AgGemm (one all_gather builds the gathered input of the GEMM).
+    """
+    a, w = inputs
+    dev, cfg = op.device, op.config
+    fused = cfg.method == "fused" and dev.type == "cuda"
+    if isinstance(op, AgGemm):
+        gathered = op.all_gather(a).clone()
+        out = torch.empty(gathered.shape[0], w.shape[1], dtype=w.dtype, device=dev)
+        if fused:
+            from .triton_gemm import num_sms, triton_mm
+            programs = num_sms(dev) - max(cfg.sm_margin, 1)  # the fused consumer keeps one SM free
+            comp = lambda: triton_mm(gathered, w, out, num_programs=programs)  # noqa: E731
+        else:
+            chunks = [(lo, lo + count) for _, lo, count, _ in op.chunks(gathered.shape[0])]
+
+            def comp():
+                for lo, hi in chunks:   # the decomposed consumer: one mm per chunk, all SMs
+                    torch.mm(gathered[lo:hi], w, out=out[lo:hi])
+        trace = getattr(op, "last_trace_events", None)   # requested hook (see the k-factor issue note)
+        return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), trace)
+    if isinstance(op, GemmRs):
+        partials = torch.mm(a, w)
+        out = torch.empty_like(partials)
+        rows = a.shape[0] // op.world_size
+        if fused:
+            from .triton_gemm import num_sms, triton_mm
+            programs = num_sms(dev) - cfg.sm_margin
+            comp = lambda: triton_mm(a, w, out, num_programs=programs)  # noqa: E731
+        else:
+            owners = op.owners()
+
+            def comp():
+                with _carveout(dev, cfg.sm_margin):
+                    for owner in owners:
+                        sl = slice(owner * rows, (owner + 1) * rows)
+                        torch.mm(a[sl], w, out=out[sl])
+        if hasattr(op, "reduce_scatter"):   # requested hook: the op's own comm path without the GEMM
+            comm, lanes = (lambda: op.reduce_scatter(partials)), getattr(op, "last_trace_events", None)
+        else:
+            rs = _rs_comm_for(op)
+            shard = torch.empty(rows, op.n, dtype=op.dtype, device=dev)
+            programs_rs = max(1, cfg.num_comm_sms or cfg.sm_margin or 8)   # as GemmRs._reduce
+            comm, lanes = (lambda: rs(partials, shard, programs=programs_rs)), (lambda: rs.marks)
+        return OpPair(comm, comp, lambda: op(a, w), lanes)
+    raise TypeError(f"op_pair: unsupported op {type(op).__name__}; pass AgGemm or GemmRs, or use measure_pair")
+
+
+def trace_op(op, inputs, *, reps: int = 10) -> dict[str, float]:
+    """Median (over reps) of the max over ranks of each span of `op.last_trace_ms()` (CUDA, collective)."""
+    if op.device.type != "cuda" or not hasattr(op, "enable_trace"):
+        raise ValueError(f"{type(op).__name__} on {op.device} has no per-stream trace; use mode='pair'")
+    op.enable_trace(True)
+    samples: list[dict] = []
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize(op.device)
+            dist.barrier(group=op.group)
+            op(*inputs)
+            samples.append(op.last_trace_ms())
+    finally:
+        op.enable_trace(False)
+    keys = sorted(samples[0])
+    table = _reduce_max([[s[k] for s in samples] for k in keys], op.group, op.device)
+    return {k: statistics.median(row) for k, row in zip(keys, table.tolist())}
+
+
+def _check_op_errors(op) -> None:
+    if op.device.type == "cuda":
+        op.check_errors()
+        for rs in _rs_comm_cache.get(op.pool, {}).values():
+            rs.check_errors()
+
+
+def measure(op, inputs, *, reps: int = 20, warmup: int = 3, mode: str = "pair",
+            overlap_flag: threading.Event | None = None,
+            wrap_comm: Callable[[Callable], Callable] | None = None, flush_l2: bool = True) -> KFactor:
+    """KFactor of AgGemm / GemmRs on `inputs` (collective over op.group); definitions in the module doc.
+
+    mode "pair": comm path next to the GEMM (contention only), t_op measured alongside; mode "op" (CUDA,
+    ops with enable_trace): the spans of the op's own call. `wrap_comm` wraps the comm closure (test aid).
+    """
+    if mode not in ("pair", "op"):
+        raise ValueError(f"mode must be 'pair' or 'op', got {mode!r}")
+    pair = op_pair(op, inputs)
+    comm = wrap_comm(pair.comm) if wrap_comm else pair.comm
+    kf = measure_pair(comm, pair.comp, device=op.device, group=op.group, reps=reps, warmup=warmup,
+                      op_fn=pair.call, overlap_flag=overlap_flag, flush_l2=flush_l2)
+    _check_op_errors(op)
+    if mode == "pair":
+        return kf
+    spans = trace_op(op, inputs, reps=reps)
+    _check_op_errors(op)
+    total = spans.get("total_ms", spans["compute_ms"])
+    return KFactor.from_times(t_comm_solo=kf.t_comm_solo, t_comp_solo=kf.t_comp_solo,
+                              t_comm_overlap=spans["comm_ms"], t_comp_overlap=spans["compute_ms"],
+                              t_total=total, t_op=kf.t_op, mode="op", reps=reps)
+
+
+def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Callable[[], dict] | None = None,
+                  profile_path: str | None = None) -> dict[str, list[tuple[float, float]]]:
+    """One overlapped step (collective): {lane: [(start_ms, end_ms)]} from the step's start.
+
+    Lanes: "compute stream", "comm stream" and, from `lanes()` (e.g. RsCommOnly's push / reduce streams),
+    one lane each. With `profile_path` this rank also records the step with torch.profiler (CPU activity,
+    CUDA too on GPUs) and writes a Chrome trace there.
+    """
+    runner = _PairRunner(comm_fn, comp_fn, device, None)
+    for _ in range(2):   # warm: first calls compile kernels and open handles
+        runner.overlap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if group is not None:
+        dist.barrier(group=group)
+    with _cpu_switch_interval(device), _profiler(device, profile_path) as prof:
+        runner.overlap()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if prof is not None:
+        prof.export_chrome_trace(str(profile_path))
+    marks = runner.steps["both"][-1]
+    go = marks["go"]
+    out = {"compute stream": [marks["comp"]], "comm stream": [marks["comm"]]}
+    for name, (start, end) in (lanes() if lanes else {}).items():
+        out[f"comm: {name}"] = [(start, end)]
+    return {lane: [(_ms(go, s), _ms(go, e)) for s, e in spans] for lane, spans in out.items()}
+
+
+def _profiler(device: torch.device, path):
+    if path is None:
+        return nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:   # record the comm thread too (CPU mode); older torch lacks the option
+        from torch.profiler import _ExperimentalConfig
+        return profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    except (ImportError, TypeError):
+        return profile(activities=activities)
+
+
+def inject_comm_delay(comm_fn: Callable[[], object], *, delay_ms: float, active: threading.Event,
+                      device: torch.device) -> Callable[[], object]:
+    """Test aid: comm_fn slowed by `delay_ms` only while `active` is set (measure_pair sets it during the
+    overlapped steps only), so k_comm rises and the solo times stay. CPU: a sleep on the comm thread;
+    CUDA: a spin kernel on the comm stream ahead of the comm work."""
+    cycles_per_ms = _cycles_per_ms(device) if device.type == "cuda" else 0.0
+
+    def delayed():
+        if active.is_set():
+            if device.type == "cuda":
+                torch.cuda._sleep(int(delay_ms * cycles_per_ms))
+            else:
+                time.sleep(delay_ms / 1e3)
+        return comm_fn()
+    return delayed
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end), 1e-3)

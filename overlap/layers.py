@@ -1,0 +1,262 @@
+"""Sequence-parallel tensor-parallel layers over a given `group`: column/row linear and the Llama MLP.
+
+Activations between layers are sequence-sharded: every rank holds rows [r*M/W, (r+1)*M/W) of the [M, H]
+input and of the [M, H] output. Weights are stored as the ops take them, [in, out] row-major (the
+transpose of nn.Linear's [out, in]):
+
+    ColumnParallelLinear  x [M/W, H] -> y [M, N/W]:  y = all_gather(x) @ w,  w [H, N/W]
+    RowParallelLinear     x [M, K/W] -> y [M/W, H]:  y = reduce_scatter(x @ w),  w [K/W, H]
+    TPMLP                 x [M/W, H] -> y [M/W, H]:  fc2(act(fc1(x))); swiglu: fc1 = fused [gate | up]
+
+`overlap=True` runs our AgGemm / GemmRs (pool regions built once here, from the preset's per-op config);
+`overlap=False` builds the same module on plain collectives + torch.mm (`baseline="nccl"`, the
+reference of every benchmark) or on PyTorch's async-TP fused ops (`baseline="torch_symm"`, CUDA only).
+Forward and backward of a layer use separate op contexts (separate regions and epoch counters). All ops
+are issued on the caller's current stream; outputs and gradients are valid on it when they return.
+
+`MLPReference` is the single-process oracle with the full weights; `shard_fc1` / `shard_fc2` /
+`shard_rows` cut full tensors into this rank's pieces (gate and up sliced separately for SwiGLU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import custom_ops
+from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
+from .config import ACTIVATIONS, ModelConfig, OverlapConfig, load_preset
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPMLP", "MLPReference", "BASELINES",
+           "shard_fc1", "shard_fc2", "shard_rows", "pool_requirements"]
+
+BASELINES = ("nccl", "torch_symm")
+POOL_ALIGN_BYTES = 256  # SymmetricPool's region alignment
+
+
+def _align(n: int) -> int:
+    return -(-n // POOL_ALIGN_BYTES) * POOL_ALIGN_BYTES
+
+
+def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype,
+                      num_layers: int = 2) -> tuple[int, int]:
+    """(bytes, signal words) that `num_layers` overlapped layers of width `hidden` reserve in a pool.
+
+    Each layer holds one AgGemm region [2, max_m, hidden] and one GemmRs region [2, max_m, hidden]
+    (double-buffered; independent of the FFN width).
+    """
+    from .gemm_rs import FLAG_BLOCK_M
+    region = _align(2 * max_m * hidden * dtype.itemsize)
+    flags_per_source = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
+    return num_layers * 2 * region, num_layers * (world_size + world_size * flags_per_source)
+
+
+def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
+              save_gathered, kind) -> custom_ops.LayerOps:
+    if overlap:
+        if pool is None:
+            raise OpInputError(f"{name}: overlap=True needs pool= (a SymmetricPool on group)")
+        if config is None:
+            name_of = torch.cuda.get_device_name(pool.device) if pool.device.type == "cuda" else "cpu"
+            config = load_preset(name_of, dist.get_world_size(group))
+        fwd, bwd = ("ag", "rs") if kind == "column" else ("rs", "ag")
+        return custom_ops.OverlapLayerOps(
+            group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
+            ag_name=f"{name}.{'fwd' if fwd == 'ag' else 'bwd'}.ag",
+            rs_name=f"{name}.{'fwd' if fwd == 'rs' else 'bwd'}.rs", save_gathered=save_gathered)
+    if baseline == "nccl":
+        return custom_ops.NcclLayerOps(group=group)
+    if baseline == "torch_symm":
+        return custom_ops.TorchSymmLayerOps(group=group, device=device)
+    raise OpInputError(f"{name}: baseline={baseline!r}; allowed: {' | '.join(BASELINES)}")
+
+
+class _ParallelLinear(nn.Module):
+    """Shared construction: validation, the op contexts, the registry id, the weight [in, out] shard."""
+
+    kind = ""
+
+    def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
+                 dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
+                 overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view",
+                 device: torch.device | str | None = None, name: str | None = None):
+        super().__init__()
+        if group is None:
+            raise OpInputError("group= is required (pass the TP process group explicitly)")
+        self.name = name or self.kind
+        for arg, value in (("in_features", in_features), ("out_features", out_features), ("max_m", max_m)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise OpInputError(f"{self.name}: {arg} must be a positive int, got {value!r}")
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        sharded = "out_features" if self.kind == "column" else "in_features"
+        check_divisible(f"{self.name}: {sharded}", out_features if self.kind == "column" else in_features,
+                        self.world_size, "the group size")
+        check_divisible(f"{self.name}: max_m", max_m, self.world_size, "the group size")
+        if device is None:
+            device = pool.device if pool is not None else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        if pool is not None and overlap and pool.device != self.device:
+            raise OpInputError(f"{self.name}: pool is on {pool.device}, device= is {self.device}")
+        self.group, self.max_m, self.dtype, self.overlap = group, max_m, dtype, bool(overlap)
+        self.in_features, self.out_features = in_features, out_features
+        hidden = in_features if self.kind == "column" else out_features
+        local = (out_features if self.kind == "column" else in_features) // self.world_size
+        self.hidden, self.local = hidden, local
+        self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
+                             dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
+                             name=self.name, save_gathered=save_gathered, kind=self.kind)
+        self.layer_id = custom_ops.register_layer_ops(self.ops)
+        shape = (hidden, local) if self.kind == "column" else (local, hidden)
+        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def close(self) -> None:
+        """Drop the op contexts' pool references and the registry entry (the pool is the caller's)."""
+        custom_ops.unregister_layer_ops(self.layer_id)
+        self.ops.close()
+
+    def check_errors(self) -> None:
+        """Raise if a bounded device-side wait expired (synchronises; call at step boundaries)."""
+        if isinstance(self.ops, custom_ops.OverlapLayerOps):
+            self.ops.check_errors()
+
+    def _check_input(self, x: torch.Tensor, width: int, rows_times: int) -> None:
+        check_tensor(f"{self.name} input", x, dtype=self.dtype, device=self.device, shape=(None, width))
+        m = x.shape[0] * rows_times
+        check_divisible(f"{self.name}: M", m, self.world_size, "the group size")
+        check_at_most(f"{self.name}: M", m, self.max_m, "max_m of this layer")
+
+    def extra_repr(self) -> str:
+        impl = "overlap" if self.overlap else type(self.ops).__name__
+        return f"{self.in_features}->{self.out_features}, world={self.world_size}, {impl}, weight={tuple(self.weight.shape)}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y [M, out_features/W] = all_gather(x [M/W, in_features]) @ weight [in_features, out_features/W].
+
+    Backward: dx = reduce_scatter(dy @ weight^T) (GEMM+RS), dweight = gathered_x^T @ dy, with gathered_x
+    saved by the forward (no second AllGather; see custom_ops for `save_gathered`).
+    """
+
+    kind = "column"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features, self.world_size)
+        return torch.ops.tp_overlap.column_forward(x, self.weight, self.layer_id)[0]
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y [M/W, out_features] = reduce_scatter(x [M, in_features/W] @ weight [in_features/W, out_features]).
+
+    Backward: dx = all_gather(dy) @ weight^T (AG+GEMM, the gather overlapped with that GEMM),
+    dweight = x^T @ all_gather(dy) (the local input and the gathered grad of the same call).
+    """
+
+    kind = "row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features // self.world_size, 1)
+        return torch.ops.tp_overlap.row_forward(x, self.weight, self.layer_id)
+
+
+class TPMLP(nn.Module):
+    """Llama MLP, sequence-parallel: x [M/W, hidden] -> [M/W, hidden] on every rank of `group`.
+
+    swiglu: fc1 = ColumnParallelLinear(hidden, 2*ffn_hidden) holding this rank's [gate | up] slices,
+    y = fc2(silu(gate) * up); gelu: fc1 = ColumnParallelLinear(hidden, ffn_hidden), y = fc2(gelu(fc1(x))).
+    fc2 = RowParallelLinear(ffn_hidden, hidden). Keywords as ColumnParallelLinear; `pool` must have
+    room for `pool_requirements(hidden=..., max_m=..., world_size=..., dtype=...)` when overlap=True.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, activation: str = "swiglu", name: str = "mlp",
+                 **layer_kwargs):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise OpInputError(f"activation={activation!r}; allowed: {' | '.join(ACTIVATIONS)}")
+        self.hidden, self.ffn_hidden, self.activation = hidden, ffn_hidden, activation
+        width = 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
+        group = layer_kwargs.get("group")
+        if group is not None:  # checked here so the message names ffn_hidden, not fc1's width
+            check_divisible("ffn_hidden", ffn_hidden, dist.get_world_size(group), "the group size")
+        self.fc1 = ColumnParallelLinear(hidden, width, name=f"{name}.fc1", **layer_kwargs)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, name=f"{name}.fc2", **layer_kwargs)
+        self.world_size, self.rank = self.fc1.world_size, self.fc1.rank
+
+    @classmethod
+    def from_model_config(cls, model: ModelConfig, **kwargs) -> "TPMLP":
+        return cls(model.hidden, model.ffn_hidden, activation=model.activation, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.fc2(h)
+
+    @torch.no_grad()
+    def load_full_weights(self, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> None:
+        """Copy this rank's shards of the full weights ([hidden, width], [ffn_hidden, hidden])."""
+        self.fc1.weight.copy_(shard_fc1(fc1_weight, self.rank, self.world_size, self.activation))
+        self.fc2.weight.copy_(shard_fc2(fc2_weight, self.rank, self.world_size))
+
+    def check_errors(self) -> None:
+        self.fc1.check_errors()
+        self.fc2.check_errors()
+
+    def close(self) -> None:
+        self.fc1.close()
+        self.fc2.close()
+
+
+# ----- the single-process oracle and the sharding helpers -------------------------------------------------
+class MLPReference(nn.Module):
+    """The same MLP with full weights on one process: fc1_weight [hidden, width], fc2_weight [ffn, hidden].
+
+    Weights are N(0, 1/fan_in) from a CPU generator seeded with `seed`, so every rank builds the same ones.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, activation: str = "swiglu", seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise OpInputError(f"activation={activation!r}; allowed: {' | '.join(ACTIVATIONS)}")
+        self.activation = activation
+        width = 2 * ffn_hidden if activation == "swiglu" else ffn_hidden
+        gen = torch.Generator().manual_seed(seed)
+        fc1 = torch.randn(hidden, width, generator=gen) / hidden ** 0.5
+        fc2 = torch.randn(ffn_hidden, hidden, generator=gen) / ffn_hidden ** 0.5
+        self.fc1_weight = nn.Parameter(fc1.to(dtype=dtype, device=device))
+        self.fc2_weight = nn.Parameter(fc2.to(dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.fc1_weight
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return h @ self.fc2_weight
+
+
+def shard_fc1(full: torch.Tensor, rank: int, world_size: int, activation: str = "swiglu") -> torch.Tensor:
+    """This rank's fc1 columns: [gate slice | up slice] for swiglu, one contiguous slice for gelu."""
+    parts = full.chunk(2, dim=1) if activation == "swiglu" else (full,)
+    for part in parts:
+        check_divisible("fc1 width", part.shape[1], world_size, "the group size")
+    return torch.cat([part.chunk(world_size, dim=1)[rank] for part in parts], dim=1).contiguous()
+
+
+def shard_fc2(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's rows of the fc2 weight [ffn_hidden, hidden] -> [ffn_hidden/W, hidden]."""
+    check_divisible("ffn_hidden", full.shape[0], world_size, "the group size")
+    return full.chunk(world_size, dim=0)[rank].contiguous()
+
+
+def shard_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's sequence shard of an [M, ...] activation."""
+    check_divisible("M", x.shape[0], world_size, "the group size")
+    return x.chunk(world_size, dim=0)[rank].contiguous()

@@ -1,0 +1,43 @@
+"""CUDA backend through plain CUDA IPC (cudaIpcGetMemHandle / cudaIpcOpenMemHandle via ipc.IpcPool).
+
+Works wherever legacy CUDA IPC works, including several processes sharing one GPU (which torch's
+symmetric memory refuses); the barrier is a host barrier of the group after draining the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class IpcBackend:
+    name = "ipc"
+
+    def __init__(self, size_bytes: int, group: dist.ProcessGroup, device: torch.device):
+        from ipc import IpcPool
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.size_bytes = size_bytes
+        self.device = device
+        self._local = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+        self._ipc = IpcPool(group=group)
+        self._ipc.exchange({"pool": self._local})
+        self._buffers = [self._ipc.peer("pool", r) for r in range(self.world_size)]
+        self.handles_open = self._ipc.stats().handles_open
+
+    def buffer(self, rank: int) -> torch.Tensor:
+        return self._buffers[rank]
+
+    def barrier(self, timeout_s: float) -> None:
+        del timeout_s  # the process group's own timeout bounds it
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._buffers = []
+        self._ipc.close()
+        self._local = None
+        self.handles_open = 0
