@@ -20,8 +20,12 @@ from overlap.triton_gemm import GemmBlocks, choose_blocks, num_sms, triton_mm
 
 CANDIDATES = {
     "128x256x64w8s3": GemmBlocks(128, 256, 64, 8, 8, 3),
+    "128x256x64w8s3ws": GemmBlocks(128, 256, 64, 8, 8, 3, True),
+    "128x256x64w8s4ws": GemmBlocks(128, 256, 64, 8, 8, 4, True),
     "128x128x64w8s4": GemmBlocks(128, 128, 64, 8, 8, 4),
     "128x128x64w4s4": GemmBlocks(128, 128, 64, 8, 4, 4),
+    "128x128x64w4s4ws": GemmBlocks(128, 128, 64, 8, 4, 4, True),
+    "64x128x64w4s5": GemmBlocks(64, 128, 64, 8, 4, 5),
 }
 
 
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
                          for name, blk in CANDIDATES.items()})
         stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps)
         best = min(CANDIDATES, key=lambda n: stats[n].median_ms)
-        heuristic = next(n for n, blk in CANDIDATES.items() if blk == choose_blocks(pt.m, pt.n, pt.k))
+        heuristic = next((n for n, blk in CANDIDATES.items() if blk == choose_blocks(pt.m, pt.n, pt.k)), best)
         flops = 2 * pt.m * pt.n * pt.k
         row = {"layer": pt.layer, "op": pt.op, "M": pt.m, "K": pt.k, "N": pt.n,
                "t_cublas_ms": stats["cublas"].median_ms, "t_triton_best_ms": stats[best].median_ms,

@@ -43,6 +43,7 @@ class GemmBlocks:
     group_m: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda") -> GemmBlocks:
@@ -78,5 +79,5 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
         None, None, None, 0, 0, 1, 0,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
         EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptor_ok(a, b, out), B_TRANSPOSED=False,
-        WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        WARP_SPECIALIZE=blocks.warp_specialize, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     return out
