@@ -270,6 +270,7 @@ class SymmetricPool:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         flag = self.signals(name)[index:index + 1]
         if self.device.type == "cuda":
+            self._last_device_timeout_s = timeout_s
             from kernels.flags import launch_wait
             word = self.region(name).first_flag_word + index
             launch_wait(flag, epoch, self._signal_words(self.rank)[ERROR_WORD:ABORT_WORD + 1],
@@ -338,7 +339,7 @@ class SymmetricPool:
                 index = code - region.first_flag_word
                 seen = int(self.signals(region.name)[index].item())
                 raise SignalTimeout(region=region.name, index=index, epoch=epoch, observed=seen,
-                                    timeout_s=self.timeout_s)
+                                    timeout_s=getattr(self, "_last_device_timeout_s", self.timeout_s))
         raise SignalTimeout(region="?", index=code, epoch=epoch, observed=-1, timeout_s=self.timeout_s)
 
     # ----- pointer tables for kernels ------------------------------------------------------------------
