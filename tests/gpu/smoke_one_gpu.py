@@ -145,9 +145,10 @@ def _checks(rank, world):
             tpool.check_errors()
         except (SignalTimeout, PeerAbortError) as exc:
             return f"ok ({type(exc).__name__}: {exc})"
+        finally:
+            dist.barrier()
+            tpool.close()
         raise AssertionError("no timeout reported")
-
-    check("device wait timeout", wait_timeout)
 
     check("device wait timeout", wait_timeout)
     return report

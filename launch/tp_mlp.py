@@ -1,0 +1,247 @@
+"""The main job: training steps of the sequence-parallel TP MLP, overlapped vs plain collectives.
+
+    torchrun --standalone --nproc-per-node N -m launch.tp_mlp [--config FILE] [--model llama8b,llama70b]
+             [--tokens 4096,16384] [--steps S] [--warmup W] [--dtype bf16|fp32] [--cpu] [--out FILE]
+
+For every (model, M): builds the MLP from the model dims (--model, else the preset's `model` section, else
+llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
+GPU name and TP size); checks output and gradients against the `overlap=False` module once; then times
+training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on CUDA, PyTorch's async-TP
+fused ops, interleaved (overlap.timing: median of the max over ranks). k per op (AllGather+GEMM ops,
+CUDA): stream spans inside a step over the op's solo comm / GEMM times. Prints a table on rank 0 and writes
+results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
+with gloo and the host pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from overlap import envs
+from overlap.config import MODELS, ModelConfig, load_config, load_preset
+from overlap.layers import TPMLP, pool_requirements
+from overlap.report import device_slug, format_table, write_results
+from overlap.timing import bench_interleaved, progress
+from symm_mem import SymmetricPool
+
+from . import _dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
+TRACE_STEPS = 5
+COLUMNS = ["model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
+           "speedup", "speedup_vs_torch_symm", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "k_comm_fc2_bwd_ag",
+           "k_comp_fc2_bwd_ag", "rel_err_max"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.tp_mlp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU and TP size)")
+    p.add_argument("--model", default=None, help=f"comma-separated names of {', '.join(MODELS)} "
+                   "(default: the preset's model section, else llama8b on GPU / tiny on CPU)")
+    p.add_argument("--activation", default=None, choices=("swiglu", "gelu"), help="override the model's")
+    p.add_argument("--tokens", type=_ints, default=None, help="token counts M (default 16384 GPU, 256 CPU)")
+    p.add_argument("--steps", "--reps", dest="steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 20 GPU, 2 CPU)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--baselines", default=None,
+                   help="nccl[,torch_symm] (default: both on GPU, nccl on CPU)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    p.add_argument("--out", default=None, help="results JSON (default results/tp_mlp_<gpu>_tp<W>.json)")
+    return p.parse_args(argv)
+
+
+def _models(args, cfg, cuda: bool) -> list[ModelConfig]:
+    if args.model:
+        models = [ModelConfig.named(name) for name in args.model.split(",")]
+    elif cfg.model is not None:
+        models = [cfg.model]
+    else:
+        models = [ModelConfig.named("llama8b" if cuda else "tiny")]
+    if args.activation:
+        models = [dataclasses.replace(m, activation=args.activation) for m in models]
+    return models
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _max_over_ranks(values: list[float], ctx) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return t.tolist()
+
+
+def _fwd_bwd(mlp: TPMLP, x: torch.Tensor, dy: torch.Tensor):
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    y = mlp(x)
+    y.backward(dy)
+    return y.detach()
+
+
+def _check_numerics(ctx, ours: TPMLP, base: TPMLP, x, dy, dtype_name: str) -> dict:
+    """One forward+backward of both; the same error (max over ranks) is raised on every rank."""
+    results = []
+    for mlp in (ours, base):
+        y = _fwd_bwd(mlp, x, dy)
+        results.append((y, x.grad.clone(), mlp.fc1.weight.grad.clone(), mlp.fc2.weight.grad.clone()))
+    names = ("out", "grad_x", "grad_fc1", "grad_fc2")
+    errors = dict(zip(names, _max_over_ranks([_rel_err(a, b) for a, b in zip(*results)], ctx)))
+    tol = TOLERANCE[dtype_name] if ctx.device.type == "cpu" or dtype_name == "bf16" else 1e-3
+    if max(errors.values()) > tol:
+        raise RuntimeError(f"overlap vs overlap=False: relative errors {errors} exceed {tol}")
+    return {f"rel_err_{k}": v for k, v in errors.items()} | {"rel_err_max": max(errors.values())}
+
+
+def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
+    """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) on CUDA, else None."""
+    keys = ("fc1_fwd_ag", "fc2_bwd_ag")
+    if ctx.device.type != "cuda":
+        return {f"k_{kind}_{key}": None for key in keys for kind in ("comm", "comp")}
+    ops = {"fc1_fwd_ag": mlp.fc1.ops.ag, "fc2_bwd_ag": mlp.fc2.ops.ag}
+    shards = {"fc1_fwd_ag": x.detach(), "fc2_bwd_ag": dy}
+    weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t().contiguous()}
+    variants = {}
+    for key, op in ops.items():
+        full = op.all_gather(shards[key]).clone()
+        out = torch.empty(full.shape[0], weights[key].shape[1], dtype=full.dtype, device=full.device)
+        variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
+        variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
+    solo = bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps)
+    spans = {key: ([], []) for key in keys}
+    for op in ops.values():
+        op.enable_trace(True)
+    for _ in range(TRACE_STEPS):
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        step()
+        for key, op in ops.items():
+            trace = op.last_trace_ms()
+            spans[key][0].append(trace["comm_ms"])
+            spans[key][1].append(trace["compute_ms"])
+    for op in ops.values():
+        op.enable_trace(False)
+    medians = _max_over_ranks([statistics.median(v) for key in keys for v in spans[key]], ctx)
+    out = {}
+    for i, key in enumerate(keys):
+        out[f"k_comm_{key}"] = medians[2 * i] / solo[f"comm_{key}"].median_ms
+        out[f"k_comp_{key}"] = medians[2 * i + 1] / solo[f"gemm_{key}"].median_ms
+    return out
+
+
+def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
+    dtype = DTYPES[args.dtype]
+    common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
+    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
+    mlps = {"overlap": ours}
+    for name in baselines:
+        mlps[name if name != "nccl" else "baseline"] = TPMLP.from_model_config(
+            model, overlap=False, baseline=name, **common)
+    gen = torch.Generator().manual_seed(1000 + ctx.rank)  # per-rank weight shards, equal in every variant
+    w1 = (torch.randn(ours.fc1.weight.shape, generator=gen) / model.hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(ours.fc2.weight.shape, generator=gen) / model.ffn_hidden ** 0.5).to(dtype)
+    for mlp in mlps.values():
+        with torch.no_grad():
+            mlp.fc1.weight.copy_(w1)
+            mlp.fc2.weight.copy_(w2)
+    x = torch.randn(m // ctx.world_size, model.hidden, generator=gen).to(dtype).to(ctx.device).requires_grad_()
+    dy = torch.randn(m // ctx.world_size, model.hidden, generator=gen).to(dtype).to(ctx.device)
+    row = {"model": model.name, "M": m, "hidden": model.hidden, "ffn_hidden": model.ffn_hidden,
+           "activation": model.activation, "dtype": args.dtype}
+    row |= _check_numerics(ctx, ours, mlps["baseline"], x, dy, args.dtype)
+    optimizers = {name: torch.optim.SGD(mlp.parameters(), lr=1e-4) for name, mlp in mlps.items()}
+
+    def make_step(name):
+        mlp, opt = mlps[name], optimizers[name]
+
+        def step():
+            _fwd_bwd(mlp, x, dy)
+            opt.step()
+        return step
+
+    steps = {name: make_step(name) for name in mlps}
+    stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps)
+    ours.check_errors()
+    for name in ("overlap", "baseline", "torch_symm"):
+        s = stats.get(name)
+        row[f"t_step_{name}_ms"] = s.median_ms if s else None
+        row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = (s.min_ms, s.max_ms) if s else (None, None)
+    row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
+    row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
+                                    if "torch_symm" in stats else None)
+    row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2))
+    ours.check_errors()
+    row["ops"] = {f"{layer}.{op}": dataclasses.asdict(getattr(mlp_layer.ops, op).config)
+                  for layer, mlp_layer in (("fc1", ours.fc1), ("fc2", ours.fc2)) for op in ("ag", "rs")}
+    for mlp in mlps.values():
+        mlp.close()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
+    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
+    ctx = _dist.init(force_cpu=args.cpu)
+    try:
+        cuda = ctx.device.type == "cuda"
+        cfg = load_config(args.config) if args.config else load_preset(ctx.device_name, ctx.world_size)
+        cfg.check_world_size(ctx.world_size)
+        models = _models(args, cfg, cuda)
+        tokens = args.tokens or ((16384,) if cuda else (256,))
+        args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
+        baselines = args.baselines.split(",") if args.baselines else (["nccl", "torch_symm"] if cuda else ["nccl"])
+        if "nccl" not in baselines:
+            baselines.insert(0, "nccl")  # the numerics check and the speedup are against it
+        for model in models:
+            for m in tokens:
+                for what, value in (("ffn_hidden", model.ffn_hidden), ("--tokens", m)):
+                    if value % ctx.world_size:
+                        raise SystemExit(f"{model.name}: {what}={value} is not divisible by the TP size "
+                                         f"{ctx.world_size}")
+        needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype])
+                 for mo in models for m in tokens]
+        pool_bytes, signal_words = sum(n[0] for n in needs), sum(n[1] for n in needs) + 64
+        progress(f"tp_mlp: {len(models) * len(tokens)} point(s) on {ctx.world_size} x {ctx.device_name}, "
+                 f"preset {cfg.source}, pool {pool_bytes / 2**20:.1f} MiB", rank=ctx.rank)
+        rows = []
+        with SymmetricPool(pool_bytes, group=ctx.group, device=ctx.device, num_signal_words=signal_words,
+                           timeout_s=envs.timeout_s()) as pool:
+            for model in models:
+                for m in tokens:
+                    row = run_point(ctx, model, m, cfg, pool, args, baselines)
+                    rows.append(row)
+                    k = row["k_comm_fc1_fwd_ag"]
+                    progress(f"{model.name} M={m}: step {row['t_step_overlap_ms']:.3f} ms, overlap=False "
+                             f"{row['t_step_baseline_ms']:.3f} ms, speedup {row['speedup']:.3f}x, k_comm fc1 "
+                             f"{'-' if k is None else f'{k:.2f}'}, rel err {row['rel_err_max']:.2g}",
+                             rank=ctx.rank)
+            pool.barrier()
+        if ctx.rank == 0:
+            out = args.out or f"results/tp_mlp_{device_slug(ctx.device_name)}_tp{ctx.world_size}.json"
+            write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
+                          extra={"op": "tp_mlp", "preset": cfg.source, "steps": args.steps,
+                                 "warmup": args.warmup, "step": "forward + backward + SGD step"})
+            print(format_table(rows, COLUMNS))
+            print(f"wrote {out}")
+        return 0
+    finally:
+        _dist.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
