@@ -143,7 +143,7 @@ def points_for(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
 
 def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sms: int | None) -> list:
     base = getattr(base_cfg, op).default
-    axes = dict(grid or (GPU_GRID if cuda else CPU_GRID))
+    axes = dict(grid)
     out = []
     for values in itertools.product(*axes.values()):
         fields = dict(zip(axes, values))
@@ -344,7 +344,7 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
             raise RuntimeError(f"{args.write_config}: the written preset does not load back identically")
         files["config"] = args.write_config
     extra = {"kind": "kfactor", "max_k": args.max_k, "gate": args.gate, "gate_failures": failures,
-             "grid": {k: list(v) for k, v in (args.grid or {}).items()}, "reps": args.reps, "warmup": args.warmup,
+             "grid": {k: list(v) for k, v in args.effective_grid.items()}, "reps": args.reps, "warmup": args.warmup,
              "inject_comm_delay_ms": args.inject_comm_delay_ms, "best": best, "files": files}
     write_results(stem.with_suffix(".json"), rows, device=ctx.device_name, tp=ctx.world_size, extra=extra)
     print(format_table(rows, COLUMNS))
@@ -372,7 +372,8 @@ def main(argv=None) -> int:
         wrap = (partial(inject_comm_delay, delay_ms=args.inject_comm_delay_ms, active=flag, device=ctx.device)
                 if args.inject_comm_delay_ms > 0 else None)
         plan = [(op, points_for(args, op, ctx.world_size, cuda)) for op in args.ops]
-        configs = {op: configs_for(op, base_cfg, args.grid, cuda, num_sms) for op in args.ops if op != "regimes"}
+        args.effective_grid = dict(args.grid or (GPU_GRID if cuda else CPU_GRID))
+        configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms) for op in args.ops if op != "regimes"}
         total = sum(len(pts) * (4 if op == "regimes" else len(configs[op])) for op, pts in plan)
         env = {"reps": args.reps, "warmup": args.warmup, "flag": flag, "wrap": wrap, "bar": _Bar(total, ctx.rank),
                "trace_path": lambda op: str(stem.parent / f"{stem.name}_{op}.trace.json")}
@@ -393,6 +394,7 @@ def main(argv=None) -> int:
             _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem, num_sms)
             for message in failures:
                 print(f"k-factor gate: {message}", file=sys.stderr)
+        dist.barrier(group=ctx.group)   # torchrun stops every rank once one exits non-zero: rank 0 writes first
         return 1 if failures else 0
     finally:
         _dist.shutdown()

@@ -22,6 +22,8 @@ On CPU (host pool) the same protocol runs with torch.mm, stores into peers' shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -164,9 +166,7 @@ class GemmRs:
         ensure_allocator()
         m = a.shape[0]
         rows = m // self.world_size
-        blocks = choose_blocks(m, self.n, self.k_local)
-        blocks = type(blocks)(FLAG_BLOCK_M, *[getattr(blocks, f) for f in
-                                              ("block_n", "block_k", "group_m", "num_warps", "num_stages")])
+        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local), block_m=FLAG_BLOCK_M)
         compute = torch.cuda.current_stream(self.device)
         self._reduce_stream.wait_stream(compute)
         persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
@@ -176,7 +176,7 @@ class GemmRs:
             rows, self.rank, self._epoch, self.flags_per_source,
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
             EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
-            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+            WARP_SPECIALIZE=blocks.warp_specialize, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
         with torch.cuda.stream(self._reduce_stream):
             self._reduce(rows, out)
         compute.wait_stream(self._reduce_stream)

@@ -454,7 +454,7 @@ def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Calla
     """One overlapped step (collective): {lane: [(start_ms, end_ms)]} from the step's start.
 
     Lanes: "compute stream", "comm stream" and, from `lanes()` (e.g. RsCommOnly's push / reduce streams),
-    one lane each. With `profile_path` this rank also records the step with torch.profiler (CPU activity,
+    one lane each (CPU: "compute thread", "comm thread" and the comm thread's phases). With `profile_path` this rank also records the step with torch.profiler (CPU activity,
     CUDA too on GPUs) and writes a Chrome trace there.
     """
     runner = _PairRunner(comm_fn, comp_fn, device, None)
@@ -472,9 +472,10 @@ def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Calla
         prof.export_chrome_trace(str(profile_path))
     marks = runner.steps["both"][-1]
     go = marks["go"]
-    out = {"compute stream": [marks["comp"]], "comm stream": [marks["comm"]]}
+    unit = "stream" if device.type == "cuda" else "thread"
+    out = {f"compute {unit}": [marks["comp"]], f"comm {unit}": [marks["comm"]]}
     for name, (start, end) in (lanes() if lanes else {}).items():
-        out[f"comm: {name}"] = [(start, end)]
+        out[f"{name} stream" if device.type == "cuda" else f"comm thread: {name}"] = [(start, end)]
     return {lane: [(_ms(go, s), _ms(go, e)) for s, e in spans] for lane, spans in out.items()}
 
 

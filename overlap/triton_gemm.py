@@ -46,14 +46,17 @@ class GemmBlocks:
     warp_specialize: bool = False
 
 
-def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda") -> GemmBlocks:
-    """Pure heuristic: 128x256x64 / 8 warps / 3 stages matched cuBLAS on H200 for large shapes (GPU.md);
-    narrow N gets 128-wide tiles so that small GEMMs still fill the SMs."""
+def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda",
+                  warp_specialize: bool = True) -> GemmBlocks:
+    """Pure heuristic from launch.gemm_bench on an H200 (results/gemm_h200_tp2.json): 128x256x64 with 8
+    warps, 3 stages and warp specialisation for most shapes; 128x128x64 with 4 warps for M <= 1024 with
+    N <= 16384, where 256-wide tiles leave SMs idle. Callers whose K loop waits on flags pass
+    warp_specialize=False (a specialised load partition would not wait)."""
     if device_type != "cuda":
         return GemmBlocks(16, 16, 16, 4, 1, 1)
-    if n <= 2048 or m * n <= 4096 * 4096:
-        return GemmBlocks(128, 128, 64, 8, 8, 4)
-    return GemmBlocks(128, 256, 64, 8, 8, 3)
+    if m <= 1024 and n <= 16384:
+        return GemmBlocks(128, 128, 64, 8, 4, 4)
+    return GemmBlocks(128, 256, 64, 8, 8, 3, warp_specialize)
 
 
 def descriptor_ok(*tensors: torch.Tensor) -> bool:

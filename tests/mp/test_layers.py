@@ -1,0 +1,238 @@
+"""TP layers on CPU ranks (gloo + host pool) against the single-process MLP with the full weights."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap._validate import OpInputError
+from overlap.config import load_preset
+from overlap.layers import (TPMLP, ColumnParallelLinear, MLPReference, pool_requirements, shard_fc1, shard_fc2,
+                            shard_rows)
+from symm_mem import SymmetricPool
+from tests.multiproc import run_ranks
+
+# tails everywhere: hidden and ffn not multiples of 64, M/W not a multiple of 128 (and M < max_m)
+HIDDEN, FFN, ROWS = 72, 88, (37, 20)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _make(group, pool, dtype, activation="swiglu", overlap=True, max_m=None, **kwargs):
+    world = dist.get_world_size(group)
+    mlp = TPMLP(HIDDEN, FFN, activation=activation, group=group, max_m=max_m or ROWS[0] * world, dtype=dtype,
+                pool=pool if overlap else None, config=load_preset("cpu", world), overlap=overlap, **kwargs)
+    return mlp
+
+
+def _pool(group, dtype, num_mlps, world):
+    nbytes, words = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
+    return SymmetricPool(num_mlps * nbytes, group=group, num_signal_words=num_mlps * words + 16)
+
+
+def _ref(activation, seed, dtype):
+    """The oracle in float64 with weights rounded to `dtype` (the TP module gets the same values)."""
+    ref = MLPReference(HIDDEN, FFN, activation=activation, seed=seed, dtype=dtype).double()
+    return ref
+
+
+def _compare(mlp, ref, rank, world, m, seed, dtype):
+    """One forward + backward of both on fresh data; relative errors of output and every gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, HIDDEN, generator=gen).to(dtype).double()
+    dy = torch.randn(m, HIDDEN, generator=gen).to(dtype).double()
+    x_full = x.clone().requires_grad_(True)
+    ref.zero_grad()
+    ref(x_full).backward(dy)
+    x_shard = shard_rows(x, rank, world).to(dtype).requires_grad_(True)
+    mlp.zero_grad()
+    y = mlp(x_shard)
+    y.backward(shard_rows(dy, rank, world).to(dtype))
+    if y.shape != (m // world, HIDDEN) or y.dtype != dtype or not y.is_contiguous():
+        raise AssertionError(f"output {tuple(y.shape)} {y.dtype} contiguous={y.is_contiguous()}")
+    with torch.no_grad():
+        y_ref = ref(x)
+    return max(rel_err(y, shard_rows(y_ref, rank, world)),
+               rel_err(x_shard.grad, shard_rows(x_full.grad, rank, world)),
+               rel_err(mlp.fc1.weight.grad, shard_fc1(ref.fc1_weight.grad, rank, world, mlp.activation)),
+               rel_err(mlp.fc2.weight.grad, shard_fc2(ref.fc2_weight.grad, rank, world)))
+
+
+def _matches_reference(rank, world, group, cases):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    errors = {}
+    with _pool(group, torch.float32, len(cases), world) as pool:
+        for i, (dtype_name, activation, overlap) in enumerate(cases):
+            dtype = getattr(torch, dtype_name)
+            mlp = _make(group, pool, dtype, activation, overlap, name=f"mlp{i}")
+            ref = _ref(activation, seed=i + 10 * world, dtype=dtype)
+            mlp.load_full_weights(ref.fc1_weight.detach().to(dtype), ref.fc2_weight.detach().to(dtype))
+            errs = [_compare(mlp, ref, rank, world, rows * world, seed=step, dtype=dtype)
+                    for step, rows in enumerate(ROWS * 2)]  # M below max_m; both pool buffers reused
+            errors[(dtype_name, activation, overlap)] = max(errs)
+            mlp.close()
+        pool.barrier()  # the pool is sized by pool_requirements: an under-estimate raises PoolCapacityError
+    return errors
+
+
+CASES = [(d, a, o) for d in ("float32", "bfloat16") for a in ("swiglu", "gelu") for o in (True, False)]
+
+
+def _world_cases(rank, world):
+    return _matches_reference(rank, world, dist.group.WORLD, CASES)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mlp_output_and_every_gradient_match_the_full_reference(world):
+    for errors in run_ranks(_world_cases, world, timeout_s=240):
+        for (dtype_name, activation, overlap), err in errors.items():
+            assert err <= TOLERANCE[dtype_name], (dtype_name, activation, overlap, err)
+
+
+def _two_groups_of_two(rank, world):
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    return _matches_reference(rank, world, group, [("float32", "swiglu", True), ("bfloat16", "gelu", True)])
+
+
+def test_two_tp_groups_inside_a_world_of_four():
+    for errors in run_ranks(_two_groups_of_two, 4, timeout_s=180):
+        for (dtype_name, *_), err in errors.items():
+            assert err <= TOLERANCE[dtype_name], errors
+
+
+def _pending_forwards(mlp, world, compiled=None):
+    """Backward after 2 pending forwards (fine: double buffer) and after 3 (the first one is stale)."""
+    run = compiled or mlp
+    xs = [torch.randn(ROWS[0], HIDDEN, generator=torch.Generator().manual_seed(s)).requires_grad_(True)
+          for s in range(3)]
+    for x in xs[:2]:  # one forward, one backward at a time: the values to compare with
+        run(x).sum().backward()
+    single = [x.grad.clone() for x in xs[:2]]
+    for x in xs:
+        x.grad = None
+    ys = [run(x) for x in xs[:2]]
+    for y in reversed(ys):
+        y.sum().backward()
+    errors = [rel_err(x.grad, s) for x, s in zip(xs, single)]
+    ys = [run(x) for x in xs]
+    try:
+        ys[0].sum().backward()
+        message = None
+    except OpInputError as exc:
+        message = str(exc)
+    return message, errors
+
+
+def _pending(rank, world):
+    group, dtype = dist.group.WORLD, torch.float32
+    out = {}
+    with _pool(group, dtype, 2, world) as pool:
+        for save in ("view", "copy"):
+            mlp = _make(group, pool, dtype, save_gathered=save, name=f"mlp.{save}")
+            ref = _ref("swiglu", seed=5, dtype=dtype)
+            mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
+            out[save] = _pending_forwards(mlp, world)
+            mlp.close()
+        pool.barrier()
+    return out
+
+
+def test_saved_gathered_input_is_checked_not_silently_stale():
+    out = run_ranks(_pending, 2)
+    assert out[0] == out[1]  # the same error on every rank
+    message, errors = out[0]["view"]
+    assert "overwritten by 2 later forwards" in message and "save_gathered='copy'" in message, message
+    assert out[0]["copy"][0] is None  # copies never go stale
+    assert max(errors + out[0]["copy"][1]) <= 1e-6
+
+
+def _compile_matches_eager(rank, world):
+    group, dtype, m = dist.group.WORLD, torch.float32, ROWS[0] * world
+    errors = []
+    with _pool(group, dtype, 1, world) as pool:
+        mlp = _make(group, pool, dtype)
+        ref = _ref("swiglu", seed=3, dtype=dtype)
+        mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
+        compiled = torch.compile(mlp, fullgraph=True)  # inductor; the ops are opaque with fake impls
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x, dy = torch.randn(m // world, HIDDEN, generator=gen), torch.randn(m // world, HIDDEN, generator=gen)
+            results = []
+            for run in (mlp, compiled):
+                xs = x.clone().requires_grad_(True)
+                mlp.zero_grad()
+                y = run(xs)
+                y.backward(dy)
+                results.append((y.detach(), xs.grad, mlp.fc1.weight.grad.clone(), mlp.fc2.weight.grad.clone()))
+            errors.append(max(rel_err(a, b) for a, b in zip(*results)))
+        stale = _pending_forwards(mlp, world, compiled)  # the epoch stamp is a runtime value, not baked in
+        mlp.close()
+        pool.barrier()
+    return errors, stale
+
+
+def test_compile_fullgraph_forward_backward_matches_eager():
+    for errors, (message, pending_errors) in run_ranks(_compile_matches_eager, 2, timeout_s=300):
+        assert max(errors) <= 1e-5, errors
+        assert max(pending_errors) <= 1e-5, pending_errors
+        assert message and "overwritten by 2 later forwards" in message, message
+
+
+def _bad_arguments(rank, world):
+    group, dtype = dist.group.WORLD, torch.float32
+    msgs = []
+    with _pool(group, dtype, 1, world) as pool:
+        bad_builds = [
+            dict(hidden=HIDDEN, ffn=87),                       # ffn not divisible by W
+            dict(overlap=True, pool=None),                     # overlap without a pool
+            dict(overlap=False, baseline="mpi"),               # unknown baseline
+            dict(overlap=False, baseline="torch_symm"),        # CUDA only
+            dict(save_gathered="keep"),                        # unknown save mode
+            dict(max_m=75),                                    # max_m not divisible by W
+        ]
+        for case in bad_builds:
+            kwargs = {"group": group, "max_m": case.pop("max_m", 74), "dtype": dtype,
+                      "pool": case.pop("pool", pool), "config": load_preset("cpu", world)}
+            try:
+                TPMLP(case.pop("hidden", HIDDEN), case.pop("ffn", FFN), name="bad", **kwargs, **case)
+            except OpInputError as exc:
+                msgs.append(str(exc))
+        mlp = _make(group, pool, dtype, max_m=74)
+        good = torch.randn(37, HIDDEN)
+        for x in (good.double(), torch.randn(37, HIDDEN + 1), torch.randn(HIDDEN, 37).t(), torch.randn(38, HIDDEN)):
+            try:
+                mlp(x)
+            except OpInputError as exc:
+                msgs.append(str(exc))
+        # after refused calls the module still works: no rank is stuck half-way through a collective
+        y = mlp(good.requires_grad_(True))
+        y.sum().backward()
+        mlp.close()
+        pool.barrier()
+    return msgs
+
+
+def test_bad_arguments_raise_the_same_clear_error_on_every_rank():
+    msgs = run_ranks(_bad_arguments, 2)
+    assert msgs[0] == msgs[1] and len(msgs[0]) == 10, msgs[0]
+    expected = ["ffn_hidden=87 must be divisible by the group size (2)", "overlap=True needs pool=",
+                "baseline='mpi'; allowed: nccl | torch_symm", "baseline='torch_symm' needs CUDA",
+                "save_gathered='keep'; allowed: view | copy", "max_m=75 must be divisible by the group size",
+                "mlp.fc1 input has dtype torch.float64", "mlp.fc1 input has shape (37, 73); dim 1 must be 72",
+                "mlp.fc1 input must be contiguous", "mlp.fc1: M=76 exceeds max_m of this layer (74)"]
+    for msg, want in zip(msgs[0], expected):
+        assert want in msg, (msg, want)
+
+
+def test_shard_helpers_slice_gate_and_up_separately():
+    full = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)  # [gate 4 cols | up 4 cols]
+    shards = [shard_fc1(full, r, 2, "swiglu") for r in range(2)]
+    assert torch.equal(shards[0], full[:, [0, 1, 4, 5]]) and torch.equal(shards[1], full[:, [2, 3, 6, 7]])
+    assert torch.equal(shard_fc1(full, 1, 2, "gelu"), full[:, 4:])
+    assert torch.equal(shard_fc2(full.t().contiguous(), 1, 2), full.t()[4:])
+    with pytest.raises(OpInputError, match="fc1 width=3 must be divisible by the group size"):
+        shard_fc1(torch.zeros(2, 6), 0, 2, "swiglu")
+    assert ColumnParallelLinear.kind == "column"
