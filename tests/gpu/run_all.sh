@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call on the GPU machine: tests, then benchmarks; JSON + logs under $OUT
-# (or ./out), a short table last. Usage (from the repo root): bash tests/gpu/run_all.sh [pytest -k expr]
+# The GPU suite on the GPU machine, in phases so that each device call stays under its time limit:
+#   bash tests/gpu/run_all.sh tests    # pytest -m gpu tests/gpu + pool bandwidth
+#   bash tests/gpu/run_all.sh ops      # launch.bench ag_gemm and gemm_rs over DESIGN.md's shape table
+#   bash tests/gpu/run_all.sh model    # launch.kfactor sweep and launch.tp_mlp (when present)
+#   bash tests/gpu/run_all.sh all
+# Everything lands in $OUT (default ./out): results.tgz (JSON, PNG, logs) and summary.txt; a short table
+# is printed last. The GPU count comes from nvidia-smi.
 set -uo pipefail
+PHASE=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/out}; RES=$OUT/res; mkdir -p "$RES"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-# nvshmem4py is not installed on the GPU machine: carry its wheel in .whl/ (see README "GPU runs").
+# nvshmem4py is not installed on the GPU machine: carry its wheel in .whl/ (README "GPU runs").
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
 NGPU=$(nvidia-smi -L | wc -l)
-echo "gpus=$NGPU commit=${OVERLAP_GIT_COMMIT:-?}" | tee "$OUT/summary.txt"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee -a "$OUT/summary.txt"
-
+SUMMARY=$OUT/summary.txt
+echo "phase=$PHASE gpus=$NGPU commit=${OVERLAP_GIT_COMMIT:-?}" | tee -a "$SUMMARY"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee -a "$SUMMARY"
 status=0
-KEXPR=${1:-}
-timeout 900 python3 -m pytest -m gpu tests/gpu -q -x ${KEXPR:+-k "$KEXPR"} --junitxml="$OUT/gpu_tests.xml" \
-  2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
-grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -1 | sed 's/^/tests: /' >> "$OUT/summary.txt"
 
-bench() {  # name, then the launch.bench arguments
-  local name=$1; shift
-  local cmd="torchrun --standalone --nproc-per-node $NGPU -m launch.bench $*"
-  echo "== $cmd" | tee -a "$OUT/summary.txt"
-  OVERLAP_COMMAND="$cmd" timeout 600 $cmd --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
-  grep -E '^\|' "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+launch() {  # name, limit_s, module, args...: run one torchrun job, keep its JSON and log
+  local name=$1 limit=$2 module=$3; shift 3
+  local cmd="torchrun --standalone --nproc-per-node $NGPU -m $module $*"
+  echo "== $cmd" | tee -a "$SUMMARY"
+  OVERLAP_COMMAND="$cmd" timeout "$limit" $cmd --out "$RES/$name.json" > "$RES/$name.log" 2>&1 \
+    || { status=1; echo "!! $name failed (rc=$?)" | tee -a "$SUMMARY"; tail -20 "$RES/$name.log" >> "$SUMMARY"; }
+  grep -E '^\|' "$RES/$name.log" >> "$SUMMARY"
 }
-bench pool_bw_torch --op pool_bw --backend torch
-bench pool_bw_nvshmem --op pool_bw --backend nvshmem --sizes-mb 1,16,64
-echo; cat "$OUT/summary.txt"
+
+if [[ $PHASE == tests || $PHASE == all ]]; then
+  timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml="$RES/gpu_tests.xml" \
+    > "$RES/gpu_tests.log" 2>&1 || status=1
+  tail -3 "$RES/gpu_tests.log" | sed 's/^/tests: /' | tee -a "$SUMMARY"
+  grep -E "^(FAILED|ERROR)" "$RES/gpu_tests.log" | cut -c1-300 >> "$SUMMARY"
+  launch pool_bw_torch 120 launch.bench --op pool_bw --backend torch
+  launch pool_bw_nvshmem 120 launch.bench --op pool_bw --backend nvshmem --sizes-mb 1,16,64
+  launch pool_bw_ipc 120 launch.bench --op pool_bw --backend ipc --sizes-mb 1,16,64
+fi
+if [[ $PHASE == ops || $PHASE == all ]]; then
+  launch ag_gemm 300 launch.bench --op ag_gemm
+  launch gemm_rs 300 launch.bench --op gemm_rs
+fi
+if [[ $PHASE == model || $PHASE == all ]]; then
+  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
+  [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp
+fi
+tar -czf "$OUT/results_$PHASE.tgz" -C "$RES" .
+echo; cat "$SUMMARY"
 exit $status

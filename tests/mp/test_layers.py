@@ -105,7 +105,7 @@ def test_two_tp_groups_inside_a_world_of_four():
 
 def _pending_forwards(mlp, world, compiled=None):
     """Backward after 2 pending forwards (fine: double buffer) and after 3 (the first one is stale)."""
-    run = compiled or mlp
+    run = compiled if compiled is not None else mlp
     xs = [torch.randn(ROWS[0], HIDDEN, generator=torch.Generator().manual_seed(s)).requires_grad_(True)
           for s in range(3)]
     for x in xs[:2]:  # one forward, one backward at a time: the values to compare with
