@@ -23,8 +23,12 @@ AG = OpConfig(op="ag_gemm", method="decomposed", comm_stream_priority=0)
 RS = OpConfig(op="gemm_rs", method="decomposed", comm_stream_priority=0)
 
 
-def _shm():
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+def _shm(pids=None):
+    """Our /dev/shm segments (of the given processes only: other test runs may share the machine)."""
+    names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+    if pids is None:
+        return names
+    return [n for n in names if int(n[len(SHM_PREFIX):].split("-")[0]) in pids]
 
 
 def _skip_signal(rank, world, bad_rank, timeout_s):
@@ -97,7 +101,7 @@ def _cycles(rank, world, n):
 
     def counts():
         ours = sum(1 for line in open("/proc/self/maps") if SHM_PREFIX in line or "tpov-ipc" in line)
-        return (len(os.listdir("/proc/self/fd")), ours, len(_shm()),
+        return (len(os.listdir("/proc/self/fd")), ours, len(_shm({os.getpid()})),
                 live_pool_count(), live_ipc_pool_count())
 
     x = host_empty((256,), torch.float32)
