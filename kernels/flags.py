@@ -21,12 +21,14 @@ def read_globaltimer():
                                      is_pure=False, pack=1)
 
 
-@triton.jit
+# Epochs (and ranges) change every call: never specialise on them, or Triton recompiles at epoch 1 and at
+# multiples of 16 (a timing spike, and a compile inside a CUDA-graph capture).
+@triton.jit(do_not_specialize=["epoch"])
 def signal_kernel(flag_ptr, epoch):
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch", "error_code", "timeout_ns"])
 def wait_kernel(flag_ptr, epoch, error_ptr, error_code, timeout_ns, USE_TIMER: tl.constexpr):
     # error_ptr -> [code, expected epoch, abort]; a nonzero abort word (another rank gave up) ends the
     # wait at once, recorded with code -1.
@@ -61,7 +63,7 @@ def launch_wait(flag: torch.Tensor, epoch: int, error_words: torch.Tensor, *, er
     wait_kernel[(1,)](flag, epoch, error_words, error_code, timeout_ns, USE_TIMER=flag.is_cuda)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first", "count", "epoch"])
 def signal_range_kernel(flag_ptr, first, count, epoch, BLOCK: tl.constexpr):
     offsets = first + tl.arange(0, BLOCK)
     for start in range(0, count, BLOCK):

@@ -43,6 +43,9 @@ def init(*, force_cpu: bool = False) -> DistContext:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
+    # The first custom-op call imports torch._dynamo; imported after init_process_group, it made the
+    # group outlive destroy_process_group ("terminate called without an active exception" at exit).
+    import torch._dynamo  # noqa: F401
     timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.timeout_s()))
     kwargs = {"device_id": device} if use_cuda else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,

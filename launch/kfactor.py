@@ -45,7 +45,7 @@ from overlap.ag_gemm import AgGemm
 from overlap.config import OpBucket, OpPreset, OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
 from overlap.k_factor import inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
-from overlap.reference import gemm_rs_reference
+from overlap.reference import ag_gemm_reference, gemm_rs_reference
 from overlap.report import device_slug, format_table, write_results
 from overlap.shapes import M_VALUES, ShapePoint, ag_points, rs_points
 from overlap.timing import bench_interleaved, progress
@@ -189,11 +189,13 @@ def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, 
         cls, dims = (AgGemm, {"k": k, "n_local": n}) if ag else (GemmRs, {"k_local": k, "n": n})
         ops = [cls(group=ctx.group, pool=pool, max_m=m, dtype=dtype, config=c, name=f"kf_{op_name}{i}", **dims)
                for i, c in enumerate(configs)]
-        ref = None if ag else gemm_rs_reference(*inputs, group=ctx.group)
-        for cfg, op in zip(configs, ops):   # correctness before timing
+        ref = ag_gemm_reference(*inputs, group=ctx.group)[1] if ag else gemm_rs_reference(*inputs, group=ctx.group)
+        for cfg, op in zip(configs, ops):   # correctness before timing (and every kernel compiled on every rank)
             if ag:
                 out, a = op(*inputs, return_gathered=True)
-                err = _rel_err(out, a.float() @ inputs[1].float())
+                if not torch.equal(a, ref):
+                    raise RuntimeError(f"{op_name} {point.layer} M={m} {cfg}: the gathered a is not bit-exact")
+                err = _rel_err(out, ref.float() @ inputs[1].float())
             else:
                 err = _rel_err(op(*inputs), ref)
             if err > 1e-2:
@@ -283,7 +285,8 @@ def best_configs(rows: list[dict]) -> dict[str, list[tuple[int, dict]]]:
                 fastest[key] = min(fastest.get(key, math.inf), r["t_op_ms"])
             scores: dict[tuple, list] = {}
             for r in at_m:
-                scores.setdefault(_config_of(r), []).append(math.log(r["t_op_ms"] / fastest[(r["layer"], r["K"], r["N"])]))
+                ratio = r["t_op_ms"] / fastest[(r["layer"], r["K"], r["N"])]
+                scores.setdefault(_config_of(r), []).append(math.log(ratio))
             best = min(scores, key=lambda c: sum(scores[c]) / len(scores[c]))
             out.setdefault(op, []).append((m, dict(zip(CONFIG_KEYS, best))))
     return out
@@ -316,7 +319,9 @@ def gate_failures(rows: list[dict], max_k: float, best: dict | None = None) -> l
     chosen = {(op, m): tuple(f.values()) for op, items in (best or {}).items() for m, f in items}
     out = []
     for r in rows:
-        if r["op"] not in ("ag_gemm", "gemm_rs") or (best is not None and chosen.get((r["op"], r["M"])) != _config_of(r)):
+        if r["op"] not in ("ag_gemm", "gemm_rs"):
+            continue
+        if best is not None and chosen.get((r["op"], r["M"])) != _config_of(r):
             continue
         bad = [f"{name}={r[name]:.3f}" for name in ("k_comm", "k_comp")
                if not math.isfinite(r[name]) or r[name] > max_k]
@@ -332,7 +337,8 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
         from . import _plots
         files["plot"] = str(_plots.plot_sweep([r for r in rows if r["op"] != "ag_regime"], stem.with_suffix(".png"),
                                               max_k=args.max_k, title=stem.name))
-        files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines], stem.parent / f"{stem.name}_timeline.png"))
+        files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines],
+                                                     stem.parent / f"{stem.name}_timeline.png"))
         files["traces"] = [str(stem.parent / f"{stem.name}_{op}.trace.json") for op, _ in timelines]
     if args.write_config:
         cfg = tuned_config(base_cfg, best, device_name=ctx.device_name, world=ctx.world_size, num_sms=num_sms)
@@ -373,7 +379,8 @@ def main(argv=None) -> int:
                 if args.inject_comm_delay_ms > 0 else None)
         plan = [(op, points_for(args, op, ctx.world_size, cuda)) for op in args.ops]
         args.effective_grid = dict(args.grid or (GPU_GRID if cuda else CPU_GRID))
-        configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms) for op in args.ops if op != "regimes"}
+        configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms)
+                   for op in args.ops if op != "regimes"}
         total = sum(len(pts) * (4 if op == "regimes" else len(configs[op])) for op, pts in plan)
         env = {"reps": args.reps, "warmup": args.warmup, "flag": flag, "wrap": wrap, "bar": _Bar(total, ctx.rank),
                "trace_path": lambda op: str(stem.parent / f"{stem.name}_{op}.trace.json")}

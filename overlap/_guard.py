@@ -31,7 +31,10 @@ class CallGuard:
                                f"and must be issued in one order on every rank (use one thread per op)")
         if self._cuda:
             stream = torch.cuda.current_stream()
-            if self._last_stream is not None and stream != self._last_stream:
+            # Inside a CUDA-graph capture an event recorded outside it cannot be waited on; capture on the
+            # stream the op was warmed up on (or after a synchronize).
+            capturing = torch.cuda.is_current_stream_capturing()
+            if self._last_stream is not None and stream != self._last_stream and not capturing:
                 stream.wait_event(self._done)
             self._last_stream = stream
         return self

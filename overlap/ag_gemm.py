@@ -135,6 +135,11 @@ class AgGemm:
         end.synchronize()
         return {"compute_ms": start.elapsed_time(end), "comm_ms": comm_start.elapsed_time(comm_end)}
 
+    @property
+    def epoch(self) -> int:
+        """Calls issued so far (the epoch the last call wrote into its flags)."""
+        return self._epoch
+
     def close(self) -> None:
         """Drop references to pool memory (the pool itself is owned by the caller)."""
         self.gathered = None

@@ -44,6 +44,7 @@ class LayerOps:
     ag_gemm(x [M/W, H], w [H, L]) -> (out [M, L], gathered x [M, H], epoch);  gemm_rs(a [M, L], w [L, H]).
     """
     world_size: int
+    name: str = "layer"  # the owning layer's name, for messages (set by the layer)
 
     def ag_gemm(self, x, w, *, keep: bool):
         raise NotImplementedError
@@ -55,7 +56,7 @@ class LayerOps:
         """w^T as the backend's GEMM wants it (a view for cuBLAS-based backends)."""
         return w.t()
 
-    def check_saved(self, epoch: int, layer: str) -> None:
+    def check_saved(self, epoch: int) -> None:
         """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
 
     def close(self) -> None:
@@ -83,7 +84,7 @@ class OverlapLayerOps(LayerOps):
         out, gathered = self.ag(x, w, return_gathered=True)
         if keep:
             gathered = gathered.clone() if self.save_gathered == "copy" else _own_version_alias(gathered)
-        return out, gathered, self.ag._epoch
+        return out, gathered, self.ag.epoch
 
     def gemm_rs(self, a, w):
         return self.rs(a, w)
@@ -92,11 +93,12 @@ class OverlapLayerOps(LayerOps):
         # the ops take row-major [K, N] only: one weight-sized copy per backward (see the report)
         return w.t().contiguous()
 
-    def check_saved(self, epoch: int, layer: str) -> None:
-        if self.save_gathered == "view" and self.ag._epoch - epoch >= 2:
+    def check_saved(self, epoch: int) -> None:
+        later = self.ag.epoch - epoch
+        if self.save_gathered == "view" and later >= 2:
             raise OpInputError(
-                f"{layer}: the gathered input saved by a forward was overwritten by {self.ag._epoch - epoch} "
-                f"later forwards before its backward ran (the pool keeps 2); build the layer with "
+                f"{self.name}: the gathered input saved by a forward was overwritten by {later} later "
+                f"forwards before its backward ran (the pool keeps 2); build the layer with "
                 f"save_gathered='copy' for schedules with more than 2 forwards pending")
 
     def check_errors(self) -> None:
@@ -195,7 +197,7 @@ def _(x, w, layer_id):
 def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.Tensor, w: torch.Tensor,
                     layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     ops = get_layer_ops(layer_id)
-    ops.check_saved(int(stamp), f"column layer {layer_id}")
+    ops.check_saved(int(stamp))
     grad_y = grad_y.contiguous()
     grad_x = ops.gemm_rs(grad_y, ops.transpose(w))
     grad_w = torch.mm(gathered.t(), grad_y)  # the forward's gathered input: no second AllGather

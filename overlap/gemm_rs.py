@@ -115,6 +115,11 @@ class GemmRs:
             raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
                                 observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)
 
+    @property
+    def epoch(self) -> int:
+        """Calls issued so far (the epoch the last call wrote into its flags)."""
+        return self._epoch
+
     def close(self) -> None:
         self.partials = None
 

@@ -250,12 +250,14 @@ class RsCommOnly:
     """The communication of GEMM+RS with no GEMM: push precomputed partials [M, N] to their owners (copy
     engine, ring order from rank + 1, own chunk last), flag them, reduce the W partials of this rank's
     rows into [M/W, N] with the reduction kernel (CUDA) or torch (CPU). Own pool region and epochs, so
-    it never disturbs the op's flags. Built once per (pool, max_m, n, dtype); call it many times.
+    it never disturbs the op's flags. Built once per (pool, max_m, n, dtype); call it many times while
+    the caller keeps the pool open (it holds only a weak reference to it).
     """
 
     def __init__(self, pool, *, max_m: int, n: int, dtype: torch.dtype, stream_priority: int = -1,
                  name: str = "kfactor.rs_comm"):
-        self.pool, self.name, self.n, self.dtype = pool, name, n, dtype
+        # A weak proxy: the caller owns the pool (and the cache below must not keep it alive).
+        self.pool, self.name, self.n, self.dtype = weakref.proxy(pool), name, n, dtype
         self.rank, self.world_size, self.device = pool.rank, pool.world_size, pool.device
         max_rows = max_m // self.world_size
         self.flags_per_source = -(-max_rows // FLAG_BLOCK_M) + 1
@@ -454,8 +456,9 @@ def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Calla
     """One overlapped step (collective): {lane: [(start_ms, end_ms)]} from the step's start.
 
     Lanes: "compute stream", "comm stream" and, from `lanes()` (e.g. RsCommOnly's push / reduce streams),
-    one lane each (CPU: "compute thread", "comm thread" and the comm thread's phases). With `profile_path` this rank also records the step with torch.profiler (CPU activity,
-    CUDA too on GPUs) and writes a Chrome trace there.
+    one lane each (CPU: "compute thread", "comm thread" and the comm thread's phases). With
+    `profile_path` this rank also records the step with torch.profiler (CPU activity, CUDA too on GPUs)
+    and writes a Chrome trace there.
     """
     runner = _PairRunner(comm_fn, comp_fn, device, None)
     for _ in range(2):   # warm: first calls compile kernels and open handles

@@ -61,11 +61,10 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
         if config is None:
             name_of = torch.cuda.get_device_name(pool.device) if pool.device.type == "cuda" else "cpu"
             config = load_preset(name_of, dist.get_world_size(group))
-        fwd, bwd = ("ag", "rs") if kind == "column" else ("rs", "ag")
+        ag_role, rs_role = ("fwd", "bwd") if kind == "column" else ("bwd", "fwd")
         return custom_ops.OverlapLayerOps(
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
-            ag_name=f"{name}.{'fwd' if fwd == 'ag' else 'bwd'}.ag",
-            rs_name=f"{name}.{'fwd' if fwd == 'rs' else 'bwd'}.rs", save_gathered=save_gathered)
+            ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered)
     if baseline == "nccl":
         return custom_ops.NcclLayerOps(group=group)
     if baseline == "torch_symm":
@@ -74,7 +73,17 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
 
 
 class _ParallelLinear(nn.Module):
-    """Shared construction: validation, the op contexts, the registry id, the weight [in, out] shard."""
+    """Shared construction: validation, the op contexts, the registry id, the weight [in, out] shard.
+
+    Keywords: group (the TP group, required); max_m (largest token count M, a multiple of W; the op
+    config is the preset's for max_m); dtype; pool (SymmetricPool on `group`, required when overlap=True;
+    the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
+    config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
+    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); device
+    (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
+    Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
+    as N(0, 1/in_features) from the default generator: copy the real shard in (TPMLP.load_full_weights).
+    """
 
     kind = ""
 
@@ -98,6 +107,8 @@ class _ParallelLinear(nn.Module):
             device = pool.device if pool is not None else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if pool is not None and overlap and pool.device != self.device:
             raise OpInputError(f"{self.name}: pool is on {pool.device}, device= is {self.device}")
         self.group, self.max_m, self.dtype, self.overlap = group, max_m, dtype, bool(overlap)
@@ -108,9 +119,11 @@ class _ParallelLinear(nn.Module):
         self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
                              dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
                              name=self.name, save_gathered=save_gathered, kind=self.kind)
+        self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
         shape = (hidden, local) if self.kind == "column" else (local, hidden)
-        self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype, device=self.device))
+        # N(0, 1/in_features) like a fresh shard of the full layer; load real weights with copy_()
+        self.weight = nn.Parameter(torch.randn(shape, device=self.device).mul_(in_features ** -0.5).to(dtype))
 
     def close(self) -> None:
         """Drop the op contexts' pool references and the registry entry (the pool is the caller's)."""
@@ -130,7 +143,8 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         impl = "overlap" if self.overlap else type(self.ops).__name__
-        return f"{self.in_features}->{self.out_features}, world={self.world_size}, {impl}, weight={tuple(self.weight.shape)}"
+        return (f"{self.in_features}->{self.out_features}, world={self.world_size}, {impl}, "
+                f"weight={tuple(self.weight.shape)}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -181,7 +195,11 @@ class TPMLP(nn.Module):
         if group is not None:  # checked here so the message names ffn_hidden, not fc1's width
             check_divisible("ffn_hidden", ffn_hidden, dist.get_world_size(group), "the group size")
         self.fc1 = ColumnParallelLinear(hidden, width, name=f"{name}.fc1", **layer_kwargs)
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, name=f"{name}.fc2", **layer_kwargs)
+        try:
+            self.fc2 = RowParallelLinear(ffn_hidden, hidden, name=f"{name}.fc2", **layer_kwargs)
+        except BaseException:
+            self.fc1.close()  # leave no registry entry behind (its pool regions stay reserved)
+            raise
         self.world_size, self.rank = self.fc1.world_size, self.fc1.rank
 
     @classmethod

@@ -47,7 +47,7 @@ if [[ $PHASE == ops || $PHASE == all ]]; then
 fi
 if [[ $PHASE == model || $PHASE == all ]]; then
   [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
-  [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp
+  [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384
 fi
 tar -czf "$OUT/results_$PHASE.tgz" -C "$RES" .
 echo; cat "$SUMMARY"

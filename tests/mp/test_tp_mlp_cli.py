@@ -1,0 +1,58 @@
+"""`launch.tp_mlp` end to end under torchrun on 2 CPU ranks (gloo + host pool)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args, tmp_path, timeout=240):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "launch.tp_mlp", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_tp_mlp_cli_runs_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "tp_mlp.json"
+    proc = _run(["--tokens", "64,128", "--steps", "3", "--warmup", "1", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tp"] == 2 and doc["device"] == "cpu" and doc["op"] == "tp_mlp"
+    assert doc["preset"].endswith("cpu.yaml") and "launch.tp_mlp --tokens 64,128" in doc["command"]
+    assert [(r["model"], r["M"]) for r in doc["rows"]] == [("tiny", 64), ("tiny", 128)]
+    for row in doc["rows"]:
+        assert row["hidden"] == 64 and row["ffn_hidden"] == 176 and row["activation"] == "swiglu"
+        assert row["rel_err_max"] <= 2e-2 and row["dtype"] == "bf16"
+        assert row["t_step_overlap_ms"] > 0 and row["t_step_baseline_ms"] > 0
+        assert abs(row["speedup"] - row["t_step_baseline_ms"] / row["t_step_overlap_ms"]) < 1e-9
+        assert row["t_step_overlap_min_ms"] <= row["t_step_overlap_ms"] <= row["t_step_overlap_max_ms"]
+        assert row["k_comm_fc1_fwd_ag"] is None and row["t_step_torch_symm_ms"] is None  # CUDA only
+        assert set(row["ops"]) == {"fc1.fwd.ag", "fc1.bwd.rs", "fc2.fwd.rs", "fc2.bwd.ag"}
+        assert row["ops"]["fc1.fwd.ag"]["method"] == "decomposed"
+    assert "| model | M |" in proc.stdout and "tiny M=128: step" in proc.stderr
+
+
+def test_tp_mlp_cli_takes_the_model_and_partition_from_the_yaml(tmp_path):
+    raw = yaml.safe_load((ROOT / "configs" / "cpu.yaml").read_text())
+    raw["ops"]["ag_gemm"]["chunks_per_rank"] = 3
+    raw["model"] = {"name": "mini", "hidden": 72, "ffn_hidden": 88, "activation": "gelu"}
+    config = tmp_path / "mini.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "mini.json"
+    proc = _run(["--config", str(config), "--tokens", "74", "--dtype", "fp32", "--steps", "2", "--warmup", "0",
+                 "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["model"], row["hidden"], row["ffn_hidden"], row["activation"]) == ("mini", 72, 88, "gelu")
+    assert row["rel_err_max"] <= 1e-5 and row["ops"]["fc2.bwd.ag"]["chunks_per_rank"] == 3
+
+
+def test_tp_mlp_cli_refuses_tokens_not_divisible_by_tp(tmp_path):
+    proc = _run(["--tokens", "65", "--out", str(tmp_path / "x.json")], tmp_path)
+    assert proc.returncode != 0 and "--tokens=65 is not divisible by the TP size 2" in proc.stderr
