@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ def init(*, force_cpu: bool = False) -> DistContext:
         device = torch.device("cpu")
     # The first custom-op call imports torch._dynamo; imported after init_process_group, it made the
     # group outlive destroy_process_group ("terminate called without an active exception" at exit).
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.timeout_s()))
     kwargs = {"device_id": device} if use_cuda else {}
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
