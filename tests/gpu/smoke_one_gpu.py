@@ -132,6 +132,52 @@ def _checks(rank, world):
             return f"ok rel={max(errs):.2e}"
         check(f"gemm_rs {method} margin={margin}", rs)
 
+    for ag_method, rs_method in (("decomposed", "decomposed"), ("fused", "fused")):
+        def mlp_check(ag_method=ag_method, rs_method=rs_method):
+            import dataclasses
+
+            from overlap.config import OpPreset, load_preset
+            from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+            hidden, ffn, m = 264, 344, 2 * 300
+            cfg = load_preset("NVIDIA H200", 2)
+            cfg = dataclasses.replace(
+                cfg, ag_gemm=OpPreset(default=dataclasses.replace(cfg.ag_gemm.default, method=ag_method)),
+                gemm_rs=OpPreset(default=dataclasses.replace(cfg.gemm_rs.default, method=rs_method)))
+            nbytes, words = pool_requirements(hidden=hidden, max_m=m, world_size=world, dtype=torch.bfloat16)
+            with SymmetricPool(nbytes, group=group, backend="ipc", device=dev, num_signal_words=words + 64) as lp:
+                mlp = TPMLP(hidden, ffn, group=group, max_m=m, dtype=torch.bfloat16, pool=lp, config=cfg,
+                            overlap=True, device=dev, name=f"mlp_{ag_method}")
+                ref = MLPReference(hidden, ffn, seed=3, dtype=torch.bfloat16).double()
+                mlp.load_full_weights(ref.fc1_weight.detach().bfloat16().to(dev),
+                                      ref.fc2_weight.detach().bfloat16().to(dev))
+                errs = []
+                for step in range(3):
+                    gen = torch.Generator().manual_seed(step)
+                    x = torch.randn(m, hidden, generator=gen).bfloat16().double()
+                    dy = torch.randn(m, hidden, generator=gen).bfloat16().double()
+                    xf = x.clone().requires_grad_(True)
+                    ref.zero_grad()
+                    ref(xf).backward(dy)
+                    xs = shard_rows(x, rank, world).bfloat16().to(dev).requires_grad_(True)
+                    mlp.zero_grad()
+                    y = mlp(xs)
+                    y.backward(shard_rows(dy, rank, world).bfloat16().to(dev))
+                    torch.cuda.synchronize()
+                    mlp.check_errors()
+                    with torch.no_grad():
+                        y_ref = ref(x)
+                    errs += [_rel(y, shard_rows(y_ref, rank, world)),
+                             _rel(xs.grad, shard_rows(xf.grad, rank, world)),
+                             _rel(mlp.fc1.weight.grad, shard_fc1(ref.fc1_weight.grad, rank, world, "swiglu")),
+                             _rel(mlp.fc2.weight.grad, shard_fc2(ref.fc2_weight.grad, rank, world))]
+                    dist.barrier()
+                mlp.close()
+                torch.cuda.synchronize()
+                dist.barrier()
+            assert max(errs) < 2e-2, errs
+            return f"ok max rel={max(errs):.2e} (output, dx, dW1, dW2; 3 steps)"
+        check(f"TPMLP swiglu fwd+bwd ag={ag_method} rs={rs_method}", mlp_check)
+
     torch.cuda.synchronize()
     dist.barrier()
     pool.close()
