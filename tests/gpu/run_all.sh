@@ -26,8 +26,10 @@ status=0
 launch() {  # name, limit_s, module, args...: run one torchrun job, keep its JSON and log
   local name=$1 limit=$2 module=$3; shift 3
   local cmd="torchrun --standalone --nproc-per-node $NGPU -m $module $*"
+  local out="--out $RES/$name.json"
+  [[ $module == launch.kfactor ]] && out=""   # kfactor writes into --out-dir
   echo "== $cmd" | tee -a "$SUMMARY"
-  OVERLAP_COMMAND="$cmd" timeout "$limit" $cmd --out "$RES/$name.json" > "$RES/$name.log" 2>&1 \
+  OVERLAP_COMMAND="$cmd" timeout "$limit" $cmd $out > "$RES/$name.log" 2>&1 \
     || { status=1; echo "!! $name failed (rc=$?)" | tee -a "$SUMMARY"; tail -20 "$RES/$name.log" >> "$SUMMARY"; }
   grep -E '^\|' "$RES/$name.log" >> "$SUMMARY"
 }
@@ -46,7 +48,9 @@ if [[ $PHASE == ops || $PHASE == all ]]; then
   launch gemm_rs 300 launch.bench --op gemm_rs
 fi
 if [[ $PHASE == model || $PHASE == all ]]; then
-  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
+  # exit status 1 of kfactor = the k < max-k gate failed (named in its log), not a crash
+  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --m 4096,16384 --sweep method=decomposed,fused \
+    --sweep sm_margin=0,16 --sweep chunks_per_rank=1 --reps 10 --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
   [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384
 fi
 tar -czf "$OUT/results_$PHASE.tgz" -C "$RES" .
