@@ -6,27 +6,29 @@ and the compute of the fused ops with `num_sms - sm_margin` programs).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["GemmBlocks", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms"]
 
-_allocator_set = False
+_allocator_state = threading.local()
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_allocator() -> None:
-    """Tensor descriptors need global scratch from an allocator, set once per process."""
-    global _allocator_set
-    if _allocator_set:
+    """Tensor descriptors need global scratch from an allocator. Triton keeps it per thread (a context
+    variable), and autograd runs backward on its own thread, so set it once per thread."""
+    if getattr(_allocator_state, "set", False):
         return
     import triton
 
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
-    triton.set_allocator(alloc)
-    _allocator_set = True
+    triton.set_allocator(_descriptor_scratch)
+    _allocator_state.set = True
 
 
 def num_sms(device: torch.device) -> int:
