@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import math
 import sys
 import threading
 import warnings
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.ag_gemm import AgGemm
-from overlap.config import OpBucket, OpPreset, OverlapConfig, dump_config, load_config, load_preset, to_dict
+from overlap.config import OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
 from overlap.k_factor import inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
@@ -52,13 +51,13 @@ from overlap.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
+from ._tune import CONFIG_KEYS, best_configs, gate_failures, tuned_config
 
 OPS = ("ag_gemm", "gemm_rs", "regimes")
 SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int}
 GPU_GRID = {"method": ("decomposed", "fused"), "sm_margin": (0, 8, 16, 32), "chunks_per_rank": (1, 2)}
 CPU_GRID = {"sm_margin": (0, 8), "chunks_per_rank": (1, 2)}
 CPU_M, CPU_K, CPU_N = (256, 512), 64, 64
-CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms")
 MAX_MEMBOUND_PASSES = 256
 COLUMNS = ["op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "comm", "comp",
            "t_comm_solo_ms", "t_comp_solo_ms", "k_comm", "k_comp", "E", "hidden_comm", "t_op_ms", "E_op"]
@@ -265,70 +264,6 @@ def regimes_point(ctx, point: ShapePoint, base_cfg: OverlapConfig, env: dict) ->
         op.close()
         pool.barrier()
     return rows
-
-
-def _config_of(row) -> tuple:
-    return tuple(row[key] for key in CONFIG_KEYS)
-
-
-def best_configs(rows: list[dict]) -> dict[str, list[tuple[int, dict]]]:
-    """Per op, per M (increasing): the config with the lowest geometric mean over the layers at that M of
-    t_op / (fastest t_op of that layer) -- ties go to the first measured."""
-    out: dict[str, list] = {}
-    for op in ("ag_gemm", "gemm_rs"):
-        op_rows = [r for r in rows if r["op"] == op and r.get("t_op_ms")]
-        for m in sorted({r["M"] for r in op_rows}):
-            at_m = [r for r in op_rows if r["M"] == m]
-            fastest = {}
-            for r in at_m:
-                key = (r["layer"], r["K"], r["N"])
-                fastest[key] = min(fastest.get(key, math.inf), r["t_op_ms"])
-            scores: dict[tuple, list] = {}
-            for r in at_m:
-                ratio = r["t_op_ms"] / fastest[(r["layer"], r["K"], r["N"])]
-                scores.setdefault(_config_of(r), []).append(math.log(ratio))
-            best = min(scores, key=lambda c: sum(scores[c]) / len(scores[c]))
-            out.setdefault(op, []).append((m, dict(zip(CONFIG_KEYS, best))))
-    return out
-
-
-def tuned_config(base: OverlapConfig, best: dict, *, device_name: str, world: int,
-                 num_sms: int | None) -> OverlapConfig:
-    """`base` with by_m buckets per swept op: bucket m_max = each measured M but the largest, whose
-    choice becomes the default; consecutive equal choices merge, buckets equal to the default go."""
-    presets = {}
-    for op, choices in best.items():
-        seed = getattr(base, op).default
-        cfgs = [(m, dataclasses.replace(seed, **fields)) for m, fields in choices]
-        default, buckets = cfgs[-1][1], []
-        for m, cfg in cfgs[:-1]:
-            if buckets and buckets[-1].config == cfg:
-                buckets[-1] = OpBucket(m_max=m, config=cfg)
-            else:
-                buckets.append(OpBucket(m_max=m, config=cfg))
-        if buckets and buckets[-1].config == default:
-            buckets.pop()
-        presets[op] = OpPreset(default=default, by_m=tuple(buckets))
-    node = dataclasses.replace(base.node, gpu_name=device_name, tp_size=world,
-                               num_sms=num_sms if num_sms else base.node.num_sms)
-    return dataclasses.replace(base, node=node, **presets)
-
-
-def gate_failures(rows: list[dict], max_k: float, best: dict | None = None) -> list[str]:
-    """Messages for op rows whose k_comm or k_comp exceeds max_k (or is not finite)."""
-    chosen = {(op, m): tuple(f.values()) for op, items in (best or {}).items() for m, f in items}
-    out = []
-    for r in rows:
-        if r["op"] not in ("ag_gemm", "gemm_rs"):
-            continue
-        if best is not None and chosen.get((r["op"], r["M"])) != _config_of(r):
-            continue
-        bad = [f"{name}={r[name]:.3f}" for name in ("k_comm", "k_comp")
-               if not math.isfinite(r[name]) or r[name] > max_k]
-        if bad:
-            out.append(f"{r['op']} {r['layer']} M={r['M']} K={r['K']} N={r['N']} ({r['method']}, sm_margin="
-                       f"{r['sm_margin']}, chunks_per_rank={r['chunks_per_rank']}): {', '.join(bad)} > max_k {max_k}")
-    return out
 
 
 def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: Path, num_sms) -> None:

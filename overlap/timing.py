@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import envs
 
-__all__ = ["Stats", "Timer", "bench_interleaved", "progress"]
+__all__ = ["Stats", "Timer", "bench_interleaved", "progress", "mark", "mark_ms"]
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
 
@@ -40,6 +40,20 @@ class Stats:
     def as_dict(self, prefix: str = "") -> dict:
         return {f"{prefix}median_ms": self.median_ms, f"{prefix}min_ms": self.min_ms,
                 f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps}
+
+
+def mark(stream=None):
+    """A point in time: a CUDA event recorded on `stream`, or the host clock when `stream` is None."""
+    if stream is None:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def mark_ms(start, end) -> float:
+    """Milliseconds between two marks (events: after they completed)."""
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
 
 
 def progress(message: str, *, rank: int = 0) -> None:

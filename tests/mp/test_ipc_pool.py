@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ipc import IpcError, IpcPool, host_allocation_count, host_empty, host_free, live_ipc_pool_count
-from tests.multiproc import RankFailure, run_ranks
+from tests.multiproc import run_ranks
 
 
 def _exchange_and_read(rank, world):

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.kfactor import best_configs, gate_failures, parse_sweep, tuned_config
+from launch._tune import best_configs, gate_failures, tuned_config
+from launch.kfactor import parse_sweep
 from overlap.config import OpConfig, load_config, dump_config, parse_config
 from overlap.k_factor import KFactor, RsCommOnly, measure, measure_pair
 from tests.multiproc import run_ranks

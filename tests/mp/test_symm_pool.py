@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from symm_mem import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout, SymmetricPool
 from symm_mem.host import SHM_DIR, SHM_PREFIX
-from tests.multiproc import RankFailure, run_ranks
+from tests.multiproc import run_ranks
 
 
 def our_shm_entries():
