@@ -26,6 +26,10 @@ CANDIDATES = {
     "128x128x64w4s4": GemmBlocks(128, 128, 64, 8, 4, 4),
     "128x128x64w4s4ws": GemmBlocks(128, 128, 64, 8, 4, 4, True),
     "64x128x64w4s5": GemmBlocks(64, 128, 64, 8, 4, 5),
+    "128x256x128w8s2ws": GemmBlocks(128, 256, 128, 8, 8, 2, True),
+    "256x128x64w8s3ws": GemmBlocks(256, 128, 64, 8, 8, 3, True),
+    "128x256x64w8s3g16ws": GemmBlocks(128, 256, 64, 16, 8, 3, True),
+    "128x128x128w8s3ws": GemmBlocks(128, 128, 128, 8, 8, 3, True),
 }
 
 
