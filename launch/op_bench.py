@@ -177,14 +177,38 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         t_gemm = _t_gemm(stats)
         t_comm = stats["comm_nccl"].median_ms
         for (key, op), cfg in zip(ops.items(), configs):
+            spans = _rs_spans(ctx, op, a, w)
             row = {"layer": point.layer, "op": "gemm_rs", "M": m, "K": k, "N": n, "method": cfg.method,
                    "sm_margin": cfg.sm_margin, "num_comm_sms": cfg.num_comm_sms,
                    **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
-                   "k_comm": None, "k_comp": None}
+                   # GEMM+RS k here: the op's GEMM span over the GEMM alone on ALL SMs (so it includes the
+                   # cost of the sm_margin), and the exposed tail after the GEMM; launch.kfactor measures
+                   # k against the same SM budget.
+                   "k_comm": None, "k_comp": spans["compute_ms"] / t_gemm if spans else None,
+                   "t_tail_ms": spans["total_ms"] - spans["compute_ms"] if spans else None}
             rows.append(row)
             op.close()
         pool.barrier()
     return rows
+
+
+def _rs_spans(ctx, op: GemmRs, a, w) -> dict | None:
+    """Median (max over ranks) per-stream spans of traced GemmRs calls; None on CPU."""
+    if ctx.device.type != "cuda":
+        return None
+    op.enable_trace(True)
+    samples = []
+    for _ in range(TRACE_REPS):
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        op(a, w)
+        samples.append(op.last_trace_ms())
+    op.enable_trace(False)
+    op.check_errors()
+    keys = sorted(samples[0])
+    med = torch.tensor([statistics.median(s[k] for s in samples) for k in keys], device=ctx.device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
+    return dict(zip(keys, med.tolist()))
 
 
 def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list[OpConfig], *, warmup: int,

@@ -252,10 +252,15 @@ class AgGemm:
         elif self._fused is not None:
             self._fused.run(a, w, out, self._epoch)
         else:
-            for i, (owner, lo, count, _) in enumerate(chunks):
-                if owner != self.rank:
-                    compute.wait_event(self._events[i])
-                torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+            # sm_margin applies to the cuBLAS consumer too (the k-factor sweep varies it)
+            torch._C._set_sm_carveout_experimental(self.config.sm_margin)
+            try:
+                for i, (owner, lo, count, _) in enumerate(chunks):
+                    if owner != self.rank:
+                        compute.wait_event(self._events[i])
+                    torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+            finally:
+                torch._C._set_sm_carveout_experimental(0)
         compute.wait_stream(comm)
         if trace:
             trace[3].record(compute)

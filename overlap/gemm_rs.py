@@ -88,6 +88,7 @@ class GemmRs:
         self._flag_ptrs = self.pool.ptr_table(f"{self.name}.partials", signals=True)
         self._staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
         self._events = [torch.cuda.Event() for _ in range(self.world_size)]
+        self._trace = None
 
     # ----- public --------------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -114,6 +115,23 @@ class GemmRs:
             self._errors.zero_()
             raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
                                 observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)
+
+    def enable_trace(self, on: bool = True) -> None:
+        """Record CUDA events on the compute and reduction streams at each call (see `last_trace_ms`)."""
+        if self.device.type == "cuda":
+            self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on else None
+
+    def last_trace_ms(self) -> dict[str, float]:
+        """Spans of the last traced call (synchronises): `compute_ms` from the call's start to the end of its
+        GEMM work on the compute stream, `reduce_ms` the reduction stream (waits included), `total_ms`."""
+        start, gemm_end, reduce_start, end = self._trace
+        end.synchronize()
+        return {"compute_ms": start.elapsed_time(gemm_end), "reduce_ms": reduce_start.elapsed_time(end),
+                "total_ms": start.elapsed_time(end)}
+
+    def _mark(self, index: int, stream) -> None:
+        if self._trace:
+            self._trace[index].record(stream)
 
     @property
     def epoch(self) -> int:
@@ -173,6 +191,7 @@ class GemmRs:
         rows = m // self.world_size
         blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local), block_m=FLAG_BLOCK_M)
         compute = torch.cuda.current_stream(self.device)
+        self._mark(0, compute)
         self._reduce_stream.wait_stream(compute)
         persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
             a, w, self._staging, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
@@ -182,9 +201,12 @@ class GemmRs:
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
             EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
             WARP_SPECIALIZE=blocks.warp_specialize, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
+            self._mark(2, self._reduce_stream)
             self._reduce(rows, out)
         compute.wait_stream(self._reduce_stream)
+        self._mark(3, compute)
 
     def _run_decomposed(self, a, w, out) -> None:
         from kernels.flags import launch_signal_range
@@ -192,6 +214,7 @@ class GemmRs:
         rows = a.shape[0] // self.world_size
         region = f"{self.name}.partials"
         compute = torch.cuda.current_stream(self.device)
+        self._mark(0, compute)
         self._reduce_stream.wait_stream(compute)
         self._comm_stream.wait_stream(compute)
         carveout = self.config.sm_margin
@@ -214,10 +237,13 @@ class GemmRs:
                                         self.rank * self.flags_per_source, self.flags_per_source, self._epoch)
         finally:
             torch._C._set_sm_carveout_experimental(0)
+        self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
+            self._mark(2, self._reduce_stream)
             self._reduce(rows, out)
         compute.wait_stream(self._reduce_stream)
         compute.wait_stream(self._comm_stream)
+        self._mark(3, compute)
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, op: GemmRs) -> torch.Tensor:
