@@ -77,8 +77,8 @@ class IpcPool:
         self._check_open()
         try:
             local: dict | str = {name: self._record(name, t) for name, t in sorted(tensors.items())}
-        except IpcError as exc:
-            local = str(exc)  # still join the gather, so that every rank raises instead of waiting
+        except Exception as exc:  # still join the gather, so that every rank raises instead of waiting
+            local = f"{type(exc).__name__}: {exc}" if not isinstance(exc, IpcError) else str(exc)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, local, group=self.group)
         failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from overlap import envs
 from overlap.ag_gemm import AgGemm
 from overlap.config import OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
@@ -184,7 +185,8 @@ def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, 
               _randn(gen, k, n, scale=k ** -0.5, dtype=dtype, device=dev))
     region = 2 * m * (k if ag else n) * dtype.itemsize + 4096
     rows, timeline = [], None
-    with SymmetricPool((len(configs) + 1) * region + (1 << 20), group=ctx.group, device=dev) as pool:
+    with SymmetricPool((len(configs) + 1) * region + (1 << 20), group=ctx.group, device=dev,
+                       timeout_s=envs.timeout_s()) as pool:
         cls, dims = (AgGemm, {"k": k, "n_local": n}) if ag else (GemmRs, {"k_local": k, "n": n})
         ops = [cls(group=ctx.group, pool=pool, max_m=m, dtype=dtype, config=c, name=f"kf_{op_name}{i}", **dims)
                for i, c in enumerate(configs)]
@@ -238,7 +240,8 @@ def regimes_point(ctx, point: ShapePoint, base_cfg: OverlapConfig, env: dict) ->
     w = _randn(gen, k, n, scale=k ** -0.5, dtype=dtype, device=dev)
     cfg = dataclasses.replace(base_cfg.ag_gemm.default, method="decomposed", chunks_per_rank=1)
     rows = []
-    with SymmetricPool(2 * m * k * dtype.itemsize + (1 << 20), group=ctx.group, device=dev) as pool:
+    with SymmetricPool(2 * m * k * dtype.itemsize + (1 << 20), group=ctx.group, device=dev,
+                       timeout_s=envs.timeout_s()) as pool:
         op = AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype, config=cfg, name="kf_regime")
         gathered = op.all_gather(a_shard).clone()
         out, gather_buf = torch.empty(m, n, dtype=dtype, device=dev), torch.empty_like(gathered)

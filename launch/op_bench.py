@@ -12,6 +12,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from overlap import envs
 from overlap.ag_gemm import AgGemm
 from overlap.config import OpConfig
 from overlap.gemm_rs import GemmRs
@@ -27,6 +28,15 @@ TRACE_REPS = 10
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _agree(ctx: DistContext, problem: str | None) -> None:
+    """Raise the same error on every rank if any rank found a problem (so that none waits for the rest)."""
+    found = [None] * ctx.world_size
+    dist.all_gather_object(found, problem, group=ctx.group)
+    bad = [(r, p) for r, p in enumerate(found) if p]
+    if bad:
+        raise RuntimeError("; ".join(f"rank {r}: {p}" for r, p in bad))
 
 
 def _torch_group_name(group) -> str | None:
@@ -83,17 +93,19 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     w = (torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype).to(dev)
     pool_bytes = len(configs) * 2 * m * k * dtype.itemsize + (1 << 20)
     rows = []
-    with SymmetricPool(pool_bytes, group=ctx.group, device=dev) as pool:
+    with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {c.method + str(i): AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype,
                                         config=c, name=f"ag{i}") for i, c in enumerate(configs)}
         ref_out, a_full = ag_gemm_reference(a_shard, w, group=ctx.group)
+        problem = None
         for key, op in ops.items():
             out, a = op(a_shard, w, return_gathered=True)
             if not torch.equal(a, a_full):
-                raise RuntimeError(f"{point.layer} M={m}: {key} gathered a is not bit-exact")
+                problem = f"{point.layer} M={m}: {key} gathered a is not bit-exact"
             err = _rel_err(out, a_full.float() @ w.float())
             if err > 1e-2:
-                raise RuntimeError(f"{point.layer} M={m}: {key} relative error {err:.3g} > 1e-2")
+                problem = f"{point.layer} M={m}: {key} relative error {err:.3g} > 1e-2"
+        _agree(ctx, problem)
         gather_buf = torch.empty(m, k, dtype=dtype, device=dev)
         out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)
         variants = {f"ours_{key}": (lambda op=op: op(a_shard, w)) for key, op in ops.items()}
@@ -151,17 +163,19 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     w = (torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype).to(dev)
     pool_bytes = len(configs) * 2 * m * n * dtype.itemsize + (1 << 20)
     rows = []
-    with SymmetricPool(pool_bytes, group=ctx.group, device=dev) as pool:
+    with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {f"{c.method}{i}": GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=k, n=n, dtype=dtype,
                                        config=c, name=f"rs{i}") for i, c in enumerate(configs)}
         ref = gemm_rs_reference(a, w, group=ctx.group)
+        problem = None
         for key, op in ops.items():
             out = op(a, w)
             if dev.type == "cuda":
                 op.check_errors()
             err = _rel_err(out, ref)
             if err > 1e-2:
-                raise RuntimeError(f"{point.layer} M={m}: {key} relative error {err:.3g} vs seq > 1e-2")
+                problem = f"{point.layer} M={m}: {key} relative error {err:.3g} vs seq > 1e-2"
+        _agree(ctx, problem)
         partial = torch.mm(a, w)
         rs_out = torch.empty(m // world, n, dtype=dtype, device=dev)
         out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from overlap import envs
 from overlap.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
@@ -41,7 +42,8 @@ def run(ctx: DistContext, *, sizes_mb, backend: str, warmup: int, reps: int) -> 
     world, rank = ctx.world_size, ctx.rank
     stream = torch.cuda.Stream(priority=-1) if ctx.device.type == "cuda" else None
     rows = []
-    with SymmetricPool(max_bytes, group=ctx.group, backend=backend, device=ctx.device) as pool:
+    with SymmetricPool(max_bytes, group=ctx.group, backend=backend, device=ctx.device,
+                       timeout_s=envs.timeout_s()) as pool:
         shard = pool.reserve("shard", (max_bytes,), torch.uint8)
         out = torch.empty(world, max_bytes, dtype=torch.uint8, device=ctx.device)
         nccl_out = torch.empty(world * max_bytes, dtype=torch.uint8, device=ctx.device)
@@ -79,7 +81,11 @@ def _check_exact(pool, shard, private, out, nccl_out, nbytes, stream, ctx) -> No
     ring_pull(pool, out, nbytes, stream)
     dist.all_gather_into_tensor(nccl_out[:pool.world_size * nbytes], private[:nbytes], group=ctx.group)
     gathered = nccl_out[:pool.world_size * nbytes].view(pool.world_size, nbytes)
-    for peer in range(pool.world_size):
-        if peer != pool.rank and not torch.equal(out[peer, :nbytes], gathered[peer]):
-            raise RuntimeError(f"copy-engine pull of {nbytes} bytes from rank {peer} is not bit-exact")
+    bad = [peer for peer in range(pool.world_size)
+           if peer != pool.rank and not torch.equal(out[peer, :nbytes], gathered[peer])]
+    flag = torch.tensor([len(bad)], device=ctx.device)
+    dist.all_reduce(flag, group=ctx.group)  # every rank raises if any rank saw a mismatch
+    if int(flag.item()):
+        raise RuntimeError(f"copy-engine pull of {nbytes} bytes is not bit-exact on some rank "
+                           f"(this rank: from ranks {bad})")
     pool.barrier()

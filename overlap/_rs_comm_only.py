@@ -28,7 +28,7 @@ class RsCommOnly:
         max_rows = max_m // self.world_size
         self.flags_per_source = -(-max_rows // FLAG_BLOCK_M) + 1
         self.slots = pool.reserve(name, (2, self.world_size * max_rows * n), dtype,
-                                  num_signals=self.world_size * self.flags_per_source)
+                                  num_signals=self.world_size * self.flags_per_source, exclusive=True)
         self.epoch = 0
         self.marks: dict = {}
         if self.device.type == "cuda":

@@ -32,6 +32,7 @@ from symm_mem import SignalTimeout, SymmetricPool
 from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
 from .config import OpConfig
+from .triton_gemm import sm_carveout
 
 __all__ = ["AgGemm", "Chunk", "ag_gemm"]
 
@@ -67,9 +68,12 @@ class AgGemm:
         self.device = pool.device
         self.name = name
         self.timeout_s = pool.timeout_s
-        self.gathered = pool.reserve(f"{name}.a", (2, max_m, k), dtype, num_signals=self.world_size)
+        self.gathered = pool.reserve(f"{name}.a", (2, max_m, k), dtype, num_signals=self.world_size,
+                                     exclusive=True)
         self._epoch = 0
         if self.device.type == "cuda":
+            from .triton_gemm import num_sms
+            config.validate(num_sms=num_sms(self.device))
             self._comm_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
             num_chunks = self.world_size * config.chunks_per_rank
             self._events = [torch.cuda.Event() for _ in range(num_chunks)]
@@ -121,6 +125,7 @@ class AgGemm:
         self.pool.check_errors()
         code = self._fused.error_code() if self._fused is not None else 0
         if code:
+            self.pool.abort(1)  # tell every peer, so that no rank waits for a step that will not come
             per = self.config.chunks_per_rank
             raise SignalTimeout(region=f"{self.name} chunk flags", index=code - 1, epoch=self._epoch,
                                 observed=-1, timeout_s=self.timeout_s, peer=(code - 1) // per, op=self.name)
@@ -151,8 +156,8 @@ class AgGemm:
         check_at_most("M", m, self.max_m, "max_m of this op")
 
     def _validate(self, a_shard, w) -> None:
-        if self.gathered is None:
-            raise OpInputError(f"{self.name} is closed")
+        if self.gathered is None or self.pool.closed:
+            raise OpInputError(f"{self.name} is closed (or its pool is)")
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
         check_at_most("a_shard rows x group size", a_shard.shape[0] * self.world_size, self.max_m,
@@ -252,15 +257,11 @@ class AgGemm:
         elif self._fused is not None:
             self._fused.run(a, w, out, self._epoch)
         else:
-            # sm_margin applies to the cuBLAS consumer too (the k-factor sweep varies it)
-            torch._C._set_sm_carveout_experimental(self.config.sm_margin)
-            try:
+            with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
                 for i, (owner, lo, count, _) in enumerate(chunks):
                     if owner != self.rank:
                         compute.wait_event(self._events[i])
                     torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
-            finally:
-                torch._C._set_sm_carveout_experimental(0)
         compute.wait_stream(comm)
         if trace:
             trace[3].record(compute)

@@ -32,6 +32,7 @@ from symm_mem import SignalTimeout, SymmetricPool
 from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
 from .config import OpConfig
+from .triton_gemm import sm_carveout
 
 __all__ = ["GemmRs", "gemm_rs"]
 
@@ -68,7 +69,7 @@ class GemmRs:
         self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
         self._slot_elems = self.world_size * max_rows * n
         self.partials = pool.reserve(f"{name}.partials", (2, self._slot_elems), dtype,
-                                     num_signals=self.world_size * self.flags_per_source)
+                                     num_signals=self.world_size * self.flags_per_source, exclusive=True)
         self._epoch = 0
         self._guard = CallGuard(name, self.device)
         if self.device.type == "cuda":
@@ -86,7 +87,9 @@ class GemmRs:
         base = self.pool.ptr_table(f"{self.name}.partials")
         self._dst_ptrs = [base + b * self._slot_elems * self.dtype.itemsize for b in range(2)]
         self._flag_ptrs = self.pool.ptr_table(f"{self.name}.partials", signals=True)
-        self._staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
+        # decomposed: cuBLAS output of the peers' chunks before the copy-engine push
+        self._staging = torch.empty(self.max_m if self.config.method == "decomposed" else 0, self.n,
+                                    dtype=self.dtype, device=self.device)
         self._events = [torch.cuda.Event() for _ in range(self.world_size)]
         self._trace = None
 
@@ -110,9 +113,11 @@ class GemmRs:
         """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""
         if self.device.type != "cuda":
             return
+        self.pool.check_errors()
         code = int(self._errors[0].item())
         if code:
             self._errors.zero_()
+            self.pool.abort(1)  # tell every peer, so that no rank waits for a step that will not come
             raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
                                 observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)
 
@@ -126,7 +131,8 @@ class GemmRs:
         GEMM work on the compute stream, `reduce_ms` the reduction stream (waits included), `total_ms`."""
         start, gemm_end, reduce_start, end = self._trace
         end.synchronize()
-        return {"compute_ms": start.elapsed_time(gemm_end), "reduce_ms": reduce_start.elapsed_time(end),
+        reduce_ms = reduce_start.elapsed_time(end)
+        return {"compute_ms": start.elapsed_time(gemm_end), "reduce_ms": reduce_ms, "comm_ms": reduce_ms,
                 "total_ms": start.elapsed_time(end)}
 
     def _mark(self, index: int, stream) -> None:
@@ -139,12 +145,16 @@ class GemmRs:
         return self._epoch
 
     def close(self) -> None:
+        """Drop pool views and op buffers (the pool itself is owned by the caller)."""
         self.partials = None
+        for attr in ("_staging", "_dst_ptrs", "_flag_ptrs", "_tile_counters"):
+            if hasattr(self, attr):
+                setattr(self, attr, None)
 
     # ----- validation ------------------------------------------------------------------------------------
     def _validate(self, a, w) -> None:
-        if self.partials is None:
-            raise OpInputError(f"{self.name} is closed")
+        if self.partials is None or self.pool.closed:
+            raise OpInputError(f"{self.name} is closed (or its pool is)")
         check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
         check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
         check_divisible("M", a.shape[0], self.world_size, "the group size")
@@ -194,13 +204,15 @@ class GemmRs:
         self._mark(0, compute)
         self._reduce_stream.wait_stream(compute)
         persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
-            a, w, self._staging, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
+            a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
             ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M,
             self._dst_ptrs[self._epoch % 2], self._flag_ptrs, self._tile_counters,
             rows, self.rank, self._epoch, self.flags_per_source,
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
             EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
-            WARP_SPECIALIZE=blocks.warp_specialize, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+            # warp specialisation stays off with the scatter epilogue: its barrier + release atomics inside a
+            # specialised partition have not been run on a GPU
+            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)
@@ -217,9 +229,7 @@ class GemmRs:
         self._mark(0, compute)
         self._reduce_stream.wait_stream(compute)
         self._comm_stream.wait_stream(compute)
-        carveout = self.config.sm_margin
-        torch._C._set_sm_carveout_experimental(carveout)
-        try:
+        with sm_carveout(self.config.sm_margin):
             for i, owner in enumerate(self.owners()):
                 chunk = a[owner * rows:(owner + 1) * rows]
                 if owner == self.rank:
@@ -235,8 +245,6 @@ class GemmRs:
                     self._slots(owner, rows)[self.rank].copy_(staged, non_blocking=True)
                     launch_signal_range(self.pool.peer_signals(region, owner),
                                         self.rank * self.flags_per_source, self.flags_per_source, self._epoch)
-        finally:
-            torch._C._set_sm_carveout_experimental(0)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)

@@ -13,14 +13,14 @@ Every time is in ms: the median over reps of the MAX over the ranks of the group
                  stands in for it.
 * comp solo    the op's consumer GEMM alone on a side stream (CPU: the calling thread), same SM budget,
                local epilogue, no waits: AgGemm decomposed = one cuBLAS mm per chunk in the op's order
-               (all SMs, as the op); fused = the persistent Triton GEMM on num_sms - max(sm_margin, 1)
+               (with the op's sm_margin carveout); fused = the persistent Triton GEMM on num_sms - max(sm_margin, 1)
                programs. GemmRs decomposed = one cuBLAS mm per owner chunk with the SM carveout
                `sm_margin`; fused = the Triton GEMM on num_sms - sm_margin programs. CPU: torch.mm.
 * overlapped   mode "pair" (default, any op, CPU too): the same comm_fn and comp_fn started together, each
                on its own stream (CPU: comm on a thread, compute on the caller), with no data dependency:
                pure contention. Per-stream spans come from CUDA events on each stream (host clocks per
                thread on CPU); t_total = last end - first start. Mode "op" (CUDA, ops with a per-stream
-               trace: AgGemm today): the op's own call; spans from `op.last_trace_ms()` (for AgGemm the
+               trace: AgGemm and GemmRs): the op's own call; spans from `op.last_trace_ms()` (for AgGemm the
                compute span is the whole call, waits for chunks included).
 
 k_comm = t_comm_overlap / t_comm_solo, k_comp = t_comp_overlap / t_comp_solo,
@@ -260,13 +260,17 @@ def op_pair(op, inputs) -> OpPair:
         if fused:
             from .triton_gemm import num_sms, triton_mm
             programs = num_sms(dev) - max(cfg.sm_margin, 1)  # the fused consumer keeps one SM free
-            comp = lambda: triton_mm(gathered, w, out, num_programs=programs)  # noqa: E731
+            from .triton_gemm import choose_blocks
+            # the fused consumer's own blocks: its K loop waits on flags, so no warp specialisation
+            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], warp_specialize=False)
+            comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
         else:
             chunks = [(lo, lo + count) for _, lo, count, _ in op.chunks(gathered.shape[0])]
 
             def comp():
-                for lo, hi in chunks:   # the decomposed consumer: one mm per chunk, all SMs
-                    torch.mm(gathered[lo:hi], w, out=out[lo:hi])
+                with _carveout(dev, cfg.sm_margin):  # the decomposed consumer: one mm per chunk, as the op
+                    for lo, hi in chunks:
+                        torch.mm(gathered[lo:hi], w, out=out[lo:hi])
         trace = getattr(op, "last_trace_events", None)   # requested hook (see the k-factor issue note)
         return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), trace)
     if isinstance(op, GemmRs):

@@ -6,12 +6,14 @@ and the compute of the fused ops with `num_sms - sm_margin` programs).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmBlocks", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms"]
+__all__ = ["GemmBlocks", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
+           "sm_carveout"]
 
 _allocator_state = threading.local()
 
@@ -29,6 +31,20 @@ def ensure_allocator() -> None:
 
     triton.set_allocator(_descriptor_scratch)
     _allocator_state.set = True
+
+
+@contextlib.contextmanager
+def sm_carveout(sm_margin: int):
+    """cuBLAS calls inside use num_sms - sm_margin SMs (a process-wide setting: restored on exit)."""
+    if not sm_margin:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sm_margin)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
 
 
 def num_sms(device: torch.device) -> int:

@@ -109,8 +109,12 @@ class SymmetricPool:
         total = self.arena_bytes + 4 * num_signal_words
         self._backend = self._make_backend(total)
         self.rank, self.world_size = self._backend.rank, self._backend.world_size
-        pids: list = [None] * self.world_size
-        dist.all_gather_object(pids, os.getpid(), group=group)
+        try:
+            pids: list = [None] * self.world_size
+            dist.all_gather_object(pids, os.getpid(), group=group)
+        except BaseException:
+            self._backend.close()
+            raise
         self.peer_pids: tuple[int, ...] = tuple(pids)
         self._regions: dict[str, Region] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
@@ -119,10 +123,14 @@ class SymmetricPool:
         self._arena_used = 0
         self._next_flag_word = FIRST_FLAG_WORD
         self._closed = False
-        self._signal_words(self.rank).zero_()
-        self._sync_device()
-        self._backend.barrier(self.timeout_s)
-        self._sync_device()
+        try:
+            self._signal_words(self.rank).zero_()
+            self._sync_device()
+            self._backend.barrier(self.timeout_s)
+            self._sync_device()
+        except BaseException:
+            self._backend.close()
+            raise
         _live_pools += 1
 
     def _make_backend(self, total_bytes: int):
@@ -147,14 +155,20 @@ class SymmetricPool:
             raise PoolClosedError("the pool is closed")
 
     # ----- regions ---------------------------------------------------------------------------------
-    def reserve(self, name: str, shape, dtype: torch.dtype, *, num_signals: int = 0) -> torch.Tensor:
+    def reserve(self, name: str, shape, dtype: torch.dtype, *, num_signals: int = 0,
+                exclusive: bool = False) -> torch.Tensor:
         """Reserve region `name` (or return it again if reserved with the same spec); local view.
 
         Returns this rank's tensor of `shape` and `dtype`. `num_signals` int32 epoch flags come with it
         (see `signals`). Raises PoolCapacityError naming the region, the bytes asked and the bytes left.
+        `exclusive=True` refuses a name that is already reserved: an op context counts its own epochs, so
+        a second context on the same flags would see the first one's epochs as already arrived.
         """
         self._check_open()
         shape = self._check_spec(name, shape, dtype, num_signals)
+        if name in self._regions and exclusive:
+            raise PoolError(f"region {name!r} is already reserved by another op context of this pool; "
+                            f"give each op (layer) a unique name")
         if name in self._regions:
             region = self._regions[name]
             if (region.shape, region.dtype, region.num_signals) != (shape, dtype, num_signals):
@@ -300,6 +314,9 @@ class SymmetricPool:
                 self.abort(2)
                 raise PeerLostError(r, self.peer_pids[r], waiting_for=waiting_for)
 
+    def _aborted(self) -> bool:
+        return int(self._signal_words(self.rank)[ABORT_WORD].item()) != 0
+
     def lost_peers(self) -> list[int]:
         """Ranks of the group whose process has exited."""
         return [r for r, pid in enumerate(self.peer_pids) if r != self.rank and not process_alive(pid)]
@@ -382,6 +399,11 @@ class SymmetricPool:
         global _live_pools
         if self._closed:
             return
+        if self.device.type == "cuda" and not self._aborted() and not self.lost_peers():
+            # Collective on CUDA: a slower peer may still be reading this rank's memory (its last pull);
+            # skipped after an abort, when a peer may never arrive.
+            self._sync_device()
+            dist.barrier(group=self.group)
         self._closed = True
         self._views.clear()
         self._flag_views.clear()

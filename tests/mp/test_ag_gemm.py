@@ -8,7 +8,7 @@ from overlap.ag_gemm import AgGemm
 from overlap.config import OpConfig
 from overlap._validate import OpInputError
 from overlap.reference import ag_gemm_reference
-from symm_mem import SymmetricPool
+from symm_mem import PoolError, SymmetricPool
 from tests.multiproc import run_ranks
 
 
@@ -87,6 +87,12 @@ def _bad_inputs(rank, world):
         out = op(good_a, good_w)
         ref, _ = ag_gemm_reference(good_a, good_w, group=group)
         assert torch.allclose(out, ref, atol=1e-5)
+        # a second context on the same region would take the first one's epochs for arrivals: refused
+        with pytest.raises(PoolError, match="already reserved by another op context"):
+            AgGemm(group=group, pool=pool, max_m=64, k=16, n_local=8, dtype=torch.float32, config=cfg)
+    # an op whose pool is closed refuses to run (its views are unmapped)
+    with pytest.raises(OpInputError, match="is closed"):
+        op(good_a, good_w)
     return msgs
 
 
