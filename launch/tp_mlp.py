@@ -212,11 +212,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
     warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-    # The first custom-op call imports torch._dynamo; imported after init_process_group it keeps the process
-    # group alive past destroy_process_group, and its threads then die in interpreter teardown
-    # ("terminate called without an active exception", about 1 run in 15 under load). Import it first.
-    import torch._dynamo  # noqa: F401
-    ctx = _dist.init(force_cpu=args.cpu)
+    ctx = _dist.init(force_cpu=args.cpu)  # imports torch._dynamo before the process group (see _dist)
     try:
         cuda = ctx.device.type == "cuda"
         cfg = load_config(args.config) if args.config else load_preset(ctx.device_name, ctx.world_size)

@@ -45,6 +45,7 @@ from .ag_gemm import AgGemm
 from .gemm_rs import GemmRs
 from ._rs_comm_only import RsCommOnly, _rs_comm_cache, _rs_comm_for
 from .timing import bench_interleaved, mark as _mark, mark_ms as _ms
+from .triton_gemm import choose_blocks, num_sms, triton_mm
 
 __all__ = ["KFactor", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
            "step_timeline", "inject_comm_delay"]
@@ -258,9 +259,7 @@ def op_pair(op, inputs) -> OpPair:
         gathered = op.all_gather(a).clone()
         out = torch.empty(gathered.shape[0], w.shape[1], dtype=w.dtype, device=dev)
         if fused:
-            from .triton_gemm import num_sms, triton_mm
             programs = num_sms(dev) - max(cfg.sm_margin, 1)  # the fused consumer keeps one SM free
-            from .triton_gemm import choose_blocks
             # the fused consumer's own blocks: its K loop waits on flags, so no warp specialisation
             blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], warp_specialize=False)
             comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
@@ -278,7 +277,6 @@ def op_pair(op, inputs) -> OpPair:
         out = torch.empty_like(partials)
         rows = a.shape[0] // op.world_size
         if fused:
-            from .triton_gemm import num_sms, triton_mm
             programs = num_sms(dev) - cfg.sm_margin
             comp = lambda: triton_mm(a, w, out, num_programs=programs)  # noqa: E731
         else:

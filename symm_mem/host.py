@@ -13,21 +13,18 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from ._backend import Backend
 from ._mapping import byte_tensor, map_fd, unmap
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "tpov-"
 
 
-class HostBackend:
+class HostBackend(Backend):
     name = "host"
 
     def __init__(self, size_bytes: int, group: dist.ProcessGroup):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.size_bytes = size_bytes
-        self.device = torch.device("cpu")
+        super().__init__(size_bytes, group, torch.device("cpu"))
         own_name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         own_path = os.path.join(SHM_DIR, own_name)
         fd = os.open(own_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -52,9 +49,6 @@ class HostBackend:
                 os.close(fd)
         self._maps.append((addr, self.size_bytes))
         return byte_tensor(addr, self.size_bytes)
-
-    def buffer(self, rank: int) -> torch.Tensor:
-        return self._buffers[rank]
 
     def barrier(self, timeout_s: float) -> None:
         del timeout_s  # gloo enforces the process group's own timeout

@@ -9,26 +9,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._backend import Backend
 
-class IpcBackend:
+
+class IpcBackend(Backend):
     name = "ipc"
 
     def __init__(self, size_bytes: int, group: dist.ProcessGroup, device: torch.device):
         from ipc import IpcPool
 
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.size_bytes = size_bytes
-        self.device = device
+        super().__init__(size_bytes, group, device)
         self._local = torch.empty(size_bytes, dtype=torch.uint8, device=device)
         self._ipc = IpcPool(group=group)
         self._ipc.exchange({"pool": self._local})
         self._buffers = [self._ipc.peer("pool", r) for r in range(self.world_size)]
         self.handles_open = self._ipc.stats().handles_open
-
-    def buffer(self, rank: int) -> torch.Tensor:
-        return self._buffers[rank]
 
     def barrier(self, timeout_s: float) -> None:
         del timeout_s  # the process group's own timeout bounds it

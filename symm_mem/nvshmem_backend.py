@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._backend import Backend
 from .errors import PoolError
 
 _state = {"refs": 0, "group_ranks": None, "stream": None}
@@ -47,17 +48,13 @@ def _release() -> None:
         _state["group_ranks"] = None
 
 
-class NvshmemBackend:
+class NvshmemBackend(Backend):
     name = "nvshmem"
 
     def __init__(self, size_bytes: int, group: dist.ProcessGroup, device: torch.device):
         import nvshmem.core as nvshmem
 
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.size_bytes = size_bytes
-        self.device = device
+        super().__init__(size_bytes, group, device)
         _init_once(group, device)
         self._local = nvshmem.tensor((size_bytes,), dtype=torch.uint8)
         self._buffers = [
@@ -65,9 +62,6 @@ class NvshmemBackend:
             for r in range(self.world_size)
         ]
         self.handles_open = self.world_size - 1
-
-    def buffer(self, rank: int) -> torch.Tensor:
-        return self._buffers[rank]
 
     def barrier(self, timeout_s: float) -> None:
         import nvshmem.core as nvshmem

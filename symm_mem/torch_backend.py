@@ -5,18 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._backend import Backend
 
-class TorchBackend:
+
+class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, size_bytes: int, group: dist.ProcessGroup, device: torch.device):
         import torch.distributed._symmetric_memory as symm
 
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.size_bytes = size_bytes
-        self.device = device
+        super().__init__(size_bytes, group, device)
         self._local = symm.empty(size_bytes, dtype=torch.uint8, device=device)
         self._handle = symm.rendezvous(self._local, group)
         self._buffers = [
@@ -25,9 +23,6 @@ class TorchBackend:
             for r in range(self.world_size)
         ]
         self.handles_open = self.world_size - 1
-
-    def buffer(self, rank: int) -> torch.Tensor:
-        return self._buffers[rank]
 
     def buffer_ptrs(self) -> list[int]:
         return [int(p) for p in self._handle.buffer_ptrs]
