@@ -53,6 +53,23 @@ def _torch_group_name(group) -> str | None:
         return None
 
 
+def _keep_if_runs(variants: dict, name: str, ctx) -> None:
+    """Drop variant `name` (on every rank) if it fails on any rank: a baseline that does not run on this
+    torch build must not take the benchmark down with it."""
+    problem = None
+    try:
+        variants[name]()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+    found = [None] * ctx.world_size
+    dist.all_gather_object(found, problem, group=ctx.group)
+    if any(found):
+        del variants[name]
+        progress(f"{name} baseline dropped: {next(p for p in found if p)}", rank=ctx.rank)
+
+
 def _baseline_columns(stats, t_ours_ms: float, t_gemm: float, t_comm: float) -> dict:
     t_ideal = max(t_gemm, t_comm)
     seq = stats["seq"].median_ms
@@ -113,6 +130,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         group_name = _torch_group_name(ctx.group) if dev.type == "cuda" else None
         if group_name:
             variants["torch"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [w], 0, group_name)
+            _keep_if_runs(variants, "torch", ctx)
         variants.update(_gemm_variants(ctx, a_full, w, out_c, out_t))
         variants["comm_nccl"] = lambda: dist.all_gather_into_tensor(gather_buf, a_shard, group=ctx.group)
         first = next(iter(ops.values()))
@@ -185,6 +203,7 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         if group_name:
             variants["torch"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
                 a, w, "sum", 0, group_name)
+            _keep_if_runs(variants, "torch", ctx)
         variants.update(_gemm_variants(ctx, a, w, out_c, out_t))
         variants["comm_nccl"] = lambda: dist.reduce_scatter_tensor(rs_out, partial, group=ctx.group)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)

@@ -20,6 +20,8 @@ are issued on the caller's current stream; outputs and gradients are valid on it
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -121,13 +123,15 @@ class _ParallelLinear(nn.Module):
                              name=self.name, save_gathered=save_gathered, kind=self.kind)
         self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
+        # A layer dropped without close() must not pin its op contexts (streams, pool views) forever.
+        self._finalizer = weakref.finalize(self, custom_ops.unregister_layer_ops, self.layer_id)
         shape = (hidden, local) if self.kind == "column" else (local, hidden)
         # N(0, 1/in_features) like a fresh shard of the full layer; load real weights with copy_()
         self.weight = nn.Parameter(torch.randn(shape, device=self.device).mul_(in_features ** -0.5).to(dtype))
 
     def close(self) -> None:
         """Drop the op contexts' pool references and the registry entry (the pool is the caller's)."""
-        custom_ops.unregister_layer_ops(self.layer_id)
+        self._finalizer()
         self.ops.close()
 
     def check_errors(self) -> None:

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from overlap.report import format_table, write_results
@@ -67,3 +68,23 @@ def test_bench_refuses_one_rank(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.bench", "--cpu"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_op_bench_cli_writes_the_results_schema(tmp_path, op):
+    out = tmp_path / f"{op}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "launch.bench", "--op", op, "--shape", "200x72x40", "--reps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {"device", "tp", "commit", "command", "date", "rows"} <= set(doc)
+    required = {"layer", "op", "M", "K", "N", "method", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms",
+                "t_comm_ms", "t_ideal_ms", "E_ours", "E_seq", "E_torch", "k_comm", "k_comp"}
+    for row in doc["rows"]:
+        assert required <= set(row), required - set(row)
+        assert row["op"] == op and (row["M"], row["K"], row["N"]) == (200, 72, 40)
+        assert row["t_ideal_ms"] == max(row["t_gemm_ms"], row["t_comm_ms"])
+        assert abs(row["E_ours"] - row["t_ideal_ms"] / row["t_ours_ms"]) < 1e-9
+    assert "| layer |" in proc.stdout
