@@ -125,6 +125,7 @@ class AgGemm:
         self.pool.check_errors()
         code = self._fused.error_code() if self._fused is not None else 0
         if code:
+            self.pool.raise_if_peer_lost(f"{self.name}: chunk flag {code - 1}")
             self.pool.abort(1)  # tell every peer, so that no rank waits for a step that will not come
             per = self.config.chunks_per_rank
             raise SignalTimeout(region=f"{self.name} chunk flags", index=code - 1, epoch=self._epoch,

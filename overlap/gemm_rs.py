@@ -117,6 +117,7 @@ class GemmRs:
         code = int(self._errors[0].item())
         if code:
             self._errors.zero_()
+            self.pool.raise_if_peer_lost(f"{self.name}: partials of source rank {code - 1}")
             self.pool.abort(1)  # tell every peer, so that no rank waits for a step that will not come
             raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
                                 observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)

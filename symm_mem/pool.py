@@ -317,6 +317,14 @@ class SymmetricPool:
     def _aborted(self) -> bool:
         return int(self._signal_words(self.rank)[ABORT_WORD].item()) != 0
 
+    def raise_if_peer_lost(self, waiting_for: str) -> None:
+        """Raise PeerLostError (and abort the group) if a peer's process has exited: called when an op's
+        own bounded wait expired, so that the error names the lost rank rather than only the flag."""
+        lost = self.lost_peers()
+        if lost:
+            self.abort(2)
+            raise PeerLostError(lost[0], self.peer_pids[lost[0]], waiting_for=waiting_for)
+
     def lost_peers(self) -> list[int]:
         """Ranks of the group whose process has exited."""
         return [r for r, pid in enumerate(self.peer_pids) if r != self.rank and not process_alive(pid)]
@@ -350,6 +358,7 @@ class SymmetricPool:
         if code == 0 or code == -1:
             self._raise_if_aborted_or_lost(None, "a device-side wait")
         words[:2].zero_()
+        self.raise_if_peer_lost("a device-side wait")  # name the lost rank when a peer died
         self.abort(1)
         for region in self._regions.values():
             if region.first_flag_word <= code < region.first_flag_word + region.num_signals:

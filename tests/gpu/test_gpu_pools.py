@@ -109,9 +109,19 @@ def _cycles(rank, world, backend, n):
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
     samples = []
+    from overlap.ag_gemm import AgGemm
+    from overlap.config import OpConfig
+    from overlap.gemm_rs import GemmRs
     for i in range(n):
         with SymmetricPool(8 << 20, group=group, backend=backend) as pool:
             pool.reserve("r", (1024,), torch.float32).fill_(i)
+            # op contexts too (streams, events, pointer tables): built and closed every cycle
+            ag = AgGemm(group=group, pool=pool, max_m=64, k=32, n_local=16, dtype=torch.bfloat16,
+                        config=OpConfig(op="ag_gemm", method="decomposed"))
+            rs = GemmRs(group=group, pool=pool, max_m=64, k_local=32, n=16, dtype=torch.bfloat16,
+                        config=OpConfig(op="gemm_rs", method="decomposed", sm_margin=8, num_comm_sms=8))
+            ag.close()
+            rs.close()
         with IpcPool(group=group) as ipc:
             ipc.exchange({"x": x})
             ipc.peer("x", 1 - rank)[:4].sum()
