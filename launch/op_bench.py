@@ -3,6 +3,11 @@ alone and communication alone, timed in one interleaved run per shape point (ove
 
 One row per (point, method[, sm_margin]); every row carries the point's baselines, so
 E = T_ideal / T and the speedups can be read off each row. Correctness is checked before timing.
+
+k_comm / k_comp in these rows are span ratios of traced calls (median per rank, then max over ranks):
+AG k_comm = comm-stream span / copy-engine gather alone, k_comp = the whole call on the compute stream
+(waits for chunks included) / GEMM alone; RS k_comp = GEMM span of the call / GEMM alone on all SMs. They
+say where the call's time goes; the contention-only k with the same SM budget is launch.kfactor's.
 """
 
 from __future__ import annotations
