@@ -1,0 +1,81 @@
+"""Host cost of the launches one overlapped call makes (one GPU, one process): what bounds the fixed cost
+of AG+GEMM at small M. For each launch kind: host µs per launch (enqueue only, 2,000 launches) and device
+µs per launch (the same 2,000 back to back, timed with events).
+
+    python -m launch.launch_overhead [--out results/launch_overhead_<gpu>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from overlap.report import device_slug, format_table, write_results
+
+N = 2000
+
+
+def _time(fn) -> tuple[float, float]:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(N):
+        fn()
+    end.record()
+    host_us = (time.perf_counter() - t0) / N * 1e6
+    torch.cuda.synchronize()
+    return host_us, start.elapsed_time(end) / N * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.launch_overhead", description=__doc__)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kernels.flags import launch_signal, launch_signal_range, launch_wait
+    from overlap.triton_gemm import GemmBlocks, triton_mm
+
+    dev = torch.device("cuda", 0)
+    flags = torch.zeros(64, dtype=torch.int32, device=dev)
+    errors = torch.zeros(3, dtype=torch.int32, device=dev)
+    flags.fill_(1 << 30)  # every wait is satisfied at once: pure launch cost
+    write32 = torch._C._distributed_c10d._SymmetricMemory.stream_write_value32
+    a = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(4096, 3072, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(512, 3072, device=dev, dtype=torch.bfloat16)
+    src, dst = torch.empty(4 << 20, dtype=torch.uint8, device=dev), torch.empty(4 << 20, dtype=torch.uint8, device=dev)
+    side = torch.cuda.Stream(priority=-1)
+    event = torch.cuda.Event()
+    epoch = iter(range(1, 10**9))
+    kinds = {
+        "triton signal_kernel": lambda: launch_signal(flags[:1], 5),
+        "triton wait_kernel (satisfied)": lambda: launch_wait(flags[1:2], 5, errors, error_code=17, timeout_ns=10**9),
+        "triton signal_range_kernel": lambda: launch_signal_range(flags, 2, 16, 5),
+        "stream_write_value32": lambda: write32(flags.view(torch.uint32), 40, next(epoch)),
+        "event record + wait_event": lambda: (event.record(side), torch.cuda.current_stream().wait_event(event)),
+        "copy_ 4 MB d2d": lambda: dst.copy_(src, non_blocking=True),
+        "torch.mm 512x4096x3072": lambda: torch.mm(a, b, out=out),
+        "triton_mm 512x4096x3072": lambda: triton_mm(a, b, out, blocks=GemmBlocks(128, 128, 64, 8, 4, 4)),
+    }
+    rows = []
+    for name, fn in kinds.items():
+        host_us, device_us = _time(fn)
+        rows.append({"launch": name, "host_us_per_launch": host_us, "device_us_per_launch": device_us})
+        print(f"{name:36s} host {host_us:7.2f} us   device {device_us:7.2f} us", flush=True)
+    name = torch.cuda.get_device_name(dev)
+    path = args.out or f"results/launch_overhead_{device_slug(name)}.json"
+    write_results(path, rows, device=name, tp=1, extra={"op": "launch_overhead", "launches": N})
+    print(format_table(rows, ["launch", "host_us_per_launch", "device_us_per_launch"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
