@@ -15,28 +15,16 @@ from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator, num_sms
 MIN_FREE_SMS = 1
 
 
-def _stream_write_value32():
-    try:
-        return torch._C._distributed_c10d._SymmetricMemory.stream_write_value32
-    except AttributeError:
-        return None
-
-
 class FusedAgConsumer:
     def __init__(self, op):
         self.op = op
         self.num_programs = num_sms(op.device) - max(op.config.sm_margin, MIN_FREE_SMS)
         self.errors = torch.zeros(2, dtype=torch.int32, device=op.device)
-        self._flags_u32 = op._chunk_flags.view(torch.uint32)
-        self._write = _stream_write_value32()
 
     def signal_chunk(self, flag_index: int, epoch: int) -> None:
         """Enqueue on the current (comm) stream: chunk flag = epoch, after the pulls before it."""
-        if self._write is not None:
-            self._write(self._flags_u32, flag_index, epoch)
-        else:
-            from kernels.flags import launch_signal
-            launch_signal(self.op._chunk_flags[flag_index:flag_index + 1], epoch)
+        from kernels.flags import write_flag
+        write_flag(self.op._chunk_flags, flag_index, epoch)
 
     def run(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, epoch: int) -> None:
         """Enqueue the GEMM on the current (compute) stream: out = a @ w, tile rows in arrival order."""

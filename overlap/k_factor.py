@@ -45,7 +45,7 @@ from .ag_gemm import AgGemm
 from .gemm_rs import GemmRs
 from ._rs_comm_only import RsCommOnly, _rs_comm_cache, _rs_comm_for
 from .timing import bench_interleaved, mark as _mark, mark_ms as _ms
-from .triton_gemm import choose_blocks, num_sms, triton_mm
+from .triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
 __all__ = ["KFactor", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
            "step_timeline", "inject_comm_delay"]
@@ -234,19 +234,6 @@ def measure_pair(comm_fn: Callable[[], object], comp_fn: Callable[[], object], *
 
 
 # ----- adapters for our ops --------------------------------------------------------------------------
-@contextmanager
-def _carveout(device: torch.device, sm_margin: int):
-    """cuBLAS on num_sms - sm_margin SMs for the calls inside; reset to 0 after (GPU.md)."""
-    if device.type != "cuda" or not sm_margin:
-        yield
-        return
-    torch._C._set_sm_carveout_experimental(sm_margin)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(0)
-
-
 def op_pair(op, inputs) -> OpPair:
     """comm / comp / call closures of AgGemm (inputs = a_shard, w) or GemmRs (inputs = a, w).
 
@@ -267,7 +254,8 @@ def op_pair(op, inputs) -> OpPair:
             chunks = [(lo, lo + count) for _, lo, count, _ in op.chunks(gathered.shape[0])]
 
             def comp():
-                with _carveout(dev, cfg.sm_margin):  # the decomposed consumer: one mm per chunk, as the op
+                # the decomposed consumer: one mm per chunk, with the op's carveout
+                with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
                     for lo, hi in chunks:
                         torch.mm(gathered[lo:hi], w, out=out[lo:hi])
         trace = getattr(op, "last_trace_events", None)   # requested hook (see the k-factor issue note)
@@ -283,7 +271,7 @@ def op_pair(op, inputs) -> OpPair:
             owners = op.owners()
 
             def comp():
-                with _carveout(dev, cfg.sm_margin):
+                with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
                     for owner in owners:
                         sl = slice(owner * rows, (owner + 1) * rows)
                         torch.mm(a[sl], w, out=out[sl])

@@ -64,14 +64,6 @@ class PoolStats:
     handles_open: int
 
 
-def _stream_write_value32():
-    """torch's wrapper of cuStreamWriteValue32 (a flat uint32 tensor, an element offset, a value), if any."""
-    try:
-        return torch._C._distributed_c10d._SymmetricMemory.stream_write_value32
-    except AttributeError:
-        return None
-
-
 def _align(n: int, a: int = ALIGN_BYTES) -> int:
     return (n + a - 1) // a * a
 
@@ -131,7 +123,6 @@ class SymmetricPool:
         self._arena_used = 0
         self._next_flag_word = FIRST_FLAG_WORD
         self._closed = False
-        self._stream_write = _stream_write_value32() if self.device.type == "cuda" else None
         try:
             self._signal_words(self.rank).zero_()
             self._sync_device()
@@ -279,14 +270,8 @@ class SymmetricPool:
         if self.device.type == "cpu":
             flags[index] = epoch
             return
-        if self._stream_write is not None:
-            try:
-                self._stream_write(flags.view(torch.uint32), index, epoch)
-                return
-            except RuntimeError:
-                self._stream_write = None  # not for this memory: use the kernel from now on
-        from kernels.flags import launch_signal
-        launch_signal(flags[index:index + 1], epoch)
+        from kernels.flags import write_flag
+        write_flag(flags, index, epoch)
 
     def wait(self, name: str, index: int, epoch: int, *, timeout_s: float | None = None,
              peer: int | None = None, op: str | None = None) -> None:

@@ -33,3 +33,10 @@ def test_abort_word_ends_a_wait_with_code_minus_one():
     errors = torch.tensor([0, 0, 5], dtype=torch.int32)
     launch_wait(flag, 2, errors, error_code=40, timeout_ns=10**9)
     assert errors.tolist() == [-1, 2, 5]
+
+
+def test_write_flag_sets_only_its_word():
+    from kernels.flags import write_flag
+    flags = torch.zeros(4, dtype=torch.int32)
+    write_flag(flags, 2, 9)
+    assert flags.tolist() == [0, 0, 9, 0]
