@@ -3,6 +3,10 @@
 The wait is bounded by wall time read from %globaltimer (not only by spin count: a peer that is still
 JIT-compiling can take seconds). On expiry it records `error_code` and the epoch it expected in the
 error words (first writer wins) and exits, so the stream moves on and the host raises on its next check.
+
+Epoch operands are either a host int (a kernel argument: cheap, but frozen into a captured CUDA graph) or a
+`DeviceEpoch` (a counter in device memory plus a constant offset, read by the kernel when it runs: what
+a CUDA graph needs, since every replay must see the step it belongs to).
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["signal_kernel", "wait_kernel", "signal_range_kernel", "write_flag", "launch_signal", "launch_wait",
-           "launch_signal_range", "read_globaltimer"]
+from .epoch import DeviceEpoch, epoch_args
+
+__all__ = ["DeviceEpoch", "signal_kernel", "wait_kernel", "signal_range_kernel", "write_flag", "launch_signal",
+           "launch_wait", "launch_signal_range", "read_globaltimer", "epoch_args"]
 
 
 @triton.jit
@@ -21,17 +27,27 @@ def read_globaltimer():
                                      is_pure=False, pack=1)
 
 
+@triton.jit
+def resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH: tl.constexpr):
+    """The epoch operand: `epoch` itself, or (DEVICE_EPOCH) `*epoch_ptr + epoch`."""
+    if DEVICE_EPOCH:
+        return tl.load(epoch_ptr, volatile=True) + epoch
+    return epoch
+
+
 # Epochs (and ranges) change every call: never specialise on them, or Triton recompiles at epoch 1 and at
 # multiples of 16 (a timing spike, and a compile inside a CUDA-graph capture).
 @triton.jit(do_not_specialize=["epoch"])
-def signal_kernel(flag_ptr, epoch):
-    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+def signal_kernel(flag_ptr, epoch, epoch_ptr, DEVICE_EPOCH: tl.constexpr):
+    tl.atomic_xchg(flag_ptr, resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["epoch", "error_code", "timeout_ns"])
-def wait_kernel(flag_ptr, epoch, error_ptr, error_code, timeout_ns, USE_TIMER: tl.constexpr):
+def wait_kernel(flag_ptr, epoch, error_ptr, error_code, timeout_ns, epoch_ptr, USE_TIMER: tl.constexpr,
+                DEVICE_EPOCH: tl.constexpr):
     # error_ptr -> [code, expected epoch, abort]; a nonzero abort word (another rank gave up) ends the
     # wait at once, recorded with code -1.
+    epoch = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     abort = tl.load(error_ptr + 2, volatile=True)
     if USE_TIMER:
@@ -57,14 +73,14 @@ def _stream_write_value32():
 _memop = {"write": _stream_write_value32()}
 
 
-def write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
+def write_flag(flags: torch.Tensor, index: int, epoch: "int | DeviceEpoch") -> None:
     """Enqueue on the current stream: flags[index] = epoch, ordered after the stream's earlier work.
 
-    A stream memory operation (cuStreamWriteValue32 through torch, fenced: ~3 us of host time and no SM,
-    which matters while a persistent GEMM holds the SMs); the release-store kernel where torch lacks it or
-    the memory does not support it (~20 us of host time).
+    A host epoch goes as a stream memory operation (cuStreamWriteValue32 through torch, fenced: ~3 us of
+    host time and no SM, which matters while a persistent GEMM holds the SMs); a `DeviceEpoch`, or memory
+    the memop does not support, as the release-store kernel (~20 us of host time, one SM for a moment).
     """
-    if _memop["write"] is not None and flags.is_cuda:
+    if _memop["write"] is not None and flags.is_cuda and not isinstance(epoch, DeviceEpoch):
         try:
             _memop["write"](flags.view(torch.uint32), index, epoch)
             return
@@ -73,29 +89,34 @@ def write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
     launch_signal(flags[index:index + 1], epoch)
 
 
-def launch_signal(flag: torch.Tensor, epoch: int) -> None:
+def launch_signal(flag: torch.Tensor, epoch: "int | DeviceEpoch") -> None:
     """Enqueue on the current stream: flag[0] = epoch with release semantics at system scope."""
-    signal_kernel[(1,)](flag, epoch)
+    value, counter, device_epoch = epoch_args(epoch)
+    signal_kernel[(1,)](flag, value, counter, DEVICE_EPOCH=device_epoch)
 
 
-def launch_wait(flag: torch.Tensor, epoch: int, error_words: torch.Tensor, *, error_code: int,
+def launch_wait(flag: torch.Tensor, epoch: "int | DeviceEpoch", error_words: torch.Tensor, *, error_code: int,
                 timeout_ns: int) -> None:
     """Enqueue on the current stream a wait for flag[0] >= epoch, at most `timeout_ns`.
 
     `error_words` is an int32 tensor of 3 words: [code, expected epoch, abort]; code and epoch are written
     only on expiry (code -1 when the abort word ended the wait).
     """
-    wait_kernel[(1,)](flag, epoch, error_words, error_code, timeout_ns, USE_TIMER=flag.is_cuda)
+    value, counter, device_epoch = epoch_args(epoch)
+    wait_kernel[(1,)](flag, value, error_words, error_code, timeout_ns, counter, USE_TIMER=flag.is_cuda,
+                      DEVICE_EPOCH=device_epoch)
 
 
 @triton.jit(do_not_specialize=["first", "count", "epoch"])
-def signal_range_kernel(flag_ptr, first, count, epoch, BLOCK: tl.constexpr):
+def signal_range_kernel(flag_ptr, first, count, epoch, epoch_ptr, BLOCK: tl.constexpr, DEVICE_EPOCH: tl.constexpr):
+    epoch = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
     offsets = first + tl.arange(0, BLOCK)
     for start in range(0, count, BLOCK):
         tl.atomic_xchg(flag_ptr + start + offsets, epoch, mask=start + tl.arange(0, BLOCK) < count,
                        sem="release", scope="sys")
 
 
-def launch_signal_range(flags: torch.Tensor, first: int, count: int, epoch: int) -> None:
+def launch_signal_range(flags: torch.Tensor, first: int, count: int, epoch: "int | DeviceEpoch") -> None:
     """Enqueue on the current stream: flags[first:first + count] = epoch (release, system scope)."""
-    signal_range_kernel[(1,)](flags, first, count, epoch, BLOCK=128)
+    value, counter, device_epoch = epoch_args(epoch)
+    signal_range_kernel[(1,)](flags, first, count, value, counter, BLOCK=128, DEVICE_EPOCH=device_epoch)

@@ -14,7 +14,8 @@ output in C's dtype).
         USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
         # optional, only read with WAIT_CHUNKS=True (the AllGather consumer, below):
         chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
-        WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>, num_warps=..., num_stages=...)
+        WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>,
+        epoch_ptr=None, DEVICE_EPOCH=False, num_warps=..., num_stages=...)
 
 * A is [M, K] with row stride ``lda``; B is [K, N] with row stride ``ldb`` or, with ``B_TRANSPOSED``,
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
@@ -55,6 +56,8 @@ Completion protocol (epoch-numbered flags, last-tile detection, robust to M chan
   rows the row block covers, writes ``epoch`` with ``atomic_xchg(sem="release", scope="sys")`` into
   ``flag_ptrs[o]`` (an int32 array [world_size, flags_per_source] on owner o) at
   ``[src_rank, row_block - (o * rows_per_rank) // BLOCK_M]``.
+* ``DEVICE_EPOCH=True`` (CUDA-graph replay): the value written is ``*epoch_ptr + epoch`` read on the
+  device (an int32 counter the launcher bumps once per call), so ``epoch`` is then an offset (pass 0).
 * ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; flags start at 0 and
   ``epoch`` must grow by 1 (or more) per launch, starting at 1. A flag equal to ``epoch`` means every
   column tile of that row block has been stored by that source in this launch.
@@ -110,6 +113,7 @@ row block overlapping the tile's rows, the flag is ``>= epoch`` (acquire, scope 
         partials, out, flags, error, rows_per_rank, N, ld_out, world_size, epoch, flags_per_source,
         gemm_block_m, owner_rank, timeout_ns, WAIT=True, BLOCK_M=..., BLOCK_N=..., USE_TIMER=True)
 
+``DEVICE_EPOCH=True`` waits for ``*epoch_ptr + epoch`` instead (as in the GEMM's scatter flags).
 A wait that expires (see bounded waits) writes ``1 + src`` (first failure only, ``atomic_cas`` from 0)
 into the int32 ``error`` word, and every program stops doing work once that word is nonzero; ``out`` is
 then incomplete. Compile and warm both kernels on every rank before the first cross-rank wait, and
@@ -119,7 +123,7 @@ barrier, so that JIT time does not eat into ``timeout_ns``.
 import triton
 import triton.language as tl
 
-from .flags import read_globaltimer
+from .flags import read_globaltimer, resolve_epoch
 
 EPILOGUE_LOCAL = 0
 EPILOGUE_SCATTER = 1
@@ -239,6 +243,7 @@ def persistent_gemm_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
     WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
+    epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
 ):
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     if WAIT_CHUNKS:
@@ -331,6 +336,7 @@ def persistent_gemm_kernel(
                 counter = tile_counters_ptr + row_block
                 tiles_done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
                 if tiles_done_before == num_col_blocks - 1:
+                    flag_value = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
                     # Last column tile of this row block in this launch: the acquire above made all other
                     # programs' stores for the row block visible to us, so our release publishes them too.
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -338,7 +344,7 @@ def persistent_gemm_kernel(
                         owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
                         flag_index = (src_rank * flags_per_source + row_block
                                       - (flag_owner * rows_per_rank) // BLOCK_M)
-                        tl.atomic_xchg(owner_flags + flag_index, epoch, sem="release", scope="sys")
+                        tl.atomic_xchg(owner_flags + flag_index, flag_value, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank", "timeout_ns"])
@@ -346,8 +352,10 @@ def reduce_partials_kernel(
     partials_ptr, out_ptr, flags_ptr, error_ptr,
     rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
     WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
+    epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
 ):
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    epoch = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
     num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
     num_col_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = num_row_blocks * num_col_blocks

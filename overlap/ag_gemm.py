@@ -16,6 +16,12 @@ Double buffering makes an end-of-step barrier unnecessary: peers read this rank'
 e, and every peer has finished reading a[b] of step e-2 before it signals ready for step e-1, which this
 rank waited for during step e-1.
 
+`cuda_graphs=True` makes every call capturable in a CUDA graph and replayable any number of times: the
+epoch lives in device memory (bumped at the start of each call, read by the flag kernels), there is one
+buffer (a graph's copies have fixed addresses), and instead of the double buffer each reader signals
+consumed[reader] = e on the owner after pulling, which the owner waits for (>= e-1) before it overwrites
+its rows in the next call. Flags of region `<name>.a`: ready[owner] at [0, W), consumed[reader] at [W, 2W).
+
 On CPU (host pool) the same schedule runs with a thread as the comm stream and torch.mm.
 """
 
@@ -27,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from symm_mem import SignalTimeout, SymmetricPool
+from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
@@ -49,11 +55,11 @@ class AgGemm:
 
     Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU).
     The gathered `a` returned with `return_gathered=True` is a view into the pool that stays valid until
-    the second-next call of this op; clone it to keep it longer.
+    the `num_buffers`-th next call of this op (2 calls; 1 with `cuda_graphs=True`); clone it to keep it longer.
     """
 
     def __init__(self, *, group: dist.ProcessGroup, pool: SymmetricPool, max_m: int, k: int, n_local: int,
-                 dtype: torch.dtype, config: OpConfig, name: str = "ag_gemm"):
+                 dtype: torch.dtype, config: OpConfig, name: str = "ag_gemm", cuda_graphs: bool = False):
         if config.op != "ag_gemm":
             raise OpInputError(f"config.op is {config.op!r}; AgGemm needs an ag_gemm config")
         for arg, value in (("max_m", max_m), ("k", k), ("n_local", n_local)):
@@ -68,16 +74,25 @@ class AgGemm:
         self.device = pool.device
         self.name = name
         self.timeout_s = pool.timeout_s
-        self.gathered = pool.reserve(f"{name}.a", (2, max_m, k), dtype, num_signals=self.world_size,
-                                     exclusive=True)
+        if cuda_graphs and self.device.type != "cuda":
+            raise OpInputError(f"{name}: cuda_graphs=True needs a CUDA pool (this one is on {self.device})")
+        self.cuda_graphs = bool(cuda_graphs)
+        self.num_buffers = 1 if cuda_graphs else 2
+        self.gathered = pool.reserve(f"{name}.a", (self.num_buffers, max_m, k), dtype,
+                                     num_signals=2 * self.world_size, exclusive=True)
         self._epoch = 0
+        self._epoch_counter = None
         if self.device.type == "cuda":
             from .triton_gemm import num_sms
             config.validate(num_sms=num_sms(self.device))
             self._comm_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
             num_chunks = self.world_size * config.chunks_per_rank
             self._events = [torch.cuda.Event() for _ in range(num_chunks)]
+            # 1 = this call's chunk is in place; zeroed at the start of every call (stream-ordered after the
+            # previous call's consumer), so the value needs no epoch and a captured graph can replay it
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
+            if self.cuda_graphs:
+                self._epoch_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._fused = None
         self._trace = None
         self._guard = CallGuard(name, self.device)
@@ -87,10 +102,16 @@ class AgGemm:
 
     # ----- public --------------------------------------------------------------------------------------
     def input_slot(self, m: int) -> torch.Tensor:
-        """[m/W, K] view where the next call expects this rank's shard; writing it there saves a copy."""
+        """[m/W, K] view where the next call expects this rank's shard; writing it there saves a copy.
+
+        Not with `cuda_graphs=True`: the single buffer may only be written after the peers have pulled
+        the previous call's rows, which the call itself waits for.
+        """
+        if self.cuda_graphs:
+            raise OpInputError(f"{self.name}: input_slot is not available with cuda_graphs=True")
         self._check_m(m)
         rows = m // self.world_size
-        return self.gathered[(self._epoch + 1) % 2, self.rank * rows:(self.rank + 1) * rows]
+        return self.gathered[(self._epoch + 1) % self.num_buffers, self.rank * rows:(self.rank + 1) * rows]
 
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False):
         """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local]."""
@@ -98,7 +119,7 @@ class AgGemm:
         m = a_shard.shape[0] * self.world_size
         with self._guard:
             self._epoch += 1
-            a = self.gathered[self._epoch % 2, :m]
+            a = self.gathered[self._epoch % self.num_buffers, :m]
             out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
             if self.device.type == "cuda":
                 self._run_cuda(a_shard, w, a, out)
@@ -111,9 +132,10 @@ class AgGemm:
         The "comm solo" of the k-factor and the benchmarks."""
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         self._check_m(a_shard.shape[0] * self.world_size)
+        self._check_capture()
         with self._guard:
             self._epoch += 1
-            a = self.gathered[self._epoch % 2, :a_shard.shape[0] * self.world_size]
+            a = self.gathered[self._epoch % self.num_buffers, :a_shard.shape[0] * self.world_size]
             if self.device.type == "cuda":
                 self._run_cuda(a_shard, None, a, None)
             else:
@@ -156,9 +178,15 @@ class AgGemm:
         check_divisible("M", m, self.world_size, "the group size")
         check_at_most("M", m, self.max_m, "max_m of this op")
 
+    def _check_capture(self) -> None:
+        if not self.cuda_graphs and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise OpInputError(f"{self.name}: called inside a CUDA-graph capture, but built without "
+                               f"cuda_graphs=True (its epochs would be frozen into the graph)")
+
     def _validate(self, a_shard, w) -> None:
         if self.gathered is None or self.pool.closed:
             raise OpInputError(f"{self.name} is closed (or its pool is)")
+        self._check_capture()
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
         check_at_most("a_shard rows x group size", a_shard.shape[0] * self.world_size, self.max_m,
@@ -178,18 +206,30 @@ class AgGemm:
                        for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
         return out
 
+    def _step_epoch(self, offset: int = 0):
+        """This call's epoch (+ offset) as the flag operations take it: host int, or device counter."""
+        if self.cuda_graphs:
+            return DeviceEpoch(self._epoch_counter, offset)
+        return self._epoch + offset
+
+    def _peers(self) -> list[int]:
+        return [p for p in range(self.world_size) if p != self.rank]
+
     def _publish(self, a_shard, a) -> None:
         rows = a_shard.shape[0]
+        if self.cuda_graphs:  # one buffer: every peer must have pulled our previous rows
+            for peer in self._peers():
+                self.pool.wait(f"{self.name}.a", self.world_size + peer, self._step_epoch(-1), peer=peer,
+                               op=self.name)
         slot = a[self.rank * rows:(self.rank + 1) * rows]
         if slot.data_ptr() != a_shard.data_ptr():
             slot.copy_(a_shard)
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self.pool.signal(f"{self.name}.a", self.rank, self._epoch, rank=peer)
+        for peer in self._peers():
+            self.pool.signal(f"{self.name}.a", self.rank, self._step_epoch(), rank=peer)
 
     def _pull(self, chunk: Chunk, a, *, host: bool) -> None:
         owner, lo, count, _ = chunk
-        src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % 2, lo:lo + count]
+        src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % self.num_buffers, lo:lo + count]
         a[lo:lo + count].copy_(src, non_blocking=not host)
 
     def _run_host(self, a_shard, w, a, out) -> None:
@@ -232,6 +272,9 @@ class AgGemm:
         trace = self._trace
         if trace:
             trace[0].record(compute)
+        if self.cuda_graphs:
+            self._epoch_counter.add_(1)
+        self._chunk_flags.zero_()
         self._publish(a_shard, a)
         chunks = self.chunks(a.shape[0])
         comm = self._comm_stream
@@ -244,19 +287,23 @@ class AgGemm:
                 owner = chunk[0]
                 if owner != self.rank:
                     if owner not in waited:
-                        self.pool.wait(f"{self.name}.a", owner, self._epoch, peer=owner, op=self.name)
+                        self.pool.wait(f"{self.name}.a", owner, self._step_epoch(), peer=owner, op=self.name)
                         waited.add(owner)
                     self._pull(chunk, a, host=False)
                 if self._fused is not None:
-                    self._fused.signal_chunk(chunk.flag_index, self._epoch)
+                    self._fused.signal_chunk(chunk.flag_index)
                 else:
                     self._events[i].record(comm)
+            if self.cuda_graphs:  # tell each owner its rows of this call have been read
+                for owner in self._peers():
+                    self.pool.signal(f"{self.name}.a", self.world_size + self.rank, self._step_epoch(),
+                                     rank=owner)
             if trace:
                 trace[2].record(comm)
         if w is None:
             pass
         elif self._fused is not None:
-            self._fused.run(a, w, out, self._epoch)
+            self._fused.run(a, w, out)
         else:
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
                 for i, (owner, lo, count, _) in enumerate(chunks):

@@ -15,7 +15,7 @@ and their outputs are valid on the caller's current stream when they return (CUD
 
 Saved gathered input (column layers): `save_gathered="view"` keeps the AgGemm pool view (no copy). It
 stays valid until the op's second-next call, i.e. two forwards may be pending before their backwards (the
-double buffer); `stamp` carries the forward's epoch so a backward that finds its input overwritten raises
+double buffer; one with `cuda_graphs=True`, which has a single buffer); `stamp` carries the forward's epoch so a backward that finds its input overwritten raises
 instead of producing wrong gradients. `save_gathered="copy"` clones it (one [M, H] copy per forward) for
 schedules with more pending forwards (pipeline micro-batches, recompute).
 """
@@ -67,7 +67,7 @@ class OverlapLayerOps(LayerOps):
     """Our AgGemm + GemmRs contexts (pool regions `<ag_name>.a`, `<rs_name>.partials`)."""
 
     def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
-                 ag_name: str, rs_name: str, save_gathered: str = "view"):
+                 ag_name: str, rs_name: str, save_gathered: str = "view", cuda_graphs: bool = False):
         from .ag_gemm import AgGemm
         from .gemm_rs import GemmRs
 
@@ -76,9 +76,9 @@ class OverlapLayerOps(LayerOps):
         self.world_size = dist.get_world_size(group)
         self.save_gathered = save_gathered
         self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
-                         config=config.op_config("ag_gemm", max_m), name=ag_name)
+                         config=config.op_config("ag_gemm", max_m), name=ag_name, cuda_graphs=cuda_graphs)
         self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
-                         config=config.op_config("gemm_rs", max_m), name=rs_name)
+                         config=config.op_config("gemm_rs", max_m), name=rs_name, cuda_graphs=cuda_graphs)
 
     def ag_gemm(self, x, w, *, keep: bool):
         out, gathered = self.ag(x, w, return_gathered=True)
@@ -95,11 +95,11 @@ class OverlapLayerOps(LayerOps):
 
     def check_saved(self, epoch: int) -> None:
         later = self.ag.epoch - epoch
-        if self.save_gathered == "view" and later >= 2:
+        if self.save_gathered == "view" and later >= self.ag.num_buffers:
             raise OpInputError(
                 f"{self.name}: the gathered input saved by a forward was overwritten by {later} later "
-                f"forwards before its backward ran (the pool keeps 2); build the layer with "
-                f"save_gathered='copy' for schedules with more than 2 forwards pending")
+                f"forwards before its backward ran (the pool keeps {self.ag.num_buffers}); build the layer "
+                f"with save_gathered='copy' for schedules with more forwards pending")
 
     def check_errors(self) -> None:
         self.ag.check_errors()

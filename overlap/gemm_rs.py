@@ -17,6 +17,13 @@ Double buffering replaces an end barrier: a source writes slot b of step e only 
 reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
 step e-2 reduction (the last reader of slot b) had finished.
 
+`cuda_graphs=True` makes every call capturable in a CUDA graph and replayable any number of times: the
+epoch lives in device memory (bumped at the start of each call; the GEMM's flag stores, the reduction's
+waits and the flag kernels read it), there is one buffer (a graph's pointers are fixed), and instead of the
+double buffer each owner signals reduced[owner] = e on every source when its reduction is done; a source
+waits for reduced >= e-1 of every peer before its GEMM writes into their slots again. Those W words follow
+the partials flags: index W * flags_per_source + owner.
+
 On CPU (host pool) the same protocol runs with torch.mm, stores into peers' shared memory and host waits.
 """
 
@@ -27,7 +34,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from symm_mem import SignalTimeout, SymmetricPool
+from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
@@ -52,7 +59,8 @@ class GemmRs:
     """
 
     def __init__(self, *, group: dist.ProcessGroup, pool: SymmetricPool, max_m: int, k_local: int, n: int,
-                 dtype: torch.dtype, config: OpConfig, name: str = "gemm_rs", timeout_s: float | None = None):
+                 dtype: torch.dtype, config: OpConfig, name: str = "gemm_rs", timeout_s: float | None = None,
+                 cuda_graphs: bool = False):
         if config.op != "gemm_rs":
             raise OpInputError(f"config.op is {config.op!r}; GemmRs needs a gemm_rs config")
         for arg, value in (("max_m", max_m), ("k_local", k_local), ("n", n)):
@@ -65,12 +73,18 @@ class GemmRs:
         check_divisible("max_m", max_m, self.world_size, "the group size")
         self.max_m, self.k_local, self.n, self.dtype, self.device = max_m, k_local, n, dtype, pool.device
         self.timeout_s = pool.timeout_s if timeout_s is None else timeout_s
+        if cuda_graphs and self.device.type != "cuda":
+            raise OpInputError(f"{name}: cuda_graphs=True needs a CUDA pool (this one is on {self.device})")
+        self.cuda_graphs = bool(cuda_graphs)
+        self.num_buffers = 1 if cuda_graphs else 2
         max_rows = max_m // self.world_size
         self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
+        self._reduced_flag0 = self.world_size * self.flags_per_source
         self._slot_elems = self.world_size * max_rows * n
-        self.partials = pool.reserve(f"{name}.partials", (2, self._slot_elems), dtype,
-                                     num_signals=self.world_size * self.flags_per_source, exclusive=True)
+        self.partials = pool.reserve(f"{name}.partials", (self.num_buffers, self._slot_elems), dtype,
+                                     num_signals=self._reduced_flag0 + self.world_size, exclusive=True)
         self._epoch = 0
+        self._epoch_counter = None
         self._guard = CallGuard(name, self.device)
         if self.device.type == "cuda":
             self._setup_cuda()
@@ -85,7 +99,9 @@ class GemmRs:
         self._tile_counters = torch.zeros(_cdiv(self.max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32,
                                           device=self.device)
         base = self.pool.ptr_table(f"{self.name}.partials")
-        self._dst_ptrs = [base + b * self._slot_elems * self.dtype.itemsize for b in range(2)]
+        self._dst_ptrs = [base + b * self._slot_elems * self.dtype.itemsize for b in range(self.num_buffers)]
+        if self.cuda_graphs:
+            self._epoch_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._flag_ptrs = self.pool.ptr_table(f"{self.name}.partials", signals=True)
         # decomposed: cuBLAS output of the peers' chunks before the copy-engine push
         self._staging = torch.empty(self.max_m if self.config.method == "decomposed" else 0, self.n,
@@ -156,6 +172,9 @@ class GemmRs:
     def _validate(self, a, w) -> None:
         if self.partials is None or self.pool.closed:
             raise OpInputError(f"{self.name} is closed (or its pool is)")
+        if not self.cuda_graphs and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise OpInputError(f"{self.name}: called inside a CUDA-graph capture, but built without "
+                               f"cuda_graphs=True (its epochs would be frozen into the graph)")
         check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
         check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
         check_divisible("M", a.shape[0], self.world_size, "the group size")
@@ -163,7 +182,7 @@ class GemmRs:
 
     def _slots(self, rank: int, rows: int) -> torch.Tensor:
         """[W, rows, N] view of `rank`'s buffer of this step (contiguous prefix of the slot area)."""
-        flat = self.pool.peer(f"{self.name}.partials", rank)[self._epoch % 2]
+        flat = self.pool.peer(f"{self.name}.partials", rank)[self._epoch % self.num_buffers]
         return flat[:self.world_size * rows * self.n].view(self.world_size, rows, self.n)
 
     def owners(self) -> list[int]:
@@ -184,36 +203,66 @@ class GemmRs:
         out.copy_(self._slots(self.rank, rows).float().sum(dim=0))
 
     # ----- CUDA ----------------------------------------------------------------------------------------
+    def _step_epoch(self, offset: int = 0):
+        """This call's epoch (+ offset) as the flag operations take it: host int, or device counter."""
+        if self.cuda_graphs:
+            return DeviceEpoch(self._epoch_counter, offset)
+        return self._epoch + offset
+
+    def _begin_cuda(self, compute) -> None:
+        """Start of a CUDA call on `compute`: bump the device epoch and, with one buffer, wait until every
+        owner has reduced what this rank wrote into its slot last call."""
+        self._mark(0, compute)
+        if not self.cuda_graphs:
+            return
+        self._epoch_counter.add_(1)
+        for owner in range(self.world_size):
+            if owner != self.rank:
+                self.pool.wait(f"{self.name}.partials", self._reduced_flag0 + owner, self._step_epoch(-1),
+                               timeout_s=self.timeout_s, peer=owner, op=self.name)
+
     def _reduce(self, rows: int, out: torch.Tensor) -> None:
+        from kernels.flags import epoch_args
         from kernels.gemm import reduce_partials_kernel
         programs = max(1, self.config.num_comm_sms or self.config.sm_margin or 8)
+        epoch, counter, device_epoch = epoch_args(self._step_epoch())
         reduce_partials_kernel[(programs,)](
             self._slots(self.rank, rows), out, self.pool.signals(f"{self.name}.partials"), self._errors,
-            rows, self.n, out.stride(0), self.world_size, self._epoch, self.flags_per_source,
+            rows, self.n, out.stride(0), self.world_size, epoch, self.flags_per_source,
             FLAG_BLOCK_M, self.rank, int(self.timeout_s * 1e9),
-            WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4)
+            WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4,
+            epoch_ptr=counter, DEVICE_EPOCH=device_epoch)
+        if self.cuda_graphs:  # our slots are free again: tell every source
+            for src in range(self.world_size):
+                if src != self.rank:
+                    self.pool.signal(f"{self.name}.partials", self._reduced_flag0 + self.rank,
+                                     self._step_epoch(), rank=src)
 
     def _run_fused(self, a, w, out) -> None:
         from kernels.gemm import EPILOGUE_SCATTER, persistent_gemm_kernel
         from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator
+
+        from kernels.flags import epoch_args
 
         ensure_allocator()
         m = a.shape[0]
         rows = m // self.world_size
         blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local), block_m=FLAG_BLOCK_M)
         compute = torch.cuda.current_stream(self.device)
-        self._mark(0, compute)
+        self._begin_cuda(compute)
+        epoch, counter, device_epoch = epoch_args(self._step_epoch())
         self._reduce_stream.wait_stream(compute)
         persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
             a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
             ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M,
-            self._dst_ptrs[self._epoch % 2], self._flag_ptrs, self._tile_counters,
-            rows, self.rank, self._epoch, self.flags_per_source,
+            self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,
+            rows, self.rank, epoch, self.flags_per_source,
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
             EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
             # warp specialisation stays off with the scatter epilogue: its barrier + release atomics inside a
             # specialised partition have not been run on a GPU
-            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+            epoch_ptr=counter, DEVICE_EPOCH=device_epoch)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)
@@ -227,7 +276,7 @@ class GemmRs:
         rows = a.shape[0] // self.world_size
         region = f"{self.name}.partials"
         compute = torch.cuda.current_stream(self.device)
-        self._mark(0, compute)
+        self._begin_cuda(compute)
         self._reduce_stream.wait_stream(compute)
         self._comm_stream.wait_stream(compute)
         with sm_carveout(self.config.sm_margin):
@@ -236,7 +285,7 @@ class GemmRs:
                 if owner == self.rank:
                     torch.mm(chunk, w, out=self._slots(owner, rows)[self.rank])
                     launch_signal_range(self.pool.peer_signals(region, owner), self.rank * self.flags_per_source,
-                                        self.flags_per_source, self._epoch)
+                                        self.flags_per_source, self._step_epoch())
                     continue
                 staged = self._staging[owner * rows:(owner + 1) * rows]
                 torch.mm(chunk, w, out=staged)
@@ -245,7 +294,8 @@ class GemmRs:
                 with torch.cuda.stream(self._comm_stream):
                     self._slots(owner, rows)[self.rank].copy_(staged, non_blocking=True)
                     launch_signal_range(self.pool.peer_signals(region, owner),
-                                        self.rank * self.flags_per_source, self.flags_per_source, self._epoch)
+                                        self.rank * self.flags_per_source, self.flags_per_source,
+                                        self._step_epoch())
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)

@@ -43,20 +43,22 @@ def _align(n: int) -> int:
 
 
 def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype,
-                      num_layers: int = 2) -> tuple[int, int]:
+                      num_layers: int = 2, cuda_graphs: bool = False) -> tuple[int, int]:
     """(bytes, signal words) that `num_layers` overlapped layers of width `hidden` reserve in a pool.
 
-    Each layer holds one AgGemm region [2, max_m, hidden] and one GemmRs region [2, max_m, hidden]
-    (double-buffered; independent of the FFN width).
+    Each layer holds one AgGemm region [B, max_m, hidden] and one GemmRs region [B, max_m, hidden]
+    (B = 2 buffers, 1 with cuda_graphs=True; independent of the FFN width).
     """
     from .gemm_rs import FLAG_BLOCK_M
-    region = _align(2 * max_m * hidden * dtype.itemsize)
+    region = _align((1 if cuda_graphs else 2) * max_m * hidden * dtype.itemsize)
     flags_per_source = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
-    return num_layers * 2 * region, num_layers * (world_size + world_size * flags_per_source)
+    ag_words = 2 * world_size                           # ready + consumed per rank
+    rs_words = world_size * flags_per_source + world_size  # row-block flags per source + reduced per rank
+    return num_layers * 2 * region, num_layers * (ag_words + rs_words)
 
 
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
-              save_gathered, kind) -> custom_ops.LayerOps:
+              save_gathered, kind, cuda_graphs) -> custom_ops.LayerOps:
     if overlap:
         if pool is None:
             raise OpInputError(f"{name}: overlap=True needs pool= (a SymmetricPool on group)")
@@ -66,7 +68,8 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
         ag_role, rs_role = ("fwd", "bwd") if kind == "column" else ("bwd", "fwd")
         return custom_ops.OverlapLayerOps(
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
-            ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered)
+            ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered,
+            cuda_graphs=cuda_graphs)
     if baseline == "nccl":
         return custom_ops.NcclLayerOps(group=group)
     if baseline == "torch_symm":
@@ -81,8 +84,10 @@ class _ParallelLinear(nn.Module):
     config is the preset's for max_m); dtype; pool (SymmetricPool on `group`, required when overlap=True;
     the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
     config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
-    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); device
-    (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
+    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); cuda_graphs
+    (overlap=True on CUDA: build the ops so that forward/backward can be captured in a CUDA graph and
+    replayed; one pool buffer per op instead of two, see AgGemm); device (default the pool's, else the
+    current CUDA device, else CPU); name (prefix of regions and messages).
     Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
     as N(0, 1/in_features) from the default generator: copy the real shard in (TPMLP.load_full_weights).
     """
@@ -92,7 +97,7 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
                  dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
                  overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view",
-                 device: torch.device | str | None = None, name: str | None = None):
+                 cuda_graphs: bool = False, device: torch.device | str | None = None, name: str | None = None):
         super().__init__()
         if group is None:
             raise OpInputError("group= is required (pass the TP process group explicitly)")
@@ -120,7 +125,8 @@ class _ParallelLinear(nn.Module):
         self.hidden, self.local = hidden, local
         self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
                              dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
-                             name=self.name, save_gathered=save_gathered, kind=self.kind)
+                             name=self.name, save_gathered=save_gathered, kind=self.kind,
+                             cuda_graphs=cuda_graphs)
         self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
         # A layer dropped without close() must not pin its op contexts (streams, pool views) forever.

@@ -2,7 +2,9 @@
 
 from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
                      SignalTimeout)
+from kernels.epoch import DeviceEpoch
+
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
-__all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
+__all__ = ["SymmetricPool", "DeviceEpoch", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
            "SignalTimeout", "PeerLostError", "PeerAbortError", "live_pool_count"]

@@ -178,6 +178,142 @@ def _checks(rank, world):
             return f"ok max rel={max(errs):.2e} (output, dx, dW1, dW2; 3 steps)"
         check(f"TPMLP swiglu fwd+bwd ag={ag_method} rs={rs_method}", mlp_check)
 
+    def graphed(make_op, static, fill, run, expect, replays=30):
+        """Warm up, capture one call on a side stream, replay with fresh inputs in `static` (every 7th step
+        an eager call instead: it shares the device epoch counter); returns the worst error of all steps."""
+        op = make_op()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        worst = 0.0
+        with torch.cuda.stream(side):
+            for step in range(3):  # warm-up: every kernel is compiled before the capture
+                fill(static, step)
+                worst = max(worst, expect(run(op, static), step))
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                captured = run(op, static)
+            for step in range(3, 3 + replays):
+                fill(static, step)
+                if step % 7 == 3:
+                    got = run(op, static)
+                else:
+                    graph.replay()
+                    got = captured
+                worst = max(worst, expect(got, step))
+        torch.cuda.synchronize()
+        op.check_errors()
+        dist.barrier()
+        del graph
+        op.close()
+        return f"ok worst={worst:.2e} ({replays} steps, {replays - replays // 7} replays)"
+
+    def fresh(step, rows, cols, salt):
+        gen = torch.Generator().manual_seed(salt + 1000 * step + rank)
+        return torch.randn(rows, cols, generator=gen).bfloat16()
+
+    for method in ("decomposed", "fused"):
+        m, k, n = 2 * 333, 200, 136
+        w_ag = torch.randn(k, n, generator=torch.Generator().manual_seed(9)).bfloat16().to(dev)
+
+        def ag_expect(got, step, m=m, k=k, w=w_ag):
+            out, a = got
+            full = torch.cat(_gather_cpu(fresh(step, m // world, k, 1)))
+            assert torch.equal(a.cpu(), full), f"gathered a not bit-exact at step {step}"
+            err = _rel(out, full.double() @ w.double().cpu())
+            assert err < 1e-2, (step, err)
+            return err
+
+        check(f"CUDA graph AgGemm {method} chunks=2", lambda method=method, m=m, k=k, n=n, w=w_ag, e=ag_expect: graphed(
+            lambda: AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
+                           config=OpConfig(op="ag_gemm", method=method, chunks_per_rank=2),
+                           name=f"agg_{method}", cuda_graphs=True),
+            torch.empty(m // world, k, dtype=torch.bfloat16, device=dev),
+            lambda static, step: static.copy_(fresh(step, m // world, k, 1).to(dev)),
+            lambda op, static: op(static, w, return_gathered=True), e))
+
+    for method, margin in (("decomposed", 8), ("fused", 16)):
+        m, k, n = 2 * 300, 264, 520
+        w_rs = torch.randn(k, n, generator=torch.Generator().manual_seed(10 + rank)).bfloat16().to(dev)
+
+        def rs_expect(out, step, m=m, k=k, w=w_rs):
+            parts = _gather_cpu(fresh(step, m, k, 2).float() @ w.float().cpu())
+            ref = sum(p.double() for p in parts)[rank * (m // world):(rank + 1) * (m // world)]
+            err = _rel(out, ref)
+            assert err < 1e-2, (step, err)
+            return err
+
+        check(f"CUDA graph GemmRs {method} margin={margin}",
+              lambda method=method, margin=margin, m=m, k=k, n=n, w=w_rs, e=rs_expect: graphed(
+                  lambda: GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.bfloat16,
+                                 config=OpConfig(op="gemm_rs", method=method, sm_margin=margin,
+                                                 num_comm_sms=max(8, margin)),
+                                 name=f"rsg_{method}", timeout_s=20, cuda_graphs=True),
+                  torch.empty(m, k, dtype=torch.bfloat16, device=dev),
+                  lambda static, step: static.copy_(fresh(step, m, k, 2).to(dev)),
+                  lambda op, static: op(static, w), e))
+
+    def mlp_graph():
+        from overlap.config import load_preset
+        from overlap.layers import TPMLP, MLPReference, pool_requirements
+        hidden, ffn, m = 264, 344, 2 * 300
+        nbytes, words = pool_requirements(hidden=hidden, max_m=m, world_size=world, dtype=torch.bfloat16,
+                                          cuda_graphs=True)
+        with SymmetricPool(nbytes, group=group, backend="ipc", device=dev, num_signal_words=words + 64) as lp:
+            mlp = TPMLP(hidden, ffn, group=group, max_m=m, dtype=torch.bfloat16, pool=lp,
+                        config=load_preset("NVIDIA H200", 2), overlap=True, device=dev, name="mlp_graph",
+                        cuda_graphs=True)
+            ref = MLPReference(hidden, ffn, seed=4, dtype=torch.bfloat16)
+            mlp.load_full_weights(ref.fc1_weight.detach().to(dev), ref.fc2_weight.detach().to(dev))
+            inputs = [(torch.randn(m // world, hidden, generator=torch.Generator().manual_seed(50 + 2 * i + rank)),
+                       torch.randn(m // world, hidden, generator=torch.Generator().manual_seed(51 + 2 * i + rank)))
+                      for i in range(4)]
+            inputs = [(x.bfloat16().to(dev), dy.bfloat16().to(dev)) for x, dy in inputs]
+
+            def step_eager(x, dy):
+                x = x.clone().requires_grad_(True)
+                mlp.zero_grad(set_to_none=True)
+                y = mlp(x)
+                y.backward(dy)
+                return y.detach().clone(), x.grad.clone(), mlp.fc1.weight.grad.clone(), mlp.fc2.weight.grad.clone()
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(3):
+                    step_eager(*inputs[i % 4])
+                expected = [step_eager(x, dy) for x, dy in inputs]
+                torch.cuda.synchronize()
+                dist.barrier()
+                static_x = torch.empty_like(inputs[0][0]).requires_grad_(True)
+                static_dy = torch.empty_like(inputs[0][1])
+                mlp.zero_grad(set_to_none=True)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
+                    static_y = mlp(static_x)
+                    static_y.backward(static_dy)
+                mismatches, worst = 0, 0.0
+                for replay in range(40):
+                    x, dy = inputs[replay % 4]
+                    with torch.no_grad():
+                        static_x.copy_(x)
+                        static_dy.copy_(dy)
+                    graph.replay()
+                    got = (static_y, static_x.grad, mlp.fc1.weight.grad, mlp.fc2.weight.grad)
+                    errs = [_rel(a, b.cpu()) for a, b in zip(got, expected[replay % 4])]
+                    worst = max([worst] + errs)
+                    mismatches += max(errs) > 0
+            torch.cuda.synchronize()
+            mlp.check_errors()
+            dist.barrier()
+            del graph
+            mlp.close()
+        assert mismatches == 0, (mismatches, worst)
+        return "ok 40 replays of forward+backward bit-equal to eager (output, dx, dW1, dW2)"
+
+    check("CUDA graph TPMLP fwd+bwd", mlp_graph)
+
     torch.cuda.synchronize()
     dist.barrier()
     pool.close()

@@ -90,6 +90,10 @@ def _bad_inputs(rank, world):
         # a second context on the same region would take the first one's epochs for arrivals: refused
         with pytest.raises(PoolError, match="already reserved by another op context"):
             AgGemm(group=group, pool=pool, max_m=64, k=16, n_local=8, dtype=torch.float32, config=cfg)
+        # CUDA-graph mode needs a CUDA pool: refused at construction, the same on every rank
+        with pytest.raises(OpInputError, match="cuda_graphs=True needs a CUDA pool"):
+            AgGemm(group=group, pool=pool, max_m=64, k=16, n_local=8, dtype=torch.float32, config=cfg,
+                   name="graphed", cuda_graphs=True)
     # an op whose pool is closed refuses to run (its views are unmapped)
     with pytest.raises(OpInputError, match="is closed"):
         op(good_a, good_w)

@@ -70,6 +70,9 @@ def _bad(rank, world):
                 op(a, w)
             except OpInputError as exc:
                 msgs.append(str(exc))
+        with pytest.raises(OpInputError, match="cuda_graphs=True needs a CUDA pool"):
+            GemmRs(group=group, pool=pool, max_m=64, k_local=16, n=8, dtype=torch.float32, name="graphed",
+                   config=OpConfig(op="gemm_rs", method="decomposed"), cuda_graphs=True)
         out = op(torch.ones(32, 16), torch.ones(16, 8))   # still usable, nobody waits
         assert torch.equal(out, torch.full((16, 8), 16.0 * world))
     return msgs

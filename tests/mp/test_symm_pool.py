@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from symm_mem import PoolCapacityError, PoolClosedError, PoolError, SignalTimeout, SymmetricPool
+from symm_mem import DeviceEpoch, PoolCapacityError, PoolClosedError, PoolError, SignalTimeout, SymmetricPool
 from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
@@ -111,13 +111,15 @@ def test_two_tp_groups_in_a_world_of_four():
 def _errors(rank, world):
     pool = SymmetricPool(8192, group=dist.group.WORLD, num_signal_words=32)
     pool.reserve("a", (1000,), torch.float32)
+    pool.reserve("c2", (0,), torch.float32, num_signals=1)
     msgs = []
     for bad in [lambda: pool.reserve("b", (2000,), torch.float32),
                 lambda: pool.reserve("a", (10,), torch.float32),
                 lambda: pool.reserve("c", (1,), torch.float32, num_signals=100),
                 lambda: pool.peer("nope", 0),
                 lambda: pool.peer("a", world),
-                lambda: pool.signal("a", 0, 1, rank=0)]:
+                lambda: pool.signal("a", 0, 1, rank=0),
+                lambda: pool.signal("c2", 0, DeviceEpoch(torch.zeros(1, dtype=torch.int32)), rank=0)]:
         with pytest.raises(PoolError) as info:
             bad()
         msgs.append(str(info.value))
@@ -141,7 +143,8 @@ def test_errors_name_region_bytes_and_flag():
     assert "no region 'nope'" in msgs[3]
     assert "rank 2 is not in the group" in msgs[4]
     assert "flag index 0 out of range" in msgs[5]
-    assert "flag d[0] >= 5" in msgs[6] and "peer rank" in msgs[6] and "last value 0" in msgs[6]
+    assert "a DeviceEpoch needs a CUDA pool" in msgs[6]
+    assert "flag d[0] >= 5" in msgs[7] and "peer rank" in msgs[7] and "last value 0" in msgs[7]
 
 
 def test_capacity_error_is_a_pool_error():

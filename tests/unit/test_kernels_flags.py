@@ -40,3 +40,27 @@ def test_write_flag_sets_only_its_word():
     flags = torch.zeros(4, dtype=torch.int32)
     write_flag(flags, 2, 9)
     assert flags.tolist() == [0, 0, 9, 0]
+
+
+def test_device_epoch_is_read_from_the_counter_when_the_kernel_runs():
+    from kernels.flags import DeviceEpoch, launch_signal_range
+    counter = torch.tensor([7], dtype=torch.int32)
+    flags = torch.zeros(6, dtype=torch.int32)
+    errors = torch.zeros(3, dtype=torch.int32)
+    launch_signal(flags[0:1], DeviceEpoch(counter))
+    launch_signal_range(flags, 2, 3, DeviceEpoch(counter, -1))
+    assert flags.tolist() == [7, 0, 6, 6, 6, 0]
+    counter.fill_(8)  # a replayed graph: same launch arguments, the next step's counter
+    launch_signal(flags[0:1], DeviceEpoch(counter))
+    assert flags.tolist()[0] == 8
+    launch_wait(flags[0:1], DeviceEpoch(counter), errors, error_code=3, timeout_ns=0)
+    assert errors.tolist() == [0, 0, 0]
+    launch_wait(flags[2:3], DeviceEpoch(counter), errors, error_code=3, timeout_ns=0)  # holds 6 < 8
+    assert errors.tolist() == [3, 8, 0]
+
+
+def test_write_flag_with_a_device_epoch_uses_the_kernel():
+    from kernels.flags import DeviceEpoch, write_flag
+    flags = torch.zeros(3, dtype=torch.int32)
+    write_flag(flags, 1, DeviceEpoch(torch.tensor([41], dtype=torch.int32), 1))
+    assert flags.tolist() == [0, 42, 0]

@@ -165,6 +165,26 @@ def test_scatter_epilogue_stores_rows_at_owners_and_sets_epoch_flags(world_size,
             assert (counters == 0).all(), "tile counters must return to zero for the next launch"
 
 
+def test_scatter_epilogue_with_device_epoch_writes_the_counter_value():
+    # cuda_graphs=True launches: the flag value comes from device memory, the launch arguments stay fixed
+    generator = torch.Generator().manual_seed(8)
+    world_size, rows_per_rank, n, k = 2, 40, 24, 32
+    world = ScatterWorld(world_size, rows_per_rank, n, scatter_flags_per_source(rows_per_rank, 32),
+                         cdiv(world_size * rows_per_rank, 32))
+    counter = torch.tensor([11], dtype=torch.int32, device=DEVICE)
+    for step in (11, 12):
+        counter.fill_(step)
+        a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
+        b = random_matrix(k, n, torch.bfloat16, generator)
+        run_scatter_gemm(world, a, b, src_rank=0, rows_per_rank=rows_per_rank, epoch=0, num_programs=3,
+                         epoch_ptr=counter, DEVICE_EPOCH=True)
+        for owner in range(world_size):
+            used = expected_flag_indices(owner, rows_per_rank, 32)
+            assert (world.flags[owner][0, :used] == step).all(), (step, world.flags[owner])
+            assert relative_error(world.partials[owner][0], (a.float() @ b.float())[
+                owner * rows_per_rank:(owner + 1) * rows_per_rank]) <= GEMM_REL_TOLERANCE
+
+
 def test_scatter_epilogue_pointer_fallback():
     generator = torch.Generator().manual_seed(5)
     world_size, rows_per_rank, n, k = 2, 21, 27, 35
@@ -222,6 +242,25 @@ def test_reduction_wait_times_out_with_error_code_of_missing_source():
     error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     run_reduction(partials, out, flags, error, epoch, wait=True, timeout_ns=100_000)
     assert error.item() == 1 + 1
+
+
+def test_reduction_waits_for_the_device_epoch():
+    world_size, rows_per_rank, n = 2, 20, 16
+    partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
+    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), 6, dtype=torch.int32,
+                       device=DEVICE)
+    counter = torch.tensor([6], dtype=torch.int32, device=DEVICE)
+    for step, want_error in ((6, 0), (7, 1)):  # step 7: no source has written its flags yet
+        counter.fill_(step)
+        out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        reduce_partials_kernel[(2,)](
+            partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, 0, flags.shape[1],
+            32, 0, 100_000, WAIT=True, BLOCK_M=16, BLOCK_N=16, epoch_ptr=counter, DEVICE_EPOCH=True)
+        assert error.item() == want_error, step
+        if not want_error:
+            torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2,
+                                       atol=1e-2)
 
 
 def test_timer_is_used_exactly_when_not_interpreting():
