@@ -3,7 +3,10 @@ AG and RS shape tables at a given TP size: it bounds everything the fused ops ca
 
     python -m launch.gemm_bench --tp 2 [--m 1024,4096,16384] [--out results/gemm_<gpu>_tp2.json]
 
-Single process, one GPU. Each Triton block configuration is timed interleaved with cuBLAS.
+Single process, one GPU. Each Triton block configuration is timed interleaved with cuBLAS. Times are device
+times: the stream is held busy for `--hold-us` (default 300) after each L2 flush, so Python launch cost
+(about 70 us for the Triton launch against 12 us for cuBLAS, results/launch_overhead_*.json) is not charged
+to the kernel; `--hold-us 0` measures from an idle device instead.
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--m", type=lambda s: tuple(int(x) for x in s.split(",")), default=M_VALUES)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
+    p.add_argument("--configs", default=None, help="comma-separated subset of the block configurations")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("launch.gemm_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda", 0)
+    candidates = {n: CANDIDATES[n] for n in args.configs.split(",")} if args.configs else CANDIDATES
     points = ag_points(args.tp, ms=args.m) + rs_points(args.tp, ms=args.m)
     rows = []
     for i, pt in enumerate(points):
@@ -52,9 +58,9 @@ def main(argv=None) -> int:
         a = torch.randn(pt.m, pt.k, generator=gen).bfloat16().to(dev)
         b = (torch.randn(pt.k, pt.n, generator=gen) / pt.k ** 0.5).bfloat16().to(dev)
         ref = torch.mm(a, b)
-        outs = {name: torch.full_like(ref, float("nan")) for name in CANDIDATES}
+        outs = {name: torch.full_like(ref, float("nan")) for name in candidates}
         usable = {}
-        for name, blocks in CANDIDATES.items():
+        for name, blocks in candidates.items():
             try:
                 triton_mm(a, b, outs[name], blocks=blocks)
             except Exception as exc:  # e.g. OutOfResources (shared memory): this config cannot run
@@ -68,7 +74,8 @@ def main(argv=None) -> int:
         variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
         variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
                          for name, blk in usable.items()})
-        stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps)
+        stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
+                                  hold_device_us=args.hold_us)
         best = min(usable, key=lambda n: stats[n].median_ms)
         heuristic = next((n for n, blk in usable.items() if blk == choose_blocks(pt.m, pt.n, pt.k)), best)
         flops = 2 * pt.m * pt.n * pt.k
@@ -86,7 +93,8 @@ def main(argv=None) -> int:
         progress(f"gemm {i + 1}/{len(points)} {pt.layer} M={pt.m}: cuBLAS {row['t_cublas_ms']:.3f} ms, "
                  f"triton {row['t_triton_best_ms']:.3f} ms ({best})")
     out = args.out or f"results/gemm_{device_slug(torch.cuda.get_device_name(dev))}_tp{args.tp}.json"
-    write_results(out, rows, device=torch.cuda.get_device_name(dev), tp=args.tp, extra={"op": "gemm"})
+    write_results(out, rows, device=torch.cuda.get_device_name(dev), tp=args.tp,
+                  extra={"op": "gemm", "hold_device_us": args.hold_us})
     print(format_table(rows, ["layer", "op", "M", "K", "N", "t_cublas_ms", "t_triton_best_ms", "best_blocks",
                               "triton_over_cublas", "heuristic_over_cublas"]))
     return 0

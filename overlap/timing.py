@@ -3,7 +3,10 @@
 Per repetition and per variant (variants interleaved round-robin, the order rotated each rep): the
 device is drained, the ranks meet at a barrier, L2 is flushed, then the variant runs between two events
 on the current stream (host clock on CPU). A variant that uses side streams must join them back into the
-current stream before it returns. After all reps the per-rep times are reduced with MAX over the ranks
+current stream before it returns. With `hold_device_us`, a spin kernel keeps the stream busy that long
+after the flush, so that the variant's launches are all queued before its start event fires: the time is
+then device time only (for kernel comparisons); without it, host launch latency the flush does not hide is
+included (the default: what one eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks
 of the group, and each variant reports median / min / max of those maxima.
 """
 
@@ -23,6 +26,7 @@ from . import envs
 __all__ = ["Stats", "Timer", "bench_interleaved", "progress", "mark", "mark_ms"]
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
+SLEEP_CYCLES_PER_US = 2000  # torch.cuda._sleep spins for clock cycles; ~1.98 GHz on an H200 (at least as long below)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def _barrier(group, device) -> None:
 
 def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.ProcessGroup | None,
                       device: torch.device, warmup: int = 3, reps: int = 20, flush_l2: bool = True,
-                      label: str = "") -> dict[str, Stats]:
+                      hold_device_us: float = 0.0, label: str = "") -> dict[str, Stats]:
     """Time every variant `reps` times, interleaved; returns Stats per variant (max over ranks)."""
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -117,6 +121,8 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
             _barrier(group, device)
             if flush is not None:
                 flush.zero_()
+            if hold_device_us > 0 and device.type == "cuda":
+                torch.cuda._sleep(int(hold_device_us * SLEEP_CYCLES_PER_US))
             tickets[name].append(timer.time(variants[name]))
     elapsed = timer.elapsed_ms()
     table = torch.tensor([[elapsed[t] for t in tickets[n]] for n in names], dtype=torch.float64)

@@ -7,6 +7,7 @@ and the compute of the fused ops with `num_sms - sm_margin` programs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -50,7 +51,13 @@ def sm_carveout(sm_margin: int):
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs are enough to exercise the persistent loop
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    # get_device_properties costs ~10 us of host time per call, paid on every triton_mm launch otherwise
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclass(frozen=True)
