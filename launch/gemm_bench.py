@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
                                   hold_device_us=args.hold_us)
         best = min(usable, key=lambda n: stats[n].median_ms)
-        heuristic = next((n for n, blk in usable.items() if blk == choose_blocks(pt.m, pt.n, pt.k)), best)
+        heuristic = next((n for n, blk in usable.items() if blk == choose_blocks(pt.m, pt.n, pt.k, sm_count=num_sms(dev))),
+                         best)
         flops = 2 * pt.m * pt.n * pt.k
         row = {"layer": pt.layer, "op": pt.op, "M": pt.m, "K": pt.k, "N": pt.n,
                "t_cublas_ms": stats["cublas"].median_ms, "t_triton_best_ms": stats[best].median_ms,

@@ -35,7 +35,7 @@ class FusedAgConsumer:
         m, k = a.shape
         n = w.shape[1]
         rows = m // op.world_size
-        blocks = choose_blocks(m, n, k, warp_specialize=False)
+        blocks = choose_blocks(m, n, k, warp_specialize=False, sm_count=self.num_programs)
         persistent_gemm_kernel[(self.num_programs,)](
             a, w, out, m, n, k, a.stride(0), w.stride(0), out.stride(0),
             ag_tile_row_offset(op.rank, rows, blocks.block_m),

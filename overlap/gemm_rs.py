@@ -247,12 +247,14 @@ class GemmRs:
         ensure_allocator()
         m = a.shape[0]
         rows = m // self.world_size
-        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local), block_m=FLAG_BLOCK_M)
+        programs = self.num_sms - self.config.sm_margin
+        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local, sm_count=programs),
+                                     block_m=FLAG_BLOCK_M)
         compute = torch.cuda.current_stream(self.device)
         self._begin_cuda(compute)
         epoch, counter, device_epoch = epoch_args(self._step_epoch())
         self._reduce_stream.wait_stream(compute)
-        persistent_gemm_kernel[(self.num_sms - self.config.sm_margin,)](
+        persistent_gemm_kernel[(programs,)](
             a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
             ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M,
             self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,

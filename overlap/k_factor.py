@@ -248,7 +248,8 @@ def op_pair(op, inputs) -> OpPair:
         if fused:
             programs = num_sms(dev) - max(cfg.sm_margin, 1)  # the fused consumer keeps one SM free
             # the fused consumer's own blocks: its K loop waits on flags, so no warp specialisation
-            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], warp_specialize=False)
+            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], warp_specialize=False,
+                                   sm_count=programs)
             comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
         else:
             chunks = [(lo, lo + count) for _, lo, count, _ in op.chunks(gathered.shape[0])]

@@ -71,17 +71,32 @@ class GemmBlocks:
     warp_specialize: bool = False
 
 
-def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda",
-                  warp_specialize: bool = True) -> GemmBlocks:
-    """Pure heuristic from launch.gemm_bench on an H200 (results/gemm_h200_tp2.json): 128x256x64 with 8
-    warps, 3 stages and warp specialisation for most shapes; 128x128x64 with 4 warps for M <= 1024 with
-    N <= 16384, where 256-wide tiles leave SMs idle. Callers whose K loop waits on flags pass
-    warp_specialize=False (a specialised load partition would not wait)."""
+def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda", warp_specialize: bool = True,
+                  sm_count: int = 132) -> GemmBlocks:
+    """Pure heuristic from launch.gemm_bench on an H200 (device time, results/gemm_h200_tp2.json):
+    128x256x64 tiles with 8 warps, 3 stages and warp specialisation, unless 128x128 tiles (4 warps, 4
+    stages) fill the last wave of `sm_count` programs clearly better (e.g. M = 1024 with N = 5120 or 14336,
+    where 256-wide tiles leave a third of the SMs idle in the last wave). Callers whose K loop waits on
+    flags pass warp_specialize=False (a specialised load partition would not wait)."""
     if device_type != "cuda":
         return GemmBlocks(16, 16, 16, 4, 1, 1)
-    if m <= 1024 and n <= 16384:
+    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
+    narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
+    if narrow > wide + WAVE_MARGIN:
         return GemmBlocks(128, 128, 64, 8, 4, 4)
     return GemmBlocks(128, 256, 64, 8, 8, 3, warp_specialize)
+
+
+WAVE_MARGIN = 0.05  # ties go to the wider tile (more reuse per loaded A row)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _wave_efficiency(tiles: int, sm_count: int) -> float:
+    """Busy fraction of the programs over all waves of a persistent grid of `sm_count` programs."""
+    return tiles / (_cdiv(tiles, sm_count) * sm_count)
 
 
 def descriptor_ok(*tensors: torch.Tensor) -> bool:
@@ -100,8 +115,8 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
     if a.is_cuda:
         ensure_allocator()
-    blocks = blocks or choose_blocks(m, n, k, device_type=a.device.type)
     programs = num_programs or num_sms(a.device)
+    blocks = blocks or choose_blocks(m, n, k, device_type=a.device.type, sm_count=programs)
     persistent_gemm_kernel[(programs,)](
         a, b, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), tile_row_offset,
         None, None, None, 0, 0, 1, 0,
