@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pool_bw: shard sizes in MB (default 1,4,16,64,256 on GPU; 1,4,16 on CPU)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "nvshmem", "host"),
                    help="pool_bw: symmetric-memory backend of the pool")
-    p.add_argument("--m", type=_ints, default=M_VALUES, help="token counts M of the shape table")
+    p.add_argument("--tokens", "--m", dest="m", type=_ints, default=M_VALUES,
+                   help="token counts M of the shape table (--m is ambiguous behind torchrun)")
     p.add_argument("--layers", default=None, help="comma-separated layer names of the shape table")
     p.add_argument("--shape", default=None, help="one custom point MxKxN instead of the table (K, N local)")
     p.add_argument("--methods", default=None, help="methods of ours (default: all on GPU, decomposed on CPU)")

@@ -95,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="base YAML preset (default: auto-selected by GPU and TP)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--shapes", default=None, help="MxKxN,... (K, N local) instead of the shape table")
-    p.add_argument("--m", default=None, help="M values of the shape table (default 1024,4096,16384; CPU 256,512)")
+    p.add_argument("--tokens", "--m", dest="m", default=None,
+                   help="M values of the shape table (default 1024,4096,16384; CPU 256,512)")
     p.add_argument("--layers", default=None, help="layer names of the shape table (comma-separated)")
     p.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                    help="grid axis, repeatable (default GPU: method, sm_margin 0,8,16,32, chunks 1,2)")

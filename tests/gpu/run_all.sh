@@ -49,7 +49,7 @@ if [[ $PHASE == ops || $PHASE == all ]]; then
 fi
 if [[ $PHASE == model || $PHASE == all ]]; then
   # exit status 1 of kfactor = the k < max-k gate failed (named in its log), not a crash
-  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --m 4096,16384 --sweep method=decomposed,fused \
+  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --tokens 4096,16384 --sweep method=decomposed,fused \
     --sweep sm_margin=0,16 --sweep chunks_per_rank=1 --reps 10 --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
   [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384
 fi

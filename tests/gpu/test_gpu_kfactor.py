@@ -86,7 +86,7 @@ def test_kfactor_cli_on_gpus(tmp_path, num_gpus):
     env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     tuned = tmp_path / "tuned.yaml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.kfactor", "--m", "1024", "--layers", "llama8b.qkv,llama8b.o_proj",
+           "-m", "launch.kfactor", "--tokens", "1024", "--layers", "llama8b.qkv,llama8b.o_proj",
            "--sweep", "method=decomposed,fused", "--sweep", "sm_margin=0,16", "--sweep", "chunks_per_rank=1",
            "--reps", "5", "--warmup", "2", "--max-k", "100", "--out-dir", str(tmp_path),
            "--write-config", str(tuned)]
