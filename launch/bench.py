@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--op", choices=OPS, default="pool_bw", help="what to benchmark")
     p.add_argument("--sizes-mb", type=_ints, default=None,
                    help="pool_bw: shard sizes in MB (default 1,4,16,64,256 on GPU; 1,4,16 on CPU)")
-    p.add_argument("--backend", default="auto", choices=("auto", "torch", "nvshmem", "host"),
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "nvshmem", "ipc", "host"),
                    help="pool_bw: symmetric-memory backend of the pool")
     p.add_argument("--tokens", "--m", dest="m", type=_ints, default=M_VALUES,
                    help="token counts M of the shape table (--m is ambiguous behind torchrun)")

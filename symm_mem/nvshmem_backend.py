@@ -17,7 +17,10 @@ _state = {"refs": 0, "group_ranks": None, "stream": None}
 
 def _init_once(group: dist.ProcessGroup, device: torch.device) -> None:
     import nvshmem.core as nvshmem
-    from cuda.core.experimental import Device
+    try:  # cuda-core >= 0.4 (the GPU machine has 1.2) exports at the top level, as nvshmem4py 0.4 expects
+        from cuda.core import Device
+    except ImportError:
+        from cuda.core.experimental import Device
 
     ranks = tuple(dist.get_process_group_ranks(group))
     if _state["refs"] > 0:

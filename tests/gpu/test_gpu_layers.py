@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
