@@ -28,6 +28,14 @@ SECTIONS = [  # (file prefix, title, columns)
     ("gemm_rs", "GEMM + ReduceScatter",
      ["layer", "M", "K", "N", "method", "sm_margin", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms",
       "t_comm_ms", "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch"]),
+    ("ag_host_cost", "Host enqueue vs device time of one AllGather+GEMM call",
+     ["layer", "M", "variant", "device_hold", "t_device_ms", "t_host_enqueue_ms"]),
+    ("kfactor", "k-factors (launch.kfactor)",
+     ["op", "layer", "M", "method", "sm_margin", "chunks_per_rank", "t_comm_solo_ms", "t_comp_solo_ms", "k_comm",
+      "k_comp", "E", "t_op_ms"]),
+    ("tp_mlp", "TP MLP training step (launch.tp_mlp)",
+     ["model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
+      "speedup_vs_torch_symm", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"]),
 ]
 
 
@@ -65,7 +73,7 @@ def render(directory: Path) -> str:
              "(max over ranks, L2 flushed); min/max are in the JSON.", ""]
     for prefix, title, columns in SECTIONS:
         for path in sorted(directory.glob(f"{prefix}_*.json")):
-            if prefix == "gemm" and path.name.startswith("gemm_rs"):
+            if (prefix == "gemm" and path.name.startswith("gemm_rs")) or path.name.endswith(".trace.json"):
                 continue
             doc = json.loads(path.read_text())
             parts += [f"## {title}: {doc['device']}, TP{doc['tp']}", "",
@@ -75,6 +83,8 @@ def render(directory: Path) -> str:
             if summary:
                 parts += [summary, ""]
             parts += [format_table(doc["rows"], columns), ""]
+            for png in sorted(directory.glob(f"{path.stem}*.png")):
+                parts += [f"![{png.stem}]({png.name})", ""]
     extra = directory / "NOTES.md"
     if extra.is_file():
         parts += [extra.read_text()]

@@ -3,7 +3,7 @@
 | variable            | meaning                                                   | default |
 |---------------------|-----------------------------------------------------------|---------|
 | OVERLAP_TIMEOUT_S   | bound of every flag wait / pool barrier, seconds          | 30      |
-| OVERLAP_GIT_COMMIT  | commit recorded in results when `git` is not available    | unset   |
+| OVERLAP_GIT_COMMIT  | commit recorded in results (else `git rev-parse HEAD`)    | unset   |
 | OVERLAP_COMMAND     | exact command line recorded in results (set by scripts)   | derived |
 | OVERLAP_PROGRESS    | 0 silences progress lines on stderr                        | 1       |
 """

@@ -16,7 +16,11 @@ __all__ = ["git_commit", "command_line", "write_results", "format_table", "devic
 
 
 def git_commit() -> str:
-    """HEAD of the checkout ('+dirty' when it has uncommitted changes), else OVERLAP_GIT_COMMIT."""
+    """OVERLAP_GIT_COMMIT when a script set it (a copied checkout's .git can be stale: the GPU machine's
+    was), else HEAD of the checkout ('+dirty' when it has uncommitted changes)."""
+    given = envs.git_commit()
+    if given:
+        return given
     try:
         root = Path(__file__).resolve().parents[1]
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -25,7 +29,7 @@ def git_commit() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return envs.git_commit() or "unknown"
+        return "unknown"
 
 
 def command_line() -> str:

@@ -150,3 +150,12 @@ def test_model_section_parses_validates_and_round_trips(tmp_path):
     raw["model"] = {"name": "llama8b", "activation": "relu"}
     with pytest.raises(ConfigError, match=r"m.yaml: model.activation: got 'relu'; allowed: swiglu \| gelu"):
         parse_config(raw, file="m.yaml")
+
+
+def test_results_record_the_commit_the_script_gave_over_the_checkouts_head(monkeypatch):
+    # the GPU machine's copied .git reported a stale HEAD: an explicit commit must win
+    from overlap.report import git_commit
+    monkeypatch.setenv("OVERLAP_GIT_COMMIT", "0123abc")
+    assert git_commit() == "0123abc"
+    monkeypatch.delenv("OVERLAP_GIT_COMMIT")
+    assert git_commit() != "0123abc"
