@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (median reported)")
     p.add_argument("--out", default=None, help="results JSON path (default results/<op>_<gpu>_tp<W>.json)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="ag_gemm/gemm_rs: time every variant as a CUDA-graph replay (device time, no host cost)")
     return p.parse_args(argv)
 
 
@@ -107,11 +109,14 @@ def main(argv=None) -> int:
         else:
             from . import op_bench
             rows = op_bench.run(ctx, args.op, _points(args, args.op, ctx.world_size),
-                                _configs(args, ctx, args.op), warmup=args.warmup, reps=args.reps)
+                                _configs(args, ctx, args.op), warmup=args.warmup, reps=args.reps,
+                                cuda_graphs=args.cuda_graphs)
         if ctx.rank == 0:
             slug = device_slug(ctx.device_name)
-            out = args.out or f"results/{args.op}_{slug}_tp{ctx.world_size}.json"
-            write_results(out, rows, device=ctx.device_name, tp=ctx.world_size, extra={"op": args.op})
+            suffix = "_graphs" if args.cuda_graphs else ""
+            out = args.out or f"results/{args.op}_{slug}_tp{ctx.world_size}{suffix}.json"
+            write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
+                          extra={"op": args.op, "cuda_graphs": args.cuda_graphs})
             print(format_table(rows, COLUMNS[args.op]))
             print(f"wrote {out}")
         return 0

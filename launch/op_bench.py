@@ -8,6 +8,10 @@ k_comm / k_comp in these rows are span ratios of traced calls (median per rank, 
 AG k_comm = comm-stream span / copy-engine gather alone, k_comp = the whole call on the compute stream
 (waits for chunks included) / GEMM alone; RS k_comp = GEMM span of the call / GEMM alone on all SMs. They
 say where the call's time goes; the contention-only k with the same SM budget is launch.kfactor's.
+
+`cuda_graphs=True` builds our ops with `cuda_graphs=True` and times every variant (ours, NCCL-then-GEMM,
+GEMM alone, comm alone) as a CUDA-graph replay (launch/_graphs.py): device time without the per-call
+host cost. PyTorch's async-TP ops are left out there (not captured), and so are the traced k columns.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from overlap.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from ._dist import DistContext
+from ._graphs import graph_variants
 
 TRACE_REPS = 10
 
@@ -107,7 +112,7 @@ def _t_gemm(stats) -> float:
 
 # ----- AG + GEMM -------------------------------------------------------------------------------------
 def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
-                   reps: int) -> list[dict]:
+                   reps: int, cuda_graphs: bool = False) -> list[dict]:
     world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
     m, k, n = point.m, point.k, point.n
     gen = torch.Generator(device="cpu").manual_seed(10 + ctx.rank + m + n)
@@ -117,7 +122,8 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     rows = []
     with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {c.method + str(i): AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype,
-                                        config=c, name=f"ag{i}") for i, c in enumerate(configs)}
+                                        config=c, name=f"ag{i}", cuda_graphs=cuda_graphs)
+               for i, c in enumerate(configs)}
         ref_out, a_full = ag_gemm_reference(a_shard, w, group=ctx.group)
         problem = None
         for key, op in ops.items():
@@ -140,13 +146,18 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         variants["comm_nccl"] = lambda: dist.all_gather_into_tensor(gather_buf, a_shard, group=ctx.group)
         first = next(iter(ops.values()))
         variants["comm_ce"] = lambda: first.all_gather(a_shard)
+        if cuda_graphs:
+            variants.pop("torch", None)
+            variants = graph_variants(variants, group=ctx.group, rank=ctx.rank)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
         t_gemm = _t_gemm(stats)
         t_comm = min(stats["comm_nccl"].median_ms, stats["comm_ce"].median_ms)
         for (key, op), cfg in zip(ops.items(), configs):
-            k_comm, k_comp = _k_factors(ctx, op, a_shard, w, stats["comm_ce"].median_ms,
-                                        stats["gemm_cublas"].median_ms if cfg.method == "decomposed" else t_gemm)
+            k_comm, k_comp = (None, None) if cuda_graphs else _k_factors(
+                ctx, op, a_shard, w, stats["comm_ce"].median_ms,
+                stats["gemm_cublas"].median_ms if cfg.method == "decomposed" else t_gemm)
             row = {"layer": point.layer, "op": "ag_gemm", "M": m, "K": k, "N": n, "method": cfg.method,
+                   "cuda_graphs": cuda_graphs,
                    "sm_margin": cfg.sm_margin, "chunks_per_rank": cfg.chunks_per_rank,
                    **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
                    "k_comm": k_comm, "k_comp": k_comp}
@@ -178,7 +189,7 @@ def _k_factors(ctx, op: AgGemm, a_shard, w, t_comm_solo: float, t_comp_solo: flo
 
 # ----- GEMM + RS -------------------------------------------------------------------------------------
 def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
-                   reps: int) -> list[dict]:
+                   reps: int, cuda_graphs: bool = False) -> list[dict]:
     world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
     m, k, n = point.m, point.k, point.n
     gen = torch.Generator(device="cpu").manual_seed(20 + ctx.rank + m + n)
@@ -188,7 +199,8 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     rows = []
     with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {f"{c.method}{i}": GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=k, n=n, dtype=dtype,
-                                       config=c, name=f"rs{i}") for i, c in enumerate(configs)}
+                                       config=c, name=f"rs{i}", cuda_graphs=cuda_graphs)
+               for i, c in enumerate(configs)}
         ref = gemm_rs_reference(a, w, group=ctx.group)
         problem = None
         for key, op in ops.items():
@@ -211,12 +223,16 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
             _keep_if_runs(variants, "torch", ctx)
         variants.update(_gemm_variants(ctx, a, w, out_c, out_t))
         variants["comm_nccl"] = lambda: dist.reduce_scatter_tensor(rs_out, partial, group=ctx.group)
+        if cuda_graphs:
+            variants.pop("torch", None)
+            variants = graph_variants(variants, group=ctx.group, rank=ctx.rank)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
         t_gemm = _t_gemm(stats)
         t_comm = stats["comm_nccl"].median_ms
         for (key, op), cfg in zip(ops.items(), configs):
-            spans = _rs_spans(ctx, op, a, w)
+            spans = None if cuda_graphs else _rs_spans(ctx, op, a, w)
             row = {"layer": point.layer, "op": "gemm_rs", "M": m, "K": k, "N": n, "method": cfg.method,
+                   "cuda_graphs": cuda_graphs,
                    "sm_margin": cfg.sm_margin, "num_comm_sms": cfg.num_comm_sms,
                    **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
                    # GEMM+RS k here: the op's GEMM span over the GEMM alone on ALL SMs (so it includes the
@@ -250,11 +266,13 @@ def _rs_spans(ctx, op: GemmRs, a, w) -> dict | None:
 
 
 def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list[OpConfig], *, warmup: int,
-        reps: int) -> list[dict]:
+        reps: int, cuda_graphs: bool = False) -> list[dict]:
+    if cuda_graphs and ctx.device.type != "cuda":
+        raise SystemExit("--cuda-graphs needs CUDA devices")
     bench_point = bench_ag_point if op == "ag_gemm" else bench_rs_point
     rows = []
     for i, point in enumerate(points):
-        new = bench_point(ctx, point, configs, warmup=warmup, reps=reps)
+        new = bench_point(ctx, point, configs, warmup=warmup, reps=reps, cuda_graphs=cuda_graphs)
         rows.extend(new)
         best = min(new, key=lambda r: r["t_ours_ms"])
         torch_e = f"{best['E_torch']:.2f}" if best["E_torch"] else "-"

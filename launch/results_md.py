@@ -76,7 +76,8 @@ def render(directory: Path) -> str:
             if (prefix == "gemm" and path.name.startswith("gemm_rs")) or path.name.endswith(".trace.json"):
                 continue
             doc = json.loads(path.read_text())
-            parts += [f"## {title}: {doc['device']}, TP{doc['tp']}", "",
+            graphs = " (CUDA-graph replays)" if doc.get("cuda_graphs") else ""
+            parts += [f"## {title}{graphs}: {doc['device']}, TP{doc['tp']}", "",
                       f"`{path.name}` — commit `{doc['commit']}`, {doc['date']}  ",
                       f"command: `{doc['command']}`", ""]
             summary = _summary(doc["rows"])

@@ -10,7 +10,9 @@ training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on 
 fused ops, interleaved (overlap.timing: median of the max over ranks). k per op (AllGather+GEMM ops,
 CUDA): stream spans inside a step over the op's solo comm / GEMM times. Prints a table on rank 0 and writes
 results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
-with gloo and the host pool.
+with gloo and the host pool. --cuda-graphs (CUDA) builds ours with cuda_graphs=True and times each
+variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
+columns are left out), i.e. device time without the per-call host cost.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="nccl[,torch_symm] (default: both on GPU, nccl on CPU)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     p.add_argument("--out", default=None, help="results JSON (default results/tp_mlp_<gpu>_tp<W>.json)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
     return p.parse_args(argv)
 
 
@@ -156,7 +160,8 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
 def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
     dtype = DTYPES[args.dtype]
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
-    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
+    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}",
+                                   cuda_graphs=args.cuda_graphs, **common)
     mlps = {"overlap": ours}
     for name in baselines:
         mlps[name if name != "nccl" else "baseline"] = TPMLP.from_model_config(
@@ -189,6 +194,13 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
         return step
 
     steps = {name: make_step(name) for name in mlps}
+    if args.cuda_graphs:
+        from ._graphs import graph_variants
+        steps = graph_variants(steps, group=ctx.group, rank=ctx.rank)
+        if {"overlap", "baseline"} - set(steps):  # the drop was agreed: every rank raises this
+            raise RuntimeError(f"{model.name} M={m}: a training step could not be captured in a CUDA graph "
+                               f"(captured: {sorted(steps)}); run without --cuda-graphs")
+        row["cuda_graphs"] = True
     stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps)
     ours.check_errors()
     for name in ("overlap", "baseline", "torch_symm"):
@@ -198,7 +210,10 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
-    row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2))
+    if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
+        row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
+    else:
+        row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2))
     ours.check_errors()
     row["ops"] = {role: dataclasses.asdict(op.config) for role, op in (
         ("fc1.fwd.ag", ours.fc1.ops.ag), ("fc1.bwd.rs", ours.fc1.ops.rs), ("fc2.fwd.rs", ours.fc2.ops.rs),
@@ -220,7 +235,10 @@ def main(argv=None) -> int:
         models = _models(args, cfg, cuda)
         tokens = args.tokens or ((16384,) if cuda else (256,))
         args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
-        baselines = args.baselines.split(",") if args.baselines else (["nccl", "torch_symm"] if cuda else ["nccl"])
+        if args.cuda_graphs and not cuda:
+            raise SystemExit("--cuda-graphs needs CUDA devices")
+        default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
+        baselines = args.baselines.split(",") if args.baselines else default_baselines
         if "nccl" not in baselines:
             baselines.insert(0, "nccl")  # the numerics check and the speedup are against it
         for model in models:
@@ -248,10 +266,12 @@ def main(argv=None) -> int:
                              rank=ctx.rank)
             pool.barrier()
         if ctx.rank == 0:
-            out = args.out or f"results/tp_mlp_{device_slug(ctx.device_name)}_tp{ctx.world_size}.json"
+            suffix = "_graphs" if args.cuda_graphs else ""
+            out = args.out or f"results/tp_mlp_{device_slug(ctx.device_name)}_tp{ctx.world_size}{suffix}.json"
             write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
                           extra={"op": "tp_mlp", "preset": cfg.source, "steps": args.steps,
-                                 "warmup": args.warmup, "step": "forward + backward + SGD step"})
+                                 "warmup": args.warmup, "step": "forward + backward + SGD step",
+                                 "cuda_graphs": args.cuda_graphs})
             print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
         return 0

@@ -159,3 +159,16 @@ def test_results_record_the_commit_the_script_gave_over_the_checkouts_head(monke
     assert git_commit() == "0123abc"
     monkeypatch.delenv("OVERLAP_GIT_COMMIT")
     assert git_commit() != "0123abc"
+
+
+def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
+    import pytest
+    import torch
+
+    from launch import op_bench
+
+    class CpuContext:
+        device = torch.device("cpu")
+
+    with pytest.raises(SystemExit, match="--cuda-graphs needs CUDA devices"):
+        op_bench.run(CpuContext(), "ag_gemm", [], [], warmup=1, reps=1, cuda_graphs=True)
