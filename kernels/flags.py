@@ -17,7 +17,10 @@ import triton.language as tl
 
 from .epoch import DeviceEpoch, epoch_args
 
-__all__ = ["DeviceEpoch", "signal_kernel", "wait_kernel", "signal_range_kernel", "write_flag", "launch_signal",
+# %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER of the kernels.
+TIMER_AVAILABLE = not triton.knobs.runtime.interpret
+
+__all__ = ["DeviceEpoch", "TIMER_AVAILABLE", "wait_for_flag", "signal_kernel", "wait_kernel", "signal_range_kernel", "write_flag", "launch_signal",
            "launch_wait", "launch_signal_range", "read_globaltimer", "epoch_args"]
 
 
@@ -25,6 +28,22 @@ __all__ = ["DeviceEpoch", "signal_kernel", "wait_kernel", "signal_range_kernel",
 def read_globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_for_flag(flag_ptr, epoch, timeout_ns, USE_TIMER: tl.constexpr):
+    """Acquire-polls ``*flag_ptr`` (scope sys) until it is >= epoch; returns whether it got there in time.
+
+    USE_TIMER: for at most ``timeout_ns`` of %globaltimer time from the first poll. Otherwise one poll.
+    """
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if USE_TIMER:
+        start = read_globaltimer()
+        now = start
+        while (seen < epoch) & (now - start < timeout_ns):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            now = read_globaltimer()
+    return seen >= epoch
 
 
 @triton.jit

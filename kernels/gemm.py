@@ -104,36 +104,39 @@ tests) polls exactly once and treats a flag that is not ready as a timeout; neve
 ``timeout_ns`` may exceed 2**31 (a Python int; it is passed as int64 then): keep it the same type from
 call to call, or the kernel recompiles once per type.
 
-``reduce_partials_kernel`` runs on owner o (a small persistent grid, e.g. 16 programs, so it leaves SMs
-to the GEMM). For each owner-local tile it waits (``WAIT=True``) until, for every source and every GEMM
-row block overlapping the tile's rows, the flag is ``>= epoch`` (acquire, scope sys); then it sums the
-``world_size`` partials in fp32 and stores into ``out`` [rows_per_rank, N] (row stride ``ld_out``)::
+EPILOGUE 2 (scatter, then reduce the own rows; needs ``rows_per_rank % BLOCK_M == 0``): the tiles of the
+other owners' rows come first (the walk starts at owner src_rank + 1 and is GROUP_M-swizzled inside that
+segment) and are stored and flagged exactly as in EPILOGUE 1; the tiles of the own rows come last, each
+waiting (bounded, acquire) for the row block's flag from every other source, then adding their partial
+tiles from the own buffer ``dst_ptrs[src_rank]`` to the fp32 accumulator and storing the sum into C =
+``out`` [rows_per_rank, N] (row stride ``ldc``). No other kernel and no reserved SMs: the reduction is the
+epilogue. Waiting tiles only ever wait for other sources' non-own tiles, which never wait, and every program
+finishes its non-own tiles before its first own tile, so all ranks progress (all programs must be resident:
+grid <= SMs). An expired wait writes ``1 + src`` into ``error_ptr[0]`` and the program skips its remaining
+own tiles. ``tile_row_offset`` is ignored.
 
-    reduce_partials_kernel[(programs,)](
-        partials, out, flags, error, rows_per_rank, N, ld_out, world_size, epoch, flags_per_source,
-        gemm_block_m, owner_rank, timeout_ns, WAIT=True, BLOCK_M=..., BLOCK_N=..., USE_TIMER=True)
-
-``DEVICE_EPOCH=True`` waits for ``*epoch_ptr + epoch`` instead (as in the GEMM's scatter flags).
-A wait that expires (see bounded waits) writes ``1 + src`` (first failure only, ``atomic_cas`` from 0)
-into the int32 ``error`` word, and every program stops doing work once that word is nonzero; ``out`` is
-then incomplete. Compile and warm both kernels on every rank before the first cross-rank wait, and
-barrier, so that JIT time does not eat into ``timeout_ns``.
+The reduction kernel of EPILOGUE 1 (``reduce_partials_kernel``) and the epilogue code live in
+``kernels/rs_epilogue.py``.
 """
 
 import triton
 import triton.language as tl
 
-from .flags import read_globaltimer, resolve_epoch
+from .flags import TIMER_AVAILABLE, resolve_epoch, wait_for_flag
+from .rs_epilogue import grouped_tile, owner_last_tile, reduce_own_tile, reduce_partials_kernel, scatter_tile
 
 EPILOGUE_LOCAL = 0
 EPILOGUE_SCATTER = 1
+EPILOGUE_SCATTER_REDUCE = 2
+
+__all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "persistent_gemm_kernel",
+           "reduce_partials_kernel", "cdiv", "num_output_tiles", "scatter_flags_per_source", "ag_rows_per_chunk",
+           "ag_chunk_index", "ag_chunk_rows", "ag_tile_row_offset", "TIMER_AVAILABLE"]
 
 # Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; under the
 # interpreter only, operands are widened to fp32 first. Compiled kernels never see this branch.
 _WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
-# %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER.
-TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 _COMPILED = tl.constexpr(TIMER_AVAILABLE)
 
 
@@ -179,31 +182,9 @@ def ag_tile_row_offset(rank: int, rows_per_rank: int, block_m: int) -> int:
 def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M: tl.constexpr):
     # GROUP_M row blocks share each B column panel while it is hot in L2; the rotation afterwards keeps
     # the order a permutation while letting every rank begin at its own row block.
-    tiles_per_group = GROUP_M * num_col_blocks
-    group_id = tile_id // tiles_per_group
-    first_row_block = group_id * GROUP_M
-    rows_in_group = tl.minimum(num_row_blocks - first_row_block, GROUP_M)
-    index_in_group = tile_id % tiles_per_group
-    swizzled_row_block = first_row_block + index_in_group % rows_in_group
-    col_block = index_in_group // rows_in_group
+    swizzled_row_block, col_block = grouped_tile(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
     row_block = (swizzled_row_block + tile_row_offset) % num_row_blocks
     return row_block, col_block
-
-
-@triton.jit
-def _wait_for_flag(flag_ptr, epoch, timeout_ns, USE_TIMER: tl.constexpr):
-    """Acquire-polls ``*flag_ptr`` (scope sys) until it is >= epoch; returns whether it got there in time.
-
-    USE_TIMER: for at most ``timeout_ns`` of %globaltimer time from the first poll. Otherwise one poll.
-    """
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    if USE_TIMER:
-        start = read_globaltimer()
-        now = start
-        while (seen < epoch) & (now - start < timeout_ns):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            now = read_globaltimer()
-    return seen >= epoch
 
 
 @triton.jit
@@ -216,7 +197,7 @@ def _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row, last_row, rows_per_r
     for chunk in range(first_chunk, last_chunk + 1):
         # An owner's trailing chunks can be empty (e.g. 9 rows in 4 chunks of 3); nobody needs to signal those.
         if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
-            arrived = _wait_for_flag(chunk_flags_ptr + chunk, chunk_epoch, timeout_ns, USE_TIMER)
+            arrived = wait_for_flag(chunk_flags_ptr + chunk, chunk_epoch, timeout_ns, USE_TIMER)
             if not arrived:
                 tl.atomic_cas(error_ptr, 0, 1 + chunk, sem="relaxed", scope="gpu")
             ready = arrived
@@ -268,9 +249,20 @@ def persistent_gemm_kernel(
             c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[ldc, 1],
                                                block_shape=[BLOCK_M, BLOCK_N])
 
+    if EPILOGUE == 2:
+        own_first_row_block = (src_rank * rows_per_rank) // BLOCK_M
+        own_row_blocks = rows_per_rank // BLOCK_M
+    else:
+        own_first_row_block = 0
+        own_row_blocks = 0
+
     for tile_id in tl.range(program_id, num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
-                                                 GROUP_M)
+        if EPILOGUE == 2:
+            row_block, col_block = owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block,
+                                                   own_row_blocks, GROUP_M)
+        else:
+            row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
+                                                     GROUP_M)
         first_row = row_block * BLOCK_M
         first_col = col_block * BLOCK_N
         rows = first_row + tl.arange(0, BLOCK_M)
@@ -316,82 +308,15 @@ def persistent_gemm_kernel(
                 else:
                     tl.store(c_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], result,
                              mask=(rows < M)[:, None] & (cols < N)[None, :])
+            elif EPILOGUE == 1:
+                scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, src_rank, dst_ptrs,
+                             flag_ptrs, tile_counters_ptr, num_col_blocks, flags_per_source,
+                             resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), BLOCK_M)
+            elif (row_block >= own_first_row_block) & (row_block < own_first_row_block + own_row_blocks):
+                reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr, dst_ptrs,
+                                flag_ptrs, error_ptr, rows_per_rank, src_rank, flags_per_source,
+                                resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), timeout_ns, USE_TIMER)
             else:
-                # One store per owner the tile covers (two when rows_per_rank % BLOCK_M != 0), each from a
-                # scalar base: a per-row pointer tensor doubled the GEMM time. The alignment hint (the
-                # buffers are 16-byte aligned allocations) is what lets the stores vectorise.
-                last_row = tl.minimum(first_row + BLOCK_M, M) - 1
-                col_in_range = (cols < N)[None, :]
-                for store_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
-                    owner_base = tl.multiple_of(
-                        tl.load(dst_ptrs + store_owner).to(tl.pointer_type(out_dtype)), 16)
-                    owner_first_row = store_owner * rows_per_rank
-                    in_owner = (rows >= owner_first_row) & (rows < owner_first_row + rows_per_rank) & (rows < M)
-                    dst_row = (src_rank * rows_per_rank - owner_first_row + rows).to(tl.int64)
-                    tl.store(owner_base + dst_row[:, None] * N + cols[None, :], result,
-                             mask=in_owner[:, None] & col_in_range)
-
-                # Every thread's stores must precede the single-thread release below.
-                tl.debug_barrier()
-                counter = tile_counters_ptr + row_block
-                tiles_done_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-                if tiles_done_before == num_col_blocks - 1:
-                    flag_value = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
-                    # Last column tile of this row block in this launch: the acquire above made all other
-                    # programs' stores for the row block visible to us, so our release publishes them too.
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                    for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
-                        owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
-                        flag_index = (src_rank * flags_per_source + row_block
-                                      - (flag_owner * rows_per_rank) // BLOCK_M)
-                        tl.atomic_xchg(owner_flags + flag_index, flag_value, sem="release", scope="sys")
-
-
-@triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank", "timeout_ns"])
-def reduce_partials_kernel(
-    partials_ptr, out_ptr, flags_ptr, error_ptr,
-    rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
-    WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
-    epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
-):
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    epoch = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
-    num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
-    num_col_blocks = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_row_blocks * num_col_blocks
-    source_stride = rows_per_rank.to(tl.int64) * N
-    owner_first_row = owner_rank * rows_per_rank
-    owner_first_gemm_block = owner_first_row // gemm_block_m
-
-    for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        row_block = tile_id // num_col_blocks
-        col_block = tile_id % num_col_blocks
-        first_row = row_block * BLOCK_M
-        rows = first_row + tl.arange(0, BLOCK_M)
-        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-
-        all_arrived = tl.load(error_ptr, volatile=True) == 0
-        if WAIT:
-            # The GEMM flags whole GEMM row blocks; this tile may overlap two of them.
-            last_row = tl.minimum(first_row + BLOCK_M, rows_per_rank) - 1
-            first_flag = (owner_first_row + first_row) // gemm_block_m - owner_first_gemm_block
-            last_flag = (owner_first_row + last_row) // gemm_block_m - owner_first_gemm_block
-            for src in range(world_size):
-                for flag_index in range(first_flag, last_flag + 1):
-                    if all_arrived:
-                        arrived = _wait_for_flag(flags_ptr + src * flags_per_source + flag_index, epoch,
-                                                 timeout_ns, USE_TIMER)
-                        if not arrived:
-                            tl.atomic_cas(error_ptr, 0, 1 + src)
-                        all_arrived = arrived
-            # Order the other threads' partial loads after the single-thread acquire.
-            tl.debug_barrier()
-
-        if all_arrived:
-            mask = (rows < rows_per_rank)[:, None] & (cols < N)[None, :]
-            offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for src in range(world_size):
-                total += tl.load(partials_ptr + src * source_stride + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * ld_out + cols[None, :], total.to(out_dtype),
-                     mask=mask)
+                scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, src_rank, dst_ptrs,
+                             flag_ptrs, tile_counters_ptr, num_col_blocks, flags_per_source,
+                             resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), BLOCK_M)

@@ -72,11 +72,15 @@ def _configs(args, ctx, op: str):
         methods = args.methods.split(",")
     else:
         methods = ["decomposed", "fused"] if ctx.device.type == "cuda" else ["decomposed"]
+        if op == "gemm_rs" and ctx.device.type == "cuda":
+            methods.append("epilogue_reduce")
     out = []
     for method in methods:
         if op == "gemm_rs" and method == "fused":
             out += [dataclasses.replace(base, method=method, sm_margin=s, num_comm_sms=max(s, 8))
                     for s in args.sm_margins]
+        elif method == "epilogue_reduce":  # no reduction kernel: every SM to the GEMM
+            out.append(dataclasses.replace(base, method=method, sm_margin=0, num_comm_sms=0))
         else:
             out.append(dataclasses.replace(base, method=method))
     return out

@@ -21,7 +21,7 @@ __all__ = ["OpConfig", "OpBucket", "OpPreset", "NodeConfig", "ModelConfig", "MOD
            "METHODS", "load_config", "parse_config", "to_dict", "preset_path", "load_preset", "dump_config", "gpu_slug"]
 
 OPS = ("ag_gemm", "gemm_rs")
-METHODS = {"ag_gemm": ("decomposed", "fused"), "gemm_rs": ("fused", "decomposed")}
+METHODS = {"ag_gemm": ("decomposed", "fused"), "gemm_rs": ("fused", "decomposed", "epilogue_reduce")}
 MAX_CHUNKS_PER_RANK = 64
 STREAM_PRIORITY_RANGE = (-5, 0)  # CUDA: lower is higher priority
 

@@ -13,9 +13,14 @@ Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W so
   decomposed: one cuBLAS mm per owner chunk (owners in ring order, own chunk last) limited to
               num_sms - sm_margin SMs, each chunk pushed to its owner with the copy engine and flagged;
               the same reduction kernel.
+  epilogue_reduce: one persistent Triton GEMM on num_sms - sm_margin programs that scatters the other
+              owners' rows first (as `fused`) and then computes its own rows last, adding the other
+              sources' partials to its accumulator in the epilogue: no reduction kernel, no second pass
+              over the partials, no reserved SMs. Needs M/W % 128 == 0; other M run as `fused`.
 Double buffering replaces an end barrier: a source writes slot b of step e only after its own step e-1
 reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
-step e-2 reduction (the last reader of slot b) had finished.
+step e-2 reduction (the last reader of slot b) had finished (for epilogue_reduce the reduction is the
+end of the source's own step-(e-1) GEMM).
 
 `cuda_graphs=True` makes every call capturable in a CUDA graph and replayable any number of times: the
 epoch lives in device memory (bumped at the start of each call; the GEMM's flag stores, the reduction's
@@ -119,7 +124,9 @@ class GemmRs:
             out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
             if self.device.type == "cpu":
                 self._run_host(a, w, out)
-            elif self.config.method == "fused":
+            elif self.config.method == "epilogue_reduce" and (m // self.world_size) % FLAG_BLOCK_M == 0:
+                self._run_epilogue_reduce(a, w, out)
+            elif self.config.method in ("fused", "epilogue_reduce"):
                 self._run_fused(a, w, out)
             else:
                 self._run_decomposed(a, w, out)
@@ -232,11 +239,40 @@ class GemmRs:
             FLAG_BLOCK_M, self.rank, int(self.timeout_s * 1e9),
             WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4,
             epoch_ptr=counter, DEVICE_EPOCH=device_epoch)
+        self._signal_reduced()
+
+    def _signal_reduced(self) -> None:
         if self.cuda_graphs:  # our slots are free again: tell every source
             for src in range(self.world_size):
                 if src != self.rank:
                     self.pool.signal(f"{self.name}.partials", self._reduced_flag0 + self.rank,
                                      self._step_epoch(), rank=src)
+
+    def _run_epilogue_reduce(self, a, w, out) -> None:
+        from kernels.flags import epoch_args
+        from kernels.gemm import EPILOGUE_SCATTER_REDUCE, persistent_gemm_kernel
+        from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator
+
+        ensure_allocator()
+        m = a.shape[0]
+        programs = self.num_sms - self.config.sm_margin
+        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local, sm_count=programs),
+                                     block_m=FLAG_BLOCK_M)
+        compute = torch.cuda.current_stream(self.device)
+        self._begin_cuda(compute)
+        epoch, counter, device_epoch = epoch_args(self._step_epoch())
+        persistent_gemm_kernel[(programs,)](
+            a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), out.stride(0), 0,
+            self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,
+            m // self.world_size, self.rank, epoch, self.flags_per_source,
+            BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+            EPILOGUE=EPILOGUE_SCATTER_REDUCE, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
+            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+            error_ptr=self._errors, timeout_ns=int(self.timeout_s * 1e9), epoch_ptr=counter,
+            DEVICE_EPOCH=device_epoch)
+        for index in (1, 2, 3):  # one stream: the reduction is inside the GEMM
+            self._mark(index, compute)
+        self._signal_reduced()
 
     def _run_fused(self, a, w, out) -> None:
         from kernels.gemm import EPILOGUE_SCATTER, persistent_gemm_kernel

@@ -10,12 +10,14 @@ Every time is in ms: the median over reps of the MAX over the ranks of the group
                  the scatter + reduction of the decomposed method with no GEMM (`RsCommOnly`, or the op's
                  `reduce_scatter(partials)` once it has one). For the fused method the scatter is really
                  done by the GEMM epilogue's NVLink stores, which cannot run without the GEMM: the CE push
-                 stands in for it.
+                 stands in for it (for epilogue_reduce the reduction too runs inside the GEMM: the same
+                 stand-in, which overstates its comm).
 * comp solo    the op's consumer GEMM alone on a side stream (CPU: the calling thread), same SM budget,
                local epilogue, no waits: AgGemm decomposed = one cuBLAS mm per chunk in the op's order
                (with the op's sm_margin carveout); fused = the persistent Triton GEMM on num_sms - max(sm_margin, 1)
                programs. GemmRs decomposed = one cuBLAS mm per owner chunk with the SM carveout
-               `sm_margin`; fused = the Triton GEMM on num_sms - sm_margin programs. CPU: torch.mm.
+               `sm_margin`; fused and epilogue_reduce = the Triton GEMM on num_sms - sm_margin programs.
+               CPU: torch.mm.
 * overlapped   mode "pair" (default, any op, CPU too): the same comm_fn and comp_fn started together, each
                on its own stream (CPU: comm on a thread, compute on the caller), with no data dependency:
                pure contention. Per-stream spans come from CUDA events on each stream (host clocks per
@@ -265,7 +267,7 @@ def op_pair(op, inputs) -> OpPair:
         partials = torch.mm(a, w)
         out = torch.empty_like(partials)
         rows = a.shape[0] // op.world_size
-        if fused:
+        if fused or (cfg.method == "epilogue_reduce" and dev.type == "cuda"):
             programs = num_sms(dev) - cfg.sm_margin
             comp = lambda: triton_mm(a, w, out, num_programs=programs)  # noqa: E731
         else:
