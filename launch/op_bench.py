@@ -106,6 +106,18 @@ def _gemm_variants(ctx, a, w, out_cublas, out_triton) -> dict:
     return variants
 
 
+def _graphed(ctx, variants: dict, point: ShapePoint) -> dict:
+    """Every variant but PyTorch's async-TP as a CUDA-graph replay; a variant the table needs that could not
+    be captured is an error (the same on every rank: the drop is agreed), not a KeyError later."""
+    variants.pop("torch", None)
+    replays = graph_variants(variants, group=ctx.group, rank=ctx.rank)
+    missing = sorted(set(variants) - set(replays) - {"gemm_triton"})
+    if missing:
+        raise RuntimeError(f"{point.layer} M={point.m}: {missing} could not be captured in a CUDA graph; "
+                           f"run without --cuda-graphs")
+    return replays
+
+
 def _t_gemm(stats) -> float:
     return min(stats[n].median_ms for n in ("gemm_cublas", "gemm_triton") if n in stats)
 
@@ -147,8 +159,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         first = next(iter(ops.values()))
         variants["comm_ce"] = lambda: first.all_gather(a_shard)
         if cuda_graphs:
-            variants.pop("torch", None)
-            variants = graph_variants(variants, group=ctx.group, rank=ctx.rank)
+            variants = _graphed(ctx, variants, point)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
         t_gemm = _t_gemm(stats)
         t_comm = min(stats["comm_nccl"].median_ms, stats["comm_ce"].median_ms)
@@ -224,8 +235,7 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         variants.update(_gemm_variants(ctx, a, w, out_c, out_t))
         variants["comm_nccl"] = lambda: dist.reduce_scatter_tensor(rs_out, partial, group=ctx.group)
         if cuda_graphs:
-            variants.pop("torch", None)
-            variants = graph_variants(variants, group=ctx.group, rank=ctx.rank)
+            variants = _graphed(ctx, variants, point)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
         t_gemm = _t_gemm(stats)
         t_comm = stats["comm_nccl"].median_ms

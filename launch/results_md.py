@@ -84,8 +84,9 @@ def render(directory: Path) -> str:
             if summary:
                 parts += [summary, ""]
             parts += [format_table(doc["rows"], columns), ""]
-            for png in sorted(directory.glob(f"{path.stem}*.png")):
-                parts += [f"![{png.stem}]({png.name})", ""]
+            for png in (directory / f"{path.stem}{suffix}.png" for suffix in ("", "_timeline")):
+                if png.is_file():
+                    parts += [f"![{png.stem}]({png.name})", ""]
     extra = directory / "NOTES.md"
     if extra.is_file():
         parts += [extra.read_text()]
