@@ -2,6 +2,7 @@
 # The GPU suite on the GPU machine, in phases so that each device call stays under its time limit:
 #   bash tests/gpu/run_all.sh tests    # pytest -m gpu tests/gpu + pool bandwidth
 #   bash tests/gpu/run_all.sh ops      # launch.bench ag_gemm and gemm_rs over DESIGN.md's shape table
+#   bash tests/gpu/run_all.sh graphs   # the same (and tp_mlp) with every variant a CUDA-graph replay
 #   bash tests/gpu/run_all.sh model    # launch.kfactor sweep and launch.tp_mlp (when present)
 #   bash tests/gpu/run_all.sh all
 # Everything lands in $OUT (default ./out): results.tgz (JSON, PNG, logs) and summary.txt; a short table
@@ -47,10 +48,16 @@ if [[ $PHASE == ops || $PHASE == all ]]; then
   launch ag_gemm 280 launch.bench --op ag_gemm
   launch gemm_rs 280 launch.bench --op gemm_rs
 fi
+if [[ $PHASE == graphs || $PHASE == all ]]; then   # every variant as a CUDA-graph replay (device time)
+  launch ag_gemm_graphs 200 launch.bench --op ag_gemm --cuda-graphs
+  launch gemm_rs_graphs 200 launch.bench --op gemm_rs --cuda-graphs --sm-margins 16,32
+  [ -f launch/tp_mlp.py ] && launch tp_mlp_graphs 150 launch.tp_mlp --cuda-graphs --model llama8b,llama70b --tokens 4096,16384
+fi
 if [[ $PHASE == model || $PHASE == all ]]; then
   # exit status 1 of kfactor = the k < max-k gate failed (named in its log), not a crash
-  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --tokens 4096,16384 --sweep method=decomposed,fused \
-    --sweep sm_margin=0,16 --sweep chunks_per_rank=1 --reps 10 --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
+  [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --tokens 1024,4096,16384 \
+    --sweep method=decomposed,fused --sweep sm_margin=0,16,32 --sweep chunks_per_rank=1 --reps 10 \
+    --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
   [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384
 fi
 tar -czf "$OUT/results_$PHASE.tgz" -C "$RES" .

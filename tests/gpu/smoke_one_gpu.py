@@ -110,12 +110,14 @@ def _checks(rank, world):
             return f"ok rel={max(errs):.2e}"
         check(f"ag_gemm {method} chunks={chunks}", ag)
 
-    for method, margin in (("decomposed", 8), ("fused", 16), ("fused", 0)):
-        def rs(method=method, margin=margin):
-            m, k, n = 2 * 300, 264, 520
+    # epilogue_reduce needs M/W % 128 == 0 (2 * 256 rows); at 2 * 300 it runs as fused
+    for method, margin, rows in (("decomposed", 8, 300), ("fused", 16, 300), ("fused", 0, 300),
+                                 ("epilogue_reduce", 0, 256)):
+        def rs(method=method, margin=margin, rows=rows):
+            m, k, n = 2 * rows, 264, 520
             op = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.bfloat16,
                         config=OpConfig(op="gemm_rs", method=method, sm_margin=margin, num_comm_sms=max(8, margin)),
-                        name=f"rs_{method}_{margin}", timeout_s=20)
+                        name=f"rs_{method}_{margin}_{rows}", timeout_s=20)
             errs = []
             for step in range(3):
                 gen = torch.Generator().manual_seed(200 * step + rank)
@@ -130,7 +132,7 @@ def _checks(rank, world):
                 dist.barrier()
             assert max(errs) < 1e-2, errs
             return f"ok rel={max(errs):.2e}"
-        check(f"gemm_rs {method} margin={margin}", rs)
+        check(f"gemm_rs {method} margin={margin} M={2 * rows}", rs)
 
     for ag_method, rs_method in (("decomposed", "decomposed"), ("fused", "fused")):
         def mlp_check(ag_method=ag_method, rs_method=rs_method):
