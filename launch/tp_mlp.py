@@ -247,7 +247,8 @@ def main(argv=None) -> int:
                     if value % ctx.world_size:
                         raise SystemExit(f"{model.name}: {what}={value} is not divisible by the TP size "
                                          f"{ctx.world_size}")
-        needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype])
+        needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype],
+                                   cuda_graphs=args.cuda_graphs)
                  for mo in models for m in tokens]
         pool_bytes, signal_words = sum(n[0] for n in needs), sum(n[1] for n in needs) + 64
         progress(f"tp_mlp: {len(models) * len(tokens)} point(s) on {ctx.world_size} x {ctx.device_name}, "

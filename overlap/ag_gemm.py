@@ -36,7 +36,7 @@ import torch.distributed as dist
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
-from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
+from ._validate import OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor
 from .config import OpConfig
 from .triton_gemm import sm_carveout
 
@@ -179,9 +179,7 @@ class AgGemm:
         check_at_most("M", m, self.max_m, "max_m of this op")
 
     def _check_capture(self) -> None:
-        if not self.cuda_graphs and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise OpInputError(f"{self.name}: called inside a CUDA-graph capture, but built without "
-                               f"cuda_graphs=True (its epochs would be frozen into the graph)")
+        check_not_capturing(self.name, self.device, self.cuda_graphs)
 
     def _validate(self, a_shard, w) -> None:
         if self.gathered is None or self.pool.closed:
@@ -274,7 +272,8 @@ class AgGemm:
             trace[0].record(compute)
         if self.cuda_graphs:
             self._epoch_counter.add_(1)
-        self._chunk_flags.zero_()
+        if self._fused is not None:  # only the fused consumer reads chunk flags
+            self._chunk_flags.zero_()
         self._publish(a_shard, a)
         chunks = self.chunks(a.shape[0])
         comm = self._comm_stream

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
-from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
+from ._validate import OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor
 from .config import OpConfig
 from .triton_gemm import sm_carveout
 
@@ -179,9 +179,7 @@ class GemmRs:
     def _validate(self, a, w) -> None:
         if self.partials is None or self.pool.closed:
             raise OpInputError(f"{self.name} is closed (or its pool is)")
-        if not self.cuda_graphs and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise OpInputError(f"{self.name}: called inside a CUDA-graph capture, but built without "
-                               f"cuda_graphs=True (its epochs would be frozen into the graph)")
+        check_not_capturing(self.name, self.device, self.cuda_graphs)
         check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
         check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
         check_divisible("M", a.shape[0], self.world_size, "the group size")
