@@ -12,7 +12,9 @@ CUDA): stream spans inside a step over the op's solo comm / GEMM times. Prints a
 results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
 with gloo and the host pool. --cuda-graphs (CUDA) builds ours with cuda_graphs=True and times each
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
-columns are left out), i.e. device time without the per-call host cost.
+columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
+one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
+each stream's busy time in the row's `timeline` (launch/_timeline.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results JSON (default results/tp_mlp_<gpu>_tp<W>.json)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
+    p.add_argument("--trace-dir", default=None,
+                   help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
+                        "PNG and per-stream busy times go here (and into the row's `timeline`)")
     return p.parse_args(argv)
 
 
@@ -157,6 +162,23 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
     return out
 
 
+def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> dict:
+    """Per-stream busy times of one profiled step of ours and of the baseline (+ Gantt PNG on rank 0)."""
+    from . import _plots, _timeline
+
+    stem = f"tp_mlp_{model.name}_M{m}{'_graphs' if args.cuda_graphs else ''}"
+    chosen = {name: steps[name] for name in ("overlap", "baseline")}
+    summaries, lanes = _timeline.profile_steps(chosen, group=ctx.group, rank=ctx.rank, out_dir=args.trace_dir,
+                                               stem=stem)
+    if ctx.rank == 0 and lanes:
+        png = _plots.plot_timeline(
+            [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms",
+              {lane: [(a, b) for a, b, _ in spans] for lane, spans in by_lane.items()})
+             for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png")
+        summaries["png"] = str(png)
+    return summaries
+
+
 def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
     dtype = DTYPES[args.dtype]
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
@@ -210,6 +232,8 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
+    if args.trace_dir:
+        row["timeline"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
         row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
     else:
@@ -237,6 +261,8 @@ def main(argv=None) -> int:
         args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
         if args.cuda_graphs and not cuda:
             raise SystemExit("--cuda-graphs needs CUDA devices")
+        if args.trace_dir and not cuda:
+            raise SystemExit("--trace-dir needs CUDA devices (it profiles GPU streams)")
         default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
         baselines = args.baselines.split(",") if args.baselines else default_baselines
         if "nccl" not in baselines:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator, num_sms
+from .triton_gemm import b_operand, choose_blocks, descriptor_ok, ensure_allocator, num_sms
 
 MIN_FREE_SMS = 1
 
@@ -34,14 +34,15 @@ class FusedAgConsumer:
         op = self.op
         m, k = a.shape
         n = w.shape[1]
+        b, ldb, b_transposed = b_operand(w)
         rows = m // op.world_size
         blocks = choose_blocks(m, n, k, warp_specialize=False, sm_count=self.num_programs)
         persistent_gemm_kernel[(self.num_programs,)](
-            a, w, out, m, n, k, a.stride(0), w.stride(0), out.stride(0),
+            a, b, out, m, n, k, a.stride(0), ldb, out.stride(0),
             ag_tile_row_offset(op.rank, rows, blocks.block_m),
             None, None, None, rows, 0, 1, 0,
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-            EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptor_ok(a, w, out), B_TRANSPOSED=False,
+            EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptor_ok(a, b, out), B_TRANSPOSED=b_transposed,
             WARP_SPECIALIZE=False, chunk_flags_ptr=op._chunk_flags, chunks_per_rank=op.config.chunks_per_rank,
             chunk_epoch=1, error_ptr=self.errors, timeout_ns=int(op.timeout_s * 1e9), WAIT_CHUNKS=True,
             num_warps=blocks.num_warps, num_stages=blocks.num_stages)

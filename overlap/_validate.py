@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most", "check_not_capturing"]
+__all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most", "check_not_capturing",
+           "check_weight"]
 
 
 class OpInputError(ValueError):
@@ -32,6 +33,15 @@ def check_tensor(name: str, t, *, dtype: torch.dtype, device: torch.device, ndim
     if not t.is_contiguous():
         raise OpInputError(f"{name} must be contiguous (row-major), got strides {t.stride()} for shape "
                            f"{tuple(t.shape)}; call .contiguous() first")
+
+
+def check_weight(name: str, w, *, dtype: torch.dtype, device: torch.device, shape: tuple) -> bool:
+    """Like check_tensor for a [K, N] weight that may also be the transpose view of a row-major [N, K]
+    (`weight.t()` of an nn.Linear-style tensor: no copy). Returns whether it is that transpose."""
+    transposed = isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
+    check_tensor(f"{name}.t()" if transposed else name, w.t() if transposed else w, dtype=dtype, device=device,
+                 shape=tuple(reversed(shape)) if transposed else shape)
+    return transposed
 
 
 def check_divisible(name: str, value: int, divisor: int, what: str) -> None:

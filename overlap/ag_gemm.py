@@ -36,7 +36,8 @@ import torch.distributed as dist
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
-from ._validate import OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor
+from ._validate import (OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor,
+                        check_weight)
 from .config import OpConfig
 from .triton_gemm import sm_carveout
 
@@ -114,7 +115,10 @@ class AgGemm:
         return self.gathered[(self._epoch + 1) % self.num_buffers, self.rank * rows:(self.rank + 1) * rows]
 
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False):
-        """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local]."""
+        """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local].
+
+        w is row-major, or the transpose view `weight.t()` of a row-major [N_local, K] (read in place).
+        """
         self._validate(a_shard, w)
         m = a_shard.shape[0] * self.world_size
         with self._guard:
@@ -186,7 +190,7 @@ class AgGemm:
             raise OpInputError(f"{self.name} is closed (or its pool is)")
         self._check_capture()
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
-        check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
+        check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
         check_at_most("a_shard rows x group size", a_shard.shape[0] * self.world_size, self.max_m,
                       "max_m of this op")
 

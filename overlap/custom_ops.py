@@ -89,10 +89,6 @@ class OverlapLayerOps(LayerOps):
     def gemm_rs(self, a, w):
         return self.rs(a, w)
 
-    def transpose(self, w):
-        # the ops take row-major [K, N] only: one weight-sized copy per backward (see the report)
-        return w.t().contiguous()
-
     def check_saved(self, epoch: int) -> None:
         later = self.ag.epoch - epoch
         if self.save_gathered == "view" and later >= self.ag.num_buffers:

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
 from ._guard import CallGuard
-from ._validate import OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor
+from ._validate import (OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor,
+                        check_weight)
 from .config import OpConfig
 from .triton_gemm import sm_carveout
 
@@ -116,7 +117,10 @@ class GemmRs:
 
     # ----- public --------------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """out_shard [M/W, N] for a [M, K_local], w [K_local, N]."""
+        """out_shard [M/W, N] for a [M, K_local], w [K_local, N].
+
+        w is row-major, or the transpose view `weight.t()` of a row-major [N, K_local] (read in place).
+        """
         self._validate(a, w)
         m = a.shape[0]
         with self._guard:
@@ -181,7 +185,7 @@ class GemmRs:
             raise OpInputError(f"{self.name} is closed (or its pool is)")
         check_not_capturing(self.name, self.device, self.cuda_graphs)
         check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
-        check_tensor("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
+        check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
         check_divisible("M", a.shape[0], self.world_size, "the group size")
         check_at_most("M", a.shape[0], self.max_m, "max_m of this op")
 
@@ -246,37 +250,12 @@ class GemmRs:
                     self.pool.signal(f"{self.name}.partials", self._reduced_flag0 + self.rank,
                                      self._step_epoch(), rank=src)
 
-    def _run_epilogue_reduce(self, a, w, out) -> None:
+    def _launch_gemm(self, a, w, out, epilogue: int) -> None:
+        """The persistent Triton GEMM with a scatter (EPILOGUE_SCATTER) or scatter-then-reduce
+        (EPILOGUE_SCATTER_REDUCE) epilogue, on the current stream, into this step's buffers."""
         from kernels.flags import epoch_args
-        from kernels.gemm import EPILOGUE_SCATTER_REDUCE, persistent_gemm_kernel
-        from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator
-
-        ensure_allocator()
-        m = a.shape[0]
-        programs = self.num_sms - self.config.sm_margin
-        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local, sm_count=programs),
-                                     block_m=FLAG_BLOCK_M)
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
-        epoch, counter, device_epoch = epoch_args(self._step_epoch())
-        persistent_gemm_kernel[(programs,)](
-            a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), out.stride(0), 0,
-            self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,
-            m // self.world_size, self.rank, epoch, self.flags_per_source,
-            BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-            EPILOGUE=EPILOGUE_SCATTER_REDUCE, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
-            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-            error_ptr=self._errors, timeout_ns=int(self.timeout_s * 1e9), epoch_ptr=counter,
-            DEVICE_EPOCH=device_epoch)
-        for index in (1, 2, 3):  # one stream: the reduction is inside the GEMM
-            self._mark(index, compute)
-        self._signal_reduced()
-
-    def _run_fused(self, a, w, out) -> None:
         from kernels.gemm import EPILOGUE_SCATTER, persistent_gemm_kernel
-        from .triton_gemm import choose_blocks, descriptor_ok, ensure_allocator
-
-        from kernels.flags import epoch_args
+        from .triton_gemm import b_operand, choose_blocks, descriptor_ok, ensure_allocator
 
         ensure_allocator()
         m = a.shape[0]
@@ -284,25 +263,43 @@ class GemmRs:
         programs = self.num_sms - self.config.sm_margin
         blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local, sm_count=programs),
                                      block_m=FLAG_BLOCK_M)
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
+        b, ldb, b_transposed = b_operand(w)
         epoch, counter, device_epoch = epoch_args(self._step_epoch())
-        self._reduce_stream.wait_stream(compute)
+        scatter = epilogue == EPILOGUE_SCATTER
         persistent_gemm_kernel[(programs,)](
-            a, w, out, m, self.n, self.k_local, a.stride(0), w.stride(0), self.n,
-            ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M,
+            a, b, out, m, self.n, self.k_local, a.stride(0), ldb, out.stride(0),
+            ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M if scatter else 0,
             self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,
             rows, self.rank, epoch, self.flags_per_source,
             BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-            EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=descriptor_ok(a, w), B_TRANSPOSED=False,
-            # warp specialisation stays off with the scatter epilogue: its barrier + release atomics inside a
-            # specialised partition have not been run on a GPU
+            EPILOGUE=epilogue, USE_DESCRIPTORS=descriptor_ok(a, b), B_TRANSPOSED=b_transposed,
+            # warp specialisation stays off with the scatter epilogues: their barrier + release atomics
+            # inside a specialised partition have not been run on a GPU
             WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-            epoch_ptr=counter, DEVICE_EPOCH=device_epoch)
+            error_ptr=self._errors, timeout_ns=int(self.timeout_s * 1e9), epoch_ptr=counter,
+            DEVICE_EPOCH=device_epoch)
+
+    def _run_epilogue_reduce(self, a, w, out) -> None:
+        from kernels.gemm import EPILOGUE_SCATTER_REDUCE
+
+        compute = torch.cuda.current_stream(self.device)
+        self._begin_cuda(compute)
+        self._launch_gemm(a, w, out, EPILOGUE_SCATTER_REDUCE)
+        for index in (1, 2, 3):  # one stream: the reduction is inside the GEMM
+            self._mark(index, compute)
+        self._signal_reduced()
+
+    def _run_fused(self, a, w, out) -> None:
+        from kernels.gemm import EPILOGUE_SCATTER
+
+        compute = torch.cuda.current_stream(self.device)
+        self._begin_cuda(compute)
+        self._reduce_stream.wait_stream(compute)
+        self._launch_gemm(a, w, out, EPILOGUE_SCATTER)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)
-            self._reduce(rows, out)
+            self._reduce(a.shape[0] // self.world_size, out)
         compute.wait_stream(self._reduce_stream)
         self._mark(3, compute)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmBlocks", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
+__all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
            "sm_carveout"]
 
 _allocator_state = threading.local()
@@ -97,6 +97,17 @@ def _cdiv(a: int, b: int) -> int:
 def _wave_efficiency(tiles: int, sm_count: int) -> float:
     """Busy fraction of the programs over all waves of a persistent grid of `sm_count` programs."""
     return tiles / (_cdiv(tiles, sm_count) * sm_count)
+
+
+def b_operand(w: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(row-major tensor, its row stride, B_TRANSPOSED) for a [K, N] operand that is row-major or the
+    transpose view of a row-major [N, K] (the kernel then loads [N, K] tiles: no copy of the weight)."""
+    if w.is_contiguous():
+        return w, w.stride(0), False
+    wt = w.t()
+    if not wt.is_contiguous():
+        raise ValueError(f"b_operand: strides {w.stride()} are neither row-major nor a transposed row-major")
+    return wt, wt.stride(0), True
 
 
 def descriptor_ok(*tensors: torch.Tensor) -> bool:

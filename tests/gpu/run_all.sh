@@ -51,14 +51,14 @@ fi
 if [[ $PHASE == graphs || $PHASE == all ]]; then   # every variant as a CUDA-graph replay (device time)
   launch ag_gemm_graphs 200 launch.bench --op ag_gemm --cuda-graphs
   launch gemm_rs_graphs 200 launch.bench --op gemm_rs --cuda-graphs --sm-margins 16,32
-  [ -f launch/tp_mlp.py ] && launch tp_mlp_graphs 150 launch.tp_mlp --cuda-graphs --model llama8b,llama70b --tokens 4096,16384
+  [ -f launch/tp_mlp.py ] && launch tp_mlp_graphs 150 launch.tp_mlp --cuda-graphs --model llama8b,llama70b --tokens 4096,16384 --trace-dir "$RES"
 fi
 if [[ $PHASE == model || $PHASE == all ]]; then
   # exit status 1 of kfactor = the k < max-k gate failed (named in its log), not a crash
   [ -f launch/kfactor.py ] && launch kfactor 300 launch.kfactor --tokens 1024,4096,16384 \
     --sweep method=decomposed,fused --sweep sm_margin=0,16,32 --sweep chunks_per_rank=1 --reps 10 \
     --out-dir "$RES" --write-config "$RES/tuned_tp$NGPU.yaml"
-  [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384
+  [ -f launch/tp_mlp.py ] && launch tp_mlp 300 launch.tp_mlp --model llama8b,llama70b --tokens 4096,16384 --trace-dir "$RES"
 fi
 tar -czf "$OUT/results_$PHASE.tgz" -C "$RES" .
 echo; cat "$SUMMARY"

@@ -1,10 +1,15 @@
-"""GEMM+RS `epilogue_reduce` on 2 GPUs (marker `gpu`): eager steps with fresh inputs and a scrambled workspace,
-the `fused` fallback for M/W not a multiple of 128, and CUDA-graph replays, all against a float64 reference
-of the summed partials."""
+"""The ops' Triton paths on 2 GPUs (marker `gpu`), against float64 references, with fresh inputs each step:
+
+* GEMM+RS `epilogue_reduce`: eager steps with a scrambled workspace, the `fused` fallback for M/W not a
+  multiple of 128, and CUDA-graph replays; the weight alternates between row-major [K, N] and the transpose
+  view of a row-major [N, K] (what backward passes, read in place by the kernel);
+* AG+GEMM `fused` and `decomposed` with both weight layouts, gathered rows bit-exact.
+"""
 
 import torch
 import torch.distributed as dist
 
+from overlap.ag_gemm import AgGemm
 from overlap.config import OpConfig
 from overlap.gemm_rs import GemmRs
 from symm_mem import SymmetricPool
@@ -35,13 +40,17 @@ def _epilogue_reduce(rank, world):
                             config=OpConfig(op="gemm_rs", method="epilogue_reduce"), name=f"er{i}{graphs}",
                             timeout_s=20, cuda_graphs=graphs)
                 a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
-                w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
+                # graphs: one layout per op (a graph's pointers are fixed); eager: both, alternating
+                w_rows = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
+                w_cols = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
                 worst = 0.0
                 graph = out_graph = None
                 for step in range(8):
                     gen = torch.Generator(device=dev).manual_seed(100 * step + rank)
                     a.copy_(torch.randn(m, k, generator=gen, device=dev))
-                    w.copy_(torch.randn(k, n, generator=gen, device=dev) / k ** 0.5)
+                    w_rows.copy_(torch.randn(k, n, generator=gen, device=dev) / k ** 0.5)
+                    w_cols.copy_(torch.randn(n, k, generator=gen, device=dev) / k ** 0.5)
+                    w = w_cols.t() if (i == 0 if graphs else step % 2) else w_rows
                     # scrambled workspace, before the barrier (peers write into it once the step starts):
                     # partials whose flag has not come must never be read
                     op.partials.random_(-100, 100)
@@ -69,5 +78,44 @@ def _epilogue_reduce(rank, world):
 
 def test_gpu_gemm_rs_epilogue_reduce_matches_the_reference(num_gpus):
     for errors in run_ranks(_epilogue_reduce, 2, backend="nccl", timeout_s=300):
+        for key, err in errors.items():
+            assert err <= 1e-2, (key, err)
+
+
+def _ag_gemm(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    errors = {}
+    with SymmetricPool(256 << 20, group=group) as pool:
+        m, k, n = 2 * 300, 1000, 1064  # M/W, K and N tails
+        for method, sm_margin in (("fused", 8), ("decomposed", 0)):
+            op = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
+                        config=OpConfig(op="ag_gemm", method=method, sm_margin=sm_margin, chunks_per_rank=2),
+                        name=f"ag_{method}")
+            worst = 0.0
+            for step in range(6):
+                gen = torch.Generator(device=dev).manual_seed(100 * step + rank)
+                a_shard = torch.randn(m // world, k, generator=gen, device=dev).to(torch.bfloat16)
+                w_full = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).to(torch.bfloat16)
+                w = w_full.t() if step % 2 else w_full.t().contiguous()
+                op.gathered.random_(-100, 100)  # scrambled before the barrier: peers pull from it after
+                torch.cuda.synchronize()
+                dist.barrier()
+                out, gathered = op(a_shard, w, return_gathered=True)
+                torch.cuda.synchronize()
+                op.check_errors()
+                shards = [torch.empty_like(a_shard) for _ in range(world)]
+                dist.all_gather(shards, a_shard)
+                if not torch.equal(gathered, torch.cat(shards)):
+                    raise AssertionError(f"{method} step {step}: gathered rows are not bit-exact")
+                worst = max(worst, _rel(out, torch.cat(shards).double() @ w.double()))
+            errors[method] = worst
+            op.close()
+        pool.barrier()
+    return errors
+
+
+def test_gpu_ag_gemm_both_methods_and_weight_layouts_match_the_reference(num_gpus):
+    for errors in run_ranks(_ag_gemm, 2, backend="nccl", timeout_s=300):
         for key, err in errors.items():
             assert err <= 1e-2, (key, err)

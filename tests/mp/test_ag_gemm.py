@@ -33,7 +33,10 @@ def _correct(rank, world, shapes, chunks, dtype_name):
             flags.copy_(torch.randint(0, max(1, op._epoch + 1), flags.shape, generator=gen, dtype=torch.int32))
             pool.barrier()
             a_shard = torch.randn(m // world, k, generator=gen).to(dtype)
-            w = torch.randn(k, n, generator=torch.Generator().manual_seed(7 + step)).to(dtype)
+            w_gen = torch.Generator().manual_seed(7 + step)
+            # every third step: the transpose view of a row-major [N, K] weight (what backward passes)
+            w = torch.randn(n, k, generator=w_gen).to(dtype).t() if step % 3 == 2 else \
+                torch.randn(k, n, generator=w_gen).to(dtype)
             if step % 2:  # zero-copy: the caller writes its shard into the pool slot
                 slot = op.input_slot(m)
                 slot.copy_(a_shard)

@@ -28,7 +28,9 @@ def _correct(rank, world, shapes, dtype_name):
             flags.copy_(torch.randint(0, op._epoch + 1, flags.shape, generator=gen, dtype=torch.int32))
             pool.barrier()
             a = torch.randn(m, k, generator=gen).to(dtype)
-            w = torch.randn(k, n, generator=gen).to(dtype)
+            # odd steps: the transpose view of a row-major [N, K] weight (what backward passes)
+            w = torch.randn(k, n, generator=gen).to(dtype) if step % 2 == 0 else \
+                torch.randn(n, k, generator=gen).to(dtype).t()
             out = op(a, w)
             # fp64 reference of the summed partials: gather every rank's a, w
             parts = [None] * world
@@ -65,7 +67,10 @@ def _bad(rank, world):
         for a, w in [(torch.randn(33, 16), torch.randn(16, 8)),   # M not divisible by W
                      (torch.randn(66, 16), torch.randn(16, 8)),   # M above max_m
                      (torch.randn(32, 16), torch.randn(15, 8)),   # K mismatch
-                     (torch.randn(32, 16).half(), torch.randn(16, 8))]:
+                     (torch.randn(32, 16).half(), torch.randn(16, 8)),
+                     (torch.randn(32, 16), torch.randn(16, 16)[:, ::2]),  # strided, not a transpose view
+                     (torch.randn(32, 16), torch.randn(8, 15).t())]:      # transpose view, K mismatch
+
             try:
                 op(a, w)
             except OpInputError as exc:
@@ -80,11 +85,13 @@ def _bad(rank, world):
 
 def test_bad_inputs_raise_the_same_error_on_every_rank():
     msgs = run_ranks(_bad, 2)
-    assert msgs[0] == msgs[1] and len(msgs[0]) == 4
+    assert msgs[0] == msgs[1] and len(msgs[0]) == 6
     assert "M=33 must be divisible by the group size (2)" in msgs[0][0]
     assert "M=66 exceeds max_m of this op (64)" in msgs[0][1]
     assert "w has shape (15, 8); dim 0 must be 16" in msgs[0][2]
     assert "a has dtype torch.float16" in msgs[0][3]
+    assert "w must be contiguous" in msgs[0][4]
+    assert "w.t() has shape (8, 15); dim 1 must be 16" in msgs[0][5]
 
 
 def test_owner_order_is_ring_from_next_rank_with_own_last():

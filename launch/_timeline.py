@@ -1,0 +1,85 @@
+"""Per-stream timelines of one profiled step: where a step's device time goes, stream by stream.
+
+`profile_steps` runs each step once under torch.profiler (after a barrier, from an idle device), writes
+rank 0's Chrome trace per step, and returns, per step, the GPU activity of every stream: kernels and
+copies as (start_ms, end_ms) intervals from the step's first GPU activity, the busy time of each stream
+(the union of its intervals), and the step's span. CUDA-graph replays show their kernels individually.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["profile_steps", "stream_lanes", "summarise"]
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def stream_lanes(trace: dict) -> dict[str, list[tuple[float, float, str]]]:
+    """{`stream <id>`: [(start_ms, end_ms, name)]} of a Chrome trace's GPU events, from the first one."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    if not events:
+        return {}
+    t0 = min(e["ts"] for e in events)
+    lanes: dict[str, list] = {}
+    for e in sorted(events, key=lambda e: e["ts"]):
+        stream = e.get("args", {}).get("stream", e.get("tid"))
+        start = (e["ts"] - t0) / 1e3
+        lanes.setdefault(f"stream {stream}", []).append((start, start + e.get("dur", 0) / 1e3, e["name"]))
+    return lanes
+
+
+def _union_ms(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop, *_ in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summarise(lanes: dict[str, list]) -> dict:
+    """Span of the step and, per stream, busy ms, event count and the three longest kernel names."""
+    if not lanes:
+        return {"span_ms": 0.0, "streams": {}}
+    span = max(stop for spans in lanes.values() for _, stop, _ in spans)
+    streams = {}
+    for lane, spans in lanes.items():
+        by_name: dict[str, float] = {}
+        for start, stop, name in spans:
+            by_name[name] = by_name.get(name, 0.0) + stop - start
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:3]
+        streams[lane] = {"busy_ms": round(_union_ms(spans), 4), "events": len(spans),
+                         "top": [[name[:80], round(ms, 4)] for name, ms in top]}
+    return {"span_ms": round(span, 4), "streams": streams}
+
+
+def profile_steps(steps: dict[str, Callable[[], object]], *, group: dist.ProcessGroup, rank: int,
+                  out_dir: str | Path, stem: str) -> tuple[dict, dict]:
+    """Profile one call of each step on every rank; rank 0 writes `<stem>_<name>_rank0.trace.json`.
+
+    Returns ({name: summary}, {name: lanes}) on rank 0 (empty dicts on the other ranks).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    summaries, all_lanes = {}, {}
+    out_dir = Path(out_dir)
+    for name, step in steps.items():
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = out_dir / f"{stem}_{name}_rank0.trace.json"
+            prof.export_chrome_trace(str(path))
+            lanes = stream_lanes(json.loads(path.read_text()))
+            summaries[name] = summarise(lanes) | {"trace": str(path)}
+            all_lanes[name] = lanes
+    return summaries, all_lanes
