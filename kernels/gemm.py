@@ -50,7 +50,9 @@ Every buffer in ``dst_ptrs`` must be 16-byte aligned (the kernel tells the compi
 Completion protocol (epoch-numbered flags, last-tile detection, robust to M changing between calls):
 
 * ``tile_counters`` is a LOCAL int32 array of at least ``cdiv(M, BLOCK_M)`` words, zero before the
-  first launch. After a tile's stores, the program adds 1 to ``tile_counters[row_block]`` (acq_rel);
+  first launch. After a tile's stores have been issued, the program adds 1 to ``tile_counters[row_block]``
+  (acq_rel) -- deferred until after its next tile's main loop (or the end of its walk), so that the
+  release fence finds the stores already landed; EPILOGUE 2 counts before any of its own waits;
   the program that completes the row block's last column tile resets the word to 0 (so it is zero
   again for the next launch, which is stream-ordered after this one) and, for every owner o whose
   rows the row block covers, writes ``epoch`` with ``atomic_xchg(sem="release", scope="sys")`` into
@@ -123,7 +125,8 @@ import triton
 import triton.language as tl
 
 from .flags import TIMER_AVAILABLE, resolve_epoch, wait_for_flag
-from .rs_epilogue import grouped_tile, owner_last_tile, reduce_own_tile, reduce_partials_kernel, scatter_tile
+from .rs_epilogue import (grouped_tile, owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel,
+                          scatter_stores)
 
 EPILOGUE_LOCAL = 0
 EPILOGUE_SCATTER = 1
@@ -256,6 +259,11 @@ def persistent_gemm_kernel(
         own_first_row_block = 0
         own_row_blocks = 0
 
+    # Scatter epilogues count a tile (release fence at system scope, then the flag) one tile late: all
+    # programs finish their tiles at about the same time, so their NVLink stores arrive as one burst, and a
+    # fence right after a tile's stores stalled every program until the burst drained (~25 us per wave at
+    # 128x256 tiles). Counted after the next tile's main loop, the stores have long landed.
+    pending_row_block = program_id * 0 - 1
     for tile_id in tl.range(program_id, num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
         if EPILOGUE == 2:
             row_block, col_block = owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block,
@@ -302,6 +310,13 @@ def persistent_gemm_kernel(
                 acc = tl.dot(a_tile, b_tile, acc)
 
             result = acc.to(out_dtype)
+            if EPILOGUE != 0:
+                flag_value = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
+                # before any wait of an own tile (EPILOGUE 2): counting never depends on a peer
+                if pending_row_block >= 0:
+                    publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
+                                      num_col_blocks, flags_per_source, flag_value, BLOCK_M)
+                pending_row_block = program_id * 0 - 1
             if EPILOGUE == 0:
                 if USE_DESCRIPTORS:
                     c_desc.store([first_row, first_col], result)
@@ -309,14 +324,17 @@ def persistent_gemm_kernel(
                     tl.store(c_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], result,
                              mask=(rows < M)[:, None] & (cols < N)[None, :])
             elif EPILOGUE == 1:
-                scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, src_rank, dst_ptrs,
-                             flag_ptrs, tile_counters_ptr, num_col_blocks, flags_per_source,
-                             resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), BLOCK_M)
+                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
+                pending_row_block = row_block
             elif (row_block >= own_first_row_block) & (row_block < own_first_row_block + own_row_blocks):
                 reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr, dst_ptrs,
-                                flag_ptrs, error_ptr, rows_per_rank, src_rank, flags_per_source,
-                                resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), timeout_ns, USE_TIMER)
+                                flag_ptrs, error_ptr, rows_per_rank, src_rank, flags_per_source, flag_value,
+                                timeout_ns, USE_TIMER)
             else:
-                scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, src_rank, dst_ptrs,
-                             flag_ptrs, tile_counters_ptr, num_col_blocks, flags_per_source,
-                             resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH), BLOCK_M)
+                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
+                pending_row_block = row_block
+    if EPILOGUE != 0:
+        if pending_row_block >= 0:
+            publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
+                              num_col_blocks, flags_per_source, resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH),
+                              BLOCK_M)

@@ -54,9 +54,9 @@ def owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block
 
 
 @triton.jit
-def scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, src_rank, dst_ptrs, flag_ptrs,
-                 tile_counters_ptr, num_col_blocks, flags_per_source, flag_value, BLOCK_M: tl.constexpr):
-    """Store a finished tile into its owners' buffers; the row block's last column tile releases the flags."""
+def scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M: tl.constexpr):
+    """Store a finished tile into its owners' buffers (NVLink stores for other owners). Not yet counted:
+    `publish_row_block` does that, one tile later (see persistent_gemm_kernel)."""
     out_dtype: tl.constexpr = result.dtype
     # One store per owner the tile covers (two when rows_per_rank % BLOCK_M != 0), each from a scalar base:
     # a per-row pointer tensor doubled the GEMM time. The alignment hint (the buffers are 16-byte aligned
@@ -70,6 +70,12 @@ def scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, 
         dst_row = (src_rank * rows_per_rank - owner_first_row + rows).to(tl.int64)
         tl.store(owner_base + dst_row[:, None] * N + cols[None, :], result, mask=in_owner[:, None] & col_in_range)
 
+
+@triton.jit
+def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr, num_col_blocks,
+                      flags_per_source, flag_value, BLOCK_M: tl.constexpr):
+    """Count one tile of `row_block` whose stores this program issued earlier; the row block's last tile
+    releases the flags of every owner its rows belong to."""
     # Every thread's stores must precede the single-thread release below.
     tl.debug_barrier()
     counter = tile_counters_ptr + row_block
@@ -78,6 +84,8 @@ def scatter_tile(result, rows, cols, first_row, row_block, M, N, rows_per_rank, 
         # Last column tile of this row block in this launch: the acquire above made all other programs'
         # stores for the row block visible to us, so our release publishes them too.
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        first_row = row_block * BLOCK_M
+        last_row = tl.minimum(first_row + BLOCK_M, M) - 1
         for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
             owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
             flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
