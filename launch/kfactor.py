@@ -44,7 +44,7 @@ from overlap import envs
 from overlap.ag_gemm import AgGemm
 from overlap.config import OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
-from overlap.k_factor import inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
+from overlap.k_factor import LATE_START_MS, inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
 from overlap.report import device_slug, format_table, write_results
 from overlap.shapes import M_VALUES, ShapePoint, ag_points, rs_points
@@ -211,8 +211,10 @@ def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, 
                 spans = trace_op(op, inputs, reps=min(env["reps"], 10))
                 row.update(k_comm_op=spans["comm_ms"] / kf.t_comm_solo, k_comp_op=spans["compute_ms"] / kf.t_comp_solo)
             rows.append(row)
+            late = "" if (kf.start_late_ms or 0) <= LATE_START_MS else \
+                f" (a side started {kf.start_late_ms:.3f} ms late: launch-bound, not contention)"
             env["bar"].step(f"{op_name} {point.layer} M={m} {cfg.method} sm_margin={cfg.sm_margin} "
-                            f"chunks={cfg.chunks_per_rank}: k_comm {kf.k_comm:.3f} k_comp {kf.k_comp:.3f}")
+                            f"chunks={cfg.chunks_per_rank}: k_comm {kf.k_comm:.3f} k_comp {kf.k_comp:.3f}{late}")
         if capture:
             best = min(range(len(ops)), key=lambda i: rows[i]["t_op_ms"])
             pair = op_pair(ops[best], inputs)

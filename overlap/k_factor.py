@@ -27,7 +27,10 @@ Every time is in ms: the median over reps of the MAX over the ranks of the group
 
 k_comm = t_comm_overlap / t_comm_solo, k_comp = t_comp_overlap / t_comp_solo,
 E = max(t_comm_solo, t_comp_solo) / t_total, hidden_comm = (t_comp_solo + t_comm_solo - t_total) / t_comm_solo.
-`t_op` is the op's own call timed in the same interleaved run (the number to tune on).
+`t_op` is the op's own call timed in the same interleaved run (the number to tune on). Pair mode holds the
+device with a spin kernel of max(0.5 ms, 3 x the host time to enqueue both sides) before each step, and
+reports `start_late_ms`, the later side's start after the hold: above LATE_START_MS the host did not keep
+up and that row measures launch latency rather than contention.
 """
 
 from __future__ import annotations
@@ -46,13 +49,15 @@ import torch.distributed as dist
 from .ag_gemm import AgGemm
 from .gemm_rs import GemmRs
 from ._rs_comm_only import RsCommOnly, _rs_comm_cache, _rs_comm_for
-from .timing import bench_interleaved, mark as _mark, mark_ms as _ms
+from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
 from .triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
-__all__ = ["KFactor", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
+__all__ = ["KFactor", "LATE_START_MS", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
            "step_timeline", "inject_comm_delay"]
 
-HOLD_CYCLES = 1_000_000      # CUDA: ~0.5 ms spin before the step so that the host enqueues both sides first
+HOLD_CYCLES = 1_000_000      # CUDA: at least ~0.5 ms spin before the step so that the host enqueues both sides
+HOLD_OVER_ENQUEUE = 3.0      # ... and 3x the measured host time to enqueue both (an eager AG call takes ~0.5 ms)
+LATE_START_MS = 0.05         # a side that starts later than this after `go` was not covered by the hold
 CPU_SWITCH_INTERVAL_S = 1e-4  # CPU: the GIL hand-over bound while two threads run (default 5 ms)
 
 
@@ -71,6 +76,7 @@ class KFactor:
     t_op: float | None = None
     mode: str = "pair"
     reps: int = 0
+    start_late_ms: float | None = None   # pair mode: median of the later side's start after `go`
 
     @classmethod
     def from_times(cls, *, t_comm_solo: float, t_comp_solo: float, t_comm_overlap: float,
@@ -88,7 +94,7 @@ class KFactor:
         row = {f"{name}_ms": getattr(self, name) for name in
                ("t_comm_solo", "t_comp_solo", "t_comm_overlap", "t_comp_overlap", "t_total", "t_op")}
         row.update(k_comm=self.k_comm, k_comp=self.k_comp, E=self.E, hidden_comm=self.hidden_comm,
-                   mode=self.mode, reps=self.reps,
+                   mode=self.mode, reps=self.reps, start_late_ms=self.start_late_ms,
                    E_op=max(self.t_comm_solo, self.t_comp_solo) / self.t_op if self.t_op else None)
         return row
 
@@ -124,6 +130,7 @@ class _PairRunner:
         self.device = device
         self.flag = overlap_flag
         self.steps: dict[str, list] = {"comm": [], "comp": [], "both": []}
+        self.hold_cycles = HOLD_CYCLES
         if self.cuda:
             self.streams = {"comm": torch.cuda.Stream(device, priority=-1), "comp": torch.cuda.Stream(device)}
 
@@ -149,7 +156,7 @@ class _PairRunner:
     def _step_cuda(self, sides) -> dict:
         from torch.profiler import record_function
         current = torch.cuda.current_stream(self.device)
-        torch.cuda._sleep(HOLD_CYCLES)   # both sides start together at `go`, not at their launch times
+        torch.cuda._sleep(self.hold_cycles)   # both sides start together at `go`, not at their launch times
         marks = {"go": _mark(current)}
         for side in sides:
             stream = self.streams[side]
@@ -189,11 +196,26 @@ class _PairRunner:
 
     @staticmethod
     def spans(marks: dict) -> tuple[float, ...]:
-        """(comm, comp, total) ms of one overlapped step; total = last end - first start."""
+        """(comm, comp, total, late start) ms of one overlapped step; total = last end - first start, late
+        start = the later side's start after `go` (near 0 when the hold covered the host enqueue)."""
         (c0, c1), (p0, p1) = marks["comm"], marks["comp"]
         go = marks["go"]
         offsets = [_ms(go, m) for m in (c0, c1, p0, p1)]
-        return _ms(c0, c1), _ms(p0, p1), max(offsets[1], offsets[3]) - min(offsets[0], offsets[2])
+        return (_ms(c0, c1), _ms(p0, p1), max(offsets[1], offsets[3]) - min(offsets[0], offsets[2]),
+                max(offsets[0], offsets[2]))
+
+    def set_hold_from_enqueue_time(self, group) -> None:
+        """CUDA: hold the device long enough for the host to enqueue both sides (max over ranks), or the
+        side enqueued second starts late and the step measures launch latency, not contention."""
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for side in ("comm", "comp"):
+            with torch.cuda.stream(self.streams[side]):
+                self.fns[side]()
+        host_us = (time.perf_counter() - start) * 1e6
+        torch.cuda.synchronize(self.device)
+        host_us = _reduce_max([[host_us]], group, self.device)[0, 0].item()
+        self.hold_cycles = max(HOLD_CYCLES, int(HOLD_OVER_ENQUEUE * host_us * SLEEP_CYCLES_PER_US))
 
 
 def _reduce_max(table: list[list[float]], group, device) -> torch.Tensor:
@@ -219,6 +241,8 @@ def measure_pair(comm_fn: Callable[[], object], comp_fn: Callable[[], object], *
     an overlapped step runs (the test aid `inject_comm_delay` reads it).
     """
     runner = _PairRunner(comm_fn, comp_fn, device, overlap_flag)
+    if runner.cuda:
+        runner.set_hold_from_enqueue_time(group)
     variants = {"comm_solo": runner.comm_solo, "comp_solo": runner.comp_solo, "overlap": runner.overlap}
     if op_fn is not None:
         variants["op"] = op_fn
@@ -232,7 +256,8 @@ def measure_pair(comm_fn: Callable[[], object], comp_fn: Callable[[], object], *
     med = [statistics.median(row) for row in table.tolist()]
     return KFactor.from_times(t_comm_solo=med[0], t_comp_solo=med[1], t_comm_overlap=med[2],
                               t_comp_overlap=med[3], t_total=med[4], mode="pair", reps=reps,
-                              t_op=stats["op"].median_ms if op_fn is not None else None)
+                              t_op=stats["op"].median_ms if op_fn is not None else None,
+                              start_late_ms=med[5])
 
 
 # ----- adapters for our ops --------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def test_measure_pair_separates_free_serial_and_injected_overlap():
     assert free == free1 and injected == injected1   # max over ranks: the same numbers on every rank
     assert 7.5 < free.t_comm_solo < 12 and 7.5 < free.t_comp_solo < 12
     assert free.k_comm < 1.3 and free.k_comp < 1.3 and free.E > 0.75 and free.hidden_comm > 0.6
+    assert 0 <= free.start_late_ms < 3               # both threads started at `go`
     assert serial.t_total > 15                      # ran one after the other
     assert max(serial.k_comm, serial.k_comp) > 1.8 and serial.E < 0.6 and serial.hidden_comm < 0.25
     assert 3.5 < injected.t_comm_solo < 7           # solo unaffected by the injection
