@@ -57,6 +57,7 @@ __all__ = ["KFactor", "LATE_START_MS", "OpPair", "RsCommOnly", "measure", "measu
 
 HOLD_CYCLES = 1_000_000      # CUDA: at least ~0.5 ms spin before the step so that the host enqueues both sides
 HOLD_OVER_ENQUEUE = 3.0      # ... and 3x the measured host time to enqueue both (an eager AG call takes ~0.5 ms)
+MAX_HOLD_CYCLES = 40_000_000  # ~20 ms: a slower host is reported by start_late_ms instead
 LATE_START_MS = 0.05         # a side that starts later than this after `go` was not covered by the hold
 CPU_SWITCH_INTERVAL_S = 1e-4  # CPU: the GIL hand-over bound while two threads run (default 5 ms)
 
@@ -206,16 +207,19 @@ class _PairRunner:
 
     def set_hold_from_enqueue_time(self, group) -> None:
         """CUDA: hold the device long enough for the host to enqueue both sides (max over ranks), or the
-        side enqueued second starts late and the step measures launch latency, not contention."""
-        torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        for side in ("comm", "comp"):
-            with torch.cuda.stream(self.streams[side]):
-                self.fns[side]()
-        host_us = (time.perf_counter() - start) * 1e6
+        side enqueued second starts late and the step measures launch latency, not contention. Timed on
+        the second call (the first may compile kernels), capped at MAX_HOLD_CYCLES."""
+        for _ in range(2):
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for side in ("comm", "comp"):
+                with torch.cuda.stream(self.streams[side]):
+                    self.fns[side]()
+            host_us = (time.perf_counter() - start) * 1e6
         torch.cuda.synchronize(self.device)
         host_us = _reduce_max([[host_us]], group, self.device)[0, 0].item()
-        self.hold_cycles = max(HOLD_CYCLES, int(HOLD_OVER_ENQUEUE * host_us * SLEEP_CYCLES_PER_US))
+        self.hold_cycles = min(MAX_HOLD_CYCLES,
+                               max(HOLD_CYCLES, int(HOLD_OVER_ENQUEUE * host_us * SLEEP_CYCLES_PER_US)))
 
 
 def _reduce_max(table: list[list[float]], group, device) -> torch.Tensor:
