@@ -379,6 +379,8 @@ def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Calla
     and writes a Chrome trace there.
     """
     runner = _PairRunner(comm_fn, comp_fn, device, None)
+    if runner.cuda:   # as measure_pair: the profiled step must start both sides at `go` too
+        runner.set_hold_from_enqueue_time(group)
     for _ in range(2):   # warm: first calls compile kernels and open handles
         runner.overlap()
     if device.type == "cuda":
