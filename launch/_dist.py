@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +60,20 @@ def init(*, force_cpu: bool = False) -> DistContext:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def job(prog: str, *, force_cpu: bool = False, min_ranks: int = 2):
+    """The launchers' frame: join the job, refuse fewer than `min_ranks` ranks (exit status 2, the same on
+    every rank), and leave the process group however the body ends."""
+    # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
+    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
+    ctx = init(force_cpu=force_cpu)
+    try:
+        if ctx.world_size < min_ranks:
+            print(f"{prog} needs at least {min_ranks} ranks (torchrun --nproc-per-node N, N >= {min_ranks})",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        yield ctx
+    finally:
+        shutdown()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import warnings
 
 from overlap.config import load_config, load_preset
 from overlap.report import device_slug, format_table, write_results
@@ -99,13 +98,7 @@ COLUMNS = {
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
-    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-    ctx = _dist.init(force_cpu=args.cpu)
-    try:
-        if ctx.world_size < 2:
-            print("launch.bench needs at least 2 ranks (torchrun --nproc-per-node N, N >= 2)", file=sys.stderr)
-            return 2
+    with _dist.job("launch.bench", force_cpu=args.cpu) as ctx:
         if args.op == "pool_bw":
             from . import pool_bw
             rows = pool_bw.run(ctx, sizes_mb=args.sizes_mb, backend=args.backend, warmup=args.warmup,
@@ -124,8 +117,6 @@ def main(argv=None) -> int:
             print(format_table(rows, COLUMNS[args.op]))
             print(f"wrote {out}")
         return 0
-    finally:
-        _dist.shutdown()
 
 
 if __name__ == "__main__":

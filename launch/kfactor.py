@@ -33,7 +33,6 @@ import dataclasses
 import itertools
 import sys
 import threading
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -300,12 +299,7 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-    ctx = _dist.init(force_cpu=args.cpu)
-    try:
-        if ctx.world_size < 2:
-            print("launch.kfactor needs at least 2 ranks (torchrun --nproc-per-node N, N >= 2)", file=sys.stderr)
-            return 2
+    with _dist.job("launch.kfactor", force_cpu=args.cpu) as ctx:
         cuda = ctx.device.type == "cuda"
         if not cuda:
             torch.set_num_threads(1)   # 2+ ranks x 2 threads each already fill a small CI machine
@@ -344,8 +338,6 @@ def main(argv=None) -> int:
                 print(f"k-factor gate: {message}", file=sys.stderr)
         dist.barrier(group=ctx.group)   # torchrun stops every rank once one exits non-zero: rank 0 writes first
         return 1 if failures else 0
-    finally:
-        _dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -249,10 +248,8 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
-    warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-    ctx = _dist.init(force_cpu=args.cpu)  # imports torch._dynamo before the process group (see _dist)
-    try:
+    # (_dist imports torch._dynamo before the process group; a one-rank job is allowed: nothing to overlap)
+    with _dist.job("launch.tp_mlp", force_cpu=args.cpu, min_ranks=1) as ctx:
         cuda = ctx.device.type == "cuda"
         cfg = load_config(args.config) if args.config else load_preset(ctx.device_name, ctx.world_size)
         cfg.check_world_size(ctx.world_size)
@@ -302,8 +299,6 @@ def main(argv=None) -> int:
             print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
         return 0
-    finally:
-        _dist.shutdown()
 
 
 if __name__ == "__main__":
