@@ -12,7 +12,8 @@ copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each next 
 as the CE gather ("membound").
 
 --sweep KEY=V1,V2 (repeatable; keys method, sm_margin, chunks_per_rank, num_comm_sms; a token holding '='
-starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). Keys not swept keep the
+starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
+the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
 chunks_per_rank is not used. Shapes: the DESIGN table at the job's TP size on GPUs, tiny ones on CPU
 (M = 256, 512; K = N = 64), or --shapes MxKxN (K, N local to a rank; applies to every op).
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from overlap import envs
 from overlap.ag_gemm import AgGemm
-from overlap.config import OverlapConfig, dump_config, load_config, load_preset, to_dict
+from overlap.config import METHODS, OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
 from overlap.k_factor import LATE_START_MS, inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
@@ -147,6 +148,8 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
     out = []
     for values in itertools.product(*axes.values()):
         fields = dict(zip(axes, values))
+        if fields.get("method", base.method) not in METHODS[op]:
+            continue   # a method of the other op (e.g. epilogue_reduce in a sweep over both ops)
         if op == "gemm_rs":
             fields["chunks_per_rank"] = base.chunks_per_rank   # not used by GemmRs
             fields.setdefault("num_comm_sms", fields.get("sm_margin", base.sm_margin))
@@ -154,6 +157,8 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
         cfg.validate(num_sms=num_sms)
         if cfg not in out:
             out.append(cfg)
+    if not out:
+        raise SystemExit(f"launch.kfactor: no swept method applies to {op} (allowed: {', '.join(METHODS[op])})")
     return out
 
 

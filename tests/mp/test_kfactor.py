@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from launch._tune import best_configs, gate_failures, tuned_config
-from launch.kfactor import parse_sweep
+from launch.kfactor import configs_for, parse_sweep
 from overlap.config import OpConfig, load_config, dump_config, parse_config
 from overlap.k_factor import KFactor, RsCommOnly, measure, measure_pair
 from tests.multiproc import run_ranks
@@ -127,6 +127,18 @@ def test_parse_sweep_both_spellings_and_errors():
                        (["sm_margin=1", "sm_margin=2"], "twice"), (["sm_margin="], "no values")]:
         with pytest.raises(ValueError, match=words):
             parse_sweep(bad)
+
+
+def test_a_swept_method_applies_only_to_the_ops_that_have_it():
+    base = load_config(ROOT / "configs" / "h200_tp2.yaml")
+    grid = {"method": ("decomposed", "epilogue_reduce"), "sm_margin": (0, 16)}
+    ag = configs_for("ag_gemm", base, grid, True, 132)
+    rs = configs_for("gemm_rs", base, grid, True, 132)
+    assert [(c.method, c.sm_margin) for c in ag] == [("decomposed", 0), ("decomposed", 16)]
+    assert [(c.method, c.sm_margin) for c in rs] == [("decomposed", 0), ("decomposed", 16),
+                                                     ("epilogue_reduce", 0), ("epilogue_reduce", 16)]
+    with pytest.raises(SystemExit, match="no swept method applies to ag_gemm"):
+        configs_for("ag_gemm", base, {"method": ("epilogue_reduce",)}, True, 132)
 
 
 def _row(op, layer, m, method, sm, t):
