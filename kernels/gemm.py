@@ -10,7 +10,7 @@ output in C's dtype).
     persistent_gemm_kernel[grid](
         a, b, c, M, N, K, lda, ldb, ldc, tile_row_offset,
         dst_ptrs, flag_ptrs, tile_counters, rows_per_rank, src_rank, epoch, flags_per_source,
-        BLOCK_M=..., BLOCK_N=..., BLOCK_K=..., GROUP_M=..., EPILOGUE=0 or 1,
+        BLOCK_M=..., BLOCK_N=..., BLOCK_K=..., GROUP_M=..., EPILOGUE=0, 1 or 2,
         USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
         # optional, only read with WAIT_CHUNKS=True (the AllGather consumer, below):
         chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
@@ -113,8 +113,8 @@ waiting (bounded, acquire) for the row block's flag from every other source, the
 tiles from the own buffer ``dst_ptrs[src_rank]`` to the fp32 accumulator and storing the sum into C =
 ``out`` [rows_per_rank, N] (row stride ``ldc``). No other kernel and no reserved SMs: the reduction is the
 epilogue. Waiting tiles only ever wait for other sources' non-own tiles, which never wait, and every program
-finishes its non-own tiles before its first own tile, so all ranks progress (all programs must be resident:
-grid <= SMs). An expired wait writes ``1 + src`` into ``error_ptr[0]`` and the program skips its remaining
+stores and counts (publishes) all its non-own tiles before its first wait, so all ranks progress (all
+programs must be resident: grid <= SMs). An expired wait writes ``1 + src`` into ``error_ptr[0]`` and the program skips its remaining
 own tiles. ``tile_row_offset`` is ignored.
 
 The reduction kernel of EPILOGUE 1 (``reduce_partials_kernel``) and the epilogue code live in
@@ -230,6 +230,10 @@ def persistent_gemm_kernel(
     epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
 ):
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
+    # the scatter epilogues carry a pending tile across iterations and barrier inside a branch: not run
+    # under warp specialisation
+    if EPILOGUE != 0:
+        tl.static_assert(not WARP_SPECIALIZE, "scatter epilogues need WARP_SPECIALIZE=False")
     if WAIT_CHUNKS:
         tl.static_assert(not WARP_SPECIALIZE, "WAIT_CHUNKS needs WARP_SPECIALIZE=False")
         rows_per_chunk = tl.cdiv(rows_per_rank, chunks_per_rank)

@@ -132,7 +132,7 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
         return {f"k_{kind}_{key}": None for key in keys for kind in ("comm", "comp")}
     ops = {"fc1_fwd_ag": mlp.fc1.ops.ag, "fc2_bwd_ag": mlp.fc2.ops.ag}
     shards = {"fc1_fwd_ag": x.detach(), "fc2_bwd_ag": dy}
-    weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t().contiguous()}
+    weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t()}  # as backward passes it
     variants = {}
     for key, op in ops.items():
         full = op.all_gather(shards[key]).clone()
@@ -161,21 +161,23 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
     return out
 
 
-def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> dict:
-    """Per-stream busy times of one profiled step of ours and of the baseline (+ Gantt PNG on rank 0)."""
+def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict, str | None]:
+    """Per-stream busy times of one profiled step of ours and of the baseline, and the path of their
+    Gantt PNG (rank 0; ({}, None) on the other ranks)."""
     from . import _plots, _timeline
 
     stem = f"tp_mlp_{model.name}_M{m}{'_graphs' if args.cuda_graphs else ''}"
     chosen = {name: steps[name] for name in ("overlap", "baseline")}
     summaries, lanes = _timeline.profile_steps(chosen, group=ctx.group, rank=ctx.rank, out_dir=args.trace_dir,
                                                stem=stem)
+    png = None
     if ctx.rank == 0 and lanes:
         png = _plots.plot_timeline(
             [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms",
               {lane: [(a, b) for a, b, _ in spans] for lane, spans in by_lane.items()})
              for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png")
-        summaries["png"] = str(png)
-    return summaries
+        png = str(png)
+    return summaries, png
 
 
 def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
@@ -232,7 +234,7 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
     if args.trace_dir:
-        row["timeline"] = _timelines(ctx, model, m, steps, args)
+        row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
         row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
     else:

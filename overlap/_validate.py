@@ -17,7 +17,7 @@ class OpInputError(ValueError):
 
 
 def check_tensor(name: str, t, *, dtype: torch.dtype, device: torch.device, ndim: int = 2,
-                 shape: tuple | None = None) -> None:
+                 shape: tuple | None = None, contiguous: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise OpInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -30,7 +30,7 @@ def check_tensor(name: str, t, *, dtype: torch.dtype, device: torch.device, ndim
         for axis, (got, want) in enumerate(zip(t.shape, shape)):
             if want is not None and got != want:
                 raise OpInputError(f"{name} has shape {tuple(t.shape)}; dim {axis} must be {want}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise OpInputError(f"{name} must be contiguous (row-major), got strides {t.stride()} for shape "
                            f"{tuple(t.shape)}; call .contiguous() first")
 
@@ -38,10 +38,14 @@ def check_tensor(name: str, t, *, dtype: torch.dtype, device: torch.device, ndim
 def check_weight(name: str, w, *, dtype: torch.dtype, device: torch.device, shape: tuple) -> bool:
     """Like check_tensor for a [K, N] weight that may also be the transpose view of a row-major [N, K]
     (`weight.t()` of an nn.Linear-style tensor: no copy). Returns whether it is that transpose."""
-    transposed = isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
-    check_tensor(f"{name}.t()" if transposed else name, w.t() if transposed else w, dtype=dtype, device=device,
-                 shape=tuple(reversed(shape)) if transposed else shape)
-    return transposed
+    check_tensor(name, w, dtype=dtype, device=device, shape=shape, contiguous=False)
+    if w.is_contiguous():
+        return False
+    if w.t().is_contiguous():
+        return True
+    raise OpInputError(f"{name} must be row-major [K, N] or the transpose view of a row-major [N, K] "
+                       f"(weight.t()), got strides {w.stride()} for shape {tuple(w.shape)}; call .contiguous() "
+                       f"first")
 
 
 def check_divisible(name: str, value: int, divisor: int, what: str) -> None:

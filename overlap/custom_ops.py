@@ -53,7 +53,7 @@ class LayerOps:
         raise NotImplementedError
 
     def transpose(self, w: torch.Tensor) -> torch.Tensor:
-        """w^T as the backend's GEMM wants it (a view for cuBLAS-based backends)."""
+        """w^T as the backends' GEMMs take it: a view (ours read it in place, see AgGemm / GemmRs)."""
         return w.t()
 
     def check_saved(self, epoch: int) -> None:

@@ -7,8 +7,8 @@ Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W so
 (int32, [W, flags_per_source], epoch-valued) say which GEMM row blocks of which source have landed.
 
   fused:      one persistent Triton GEMM on num_sms - sm_margin programs, tiles rotated by rank; each
-              tile is stored straight into its owner's slot (NVLink stores) and the row block's flag is
-              released when its last column tile is stored. A reduction kernel on `num_comm_sms`
+              tile is stored straight into its owner's slot (NVLink stores) and counted one tile later
+              (after the program's next main loop); the row block's flag is released by its last count. A reduction kernel on `num_comm_sms`
               programs (its own high-priority stream) waits for each row block's W flags and sums.
   decomposed: one cuBLAS mm per owner chunk (owners in ring order, own chunk last) limited to
               num_sms - sm_margin SMs, each chunk pushed to its owner with the copy engine and flagged;

@@ -211,6 +211,8 @@ class _PairRunner:
         the second call (the first may compile kernels), capped at MAX_HOLD_CYCLES."""
         for _ in range(2):
             torch.cuda.synchronize(self.device)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.barrier(group=group)   # rank skew is not enqueue time
             start = time.perf_counter()
             for side in ("comm", "comp"):
                 with torch.cuda.stream(self.streams[side]):

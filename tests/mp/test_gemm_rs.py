@@ -90,8 +90,8 @@ def test_bad_inputs_raise_the_same_error_on_every_rank():
     assert "M=66 exceeds max_m of this op (64)" in msgs[0][1]
     assert "w has shape (15, 8); dim 0 must be 16" in msgs[0][2]
     assert "a has dtype torch.float16" in msgs[0][3]
-    assert "w must be contiguous" in msgs[0][4]
-    assert "w.t() has shape (8, 15); dim 1 must be 16" in msgs[0][5]
+    assert "w must be row-major [K, N] or the transpose view of a row-major [N, K]" in msgs[0][4]
+    assert "w has shape (15, 8); dim 0 must be 16" in msgs[0][5]
 
 
 def test_owner_order_is_ring_from_next_rank_with_own_last():
