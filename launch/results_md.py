@@ -32,7 +32,7 @@ SECTIONS = [  # (file prefix, title, columns)
      ["layer", "M", "variant", "device_hold", "t_device_ms", "t_host_enqueue_ms"]),
     ("kfactor", "k-factors (launch.kfactor)",
      ["op", "layer", "M", "method", "sm_margin", "chunks_per_rank", "t_comm_solo_ms", "t_comp_solo_ms", "k_comm",
-      "k_comp", "E", "t_op_ms"]),
+      "k_comp", "E", "t_op_ms", "start_late_ms"]),
     ("tp_mlp", "TP MLP training step (launch.tp_mlp)",
      ["model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
       "speedup_vs_torch_symm", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"]),
