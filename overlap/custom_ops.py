@@ -52,10 +52,6 @@ class LayerOps:
     def gemm_rs(self, a, w):
         raise NotImplementedError
 
-    def transpose(self, w: torch.Tensor) -> torch.Tensor:
-        """w^T as the backends' GEMMs take it: a view (ours read it in place, see AgGemm / GemmRs)."""
-        return w.t()
-
     def check_saved(self, epoch: int) -> None:
         """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
 
@@ -195,7 +191,7 @@ def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.T
     ops = get_layer_ops(layer_id)
     ops.check_saved(int(stamp))
     grad_y = grad_y.contiguous()
-    grad_x = ops.gemm_rs(grad_y, ops.transpose(w))
+    grad_x = ops.gemm_rs(grad_y, w.t())  # a view: every backend reads it in place
     grad_w = torch.mm(gathered.t(), grad_y)  # the forward's gathered input: no second AllGather
     return grad_x, grad_w
 
@@ -222,7 +218,7 @@ def row_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     ops = get_layer_ops(layer_id)
     # AllGather of dy overlapped with the GEMM producing dx; the gathered dy (a pool view valid until
     # this op's second-next call) is consumed at once by the weight-grad GEMM
-    grad_x, grad_y_full, _ = ops.ag_gemm(grad_y.contiguous(), ops.transpose(w), keep=False)
+    grad_x, grad_y_full, _ = ops.ag_gemm(grad_y.contiguous(), w.t(), keep=False)
     grad_w = torch.mm(x.t(), grad_y_full)
     return grad_x, grad_w
 

@@ -71,6 +71,7 @@ class GemmBlocks:
     warp_specialize: bool = False
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and called on every launch of the ops
 def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda", warp_specialize: bool = True,
                   sm_count: int = 132) -> GemmBlocks:
     """Pure heuristic from launch.gemm_bench on an H200 (device time, results/gemm_h200_tp2.json):
