@@ -13,7 +13,6 @@ Prints a table on rank 0 and writes results/<op>_<device-slug>_tp<W>.json (or --
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from overlap.config import load_config, load_preset
@@ -76,12 +75,12 @@ def _configs(args, ctx, op: str):
     out = []
     for method in methods:
         if op == "gemm_rs" and method == "fused":
-            out += [dataclasses.replace(base, method=method, sm_margin=s, num_comm_sms=max(s, 8))
+            out += [base.with_method(method, sm_margin=s, num_comm_sms=max(s, 8))
                     for s in args.sm_margins]
         elif method == "epilogue_reduce":  # no reduction kernel: every SM to the GEMM
-            out.append(dataclasses.replace(base, method=method, sm_margin=0, num_comm_sms=0))
+            out.append(base.with_method(method, sm_margin=0, num_comm_sms=0))
         else:
-            out.append(dataclasses.replace(base, method=method))
+            out.append(base.with_method(method))
     return out
 
 

@@ -153,7 +153,7 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
         if op == "gemm_rs":
             fields["chunks_per_rank"] = base.chunks_per_rank   # not used by GemmRs
             fields.setdefault("num_comm_sms", fields.get("sm_margin", base.sm_margin))
-        cfg = dataclasses.replace(base, **fields)
+        cfg = base.with_method(fields.pop("method", base.method), **fields)
         cfg.validate(num_sms=num_sms)
         if cfg not in out:
             out.append(cfg)

@@ -3,14 +3,19 @@
 Shapes: a_shard [M/W, K], w [K, N_local], out [M, N_local]; M <= max_m, M % W == 0.
 
 Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<name>.a` [2, max_m, K]):
-  compute stream: a_shard -> rows of this rank in a[b] (skipped when the caller wrote `input_slot`),
-                  then flag ready[rank] = e on every peer (release);
-  comm stream (high priority, 0 SMs): for peer p = rank+1, rank+2, ... : wait ready[p] >= e (bounded),
+  comm stream (high priority, 0 SMs): a_shard -> rows of this rank in a[b] (skipped when the caller
+                  wrote `input_slot`), then flag ready[rank] = e on every peer (release);
+                  for peer p = rank+1, rank+2, ... : wait ready[p] >= e (bounded),
                   copy p's rows of p's a[b] into the same rows of this rank's a[b] (copy engine), in
                   `chunks_per_rank` pieces, each followed by its readiness signal (event or flag);
-  consumer on the compute stream: `decomposed` = one cuBLAS mm per chunk, local chunk first, each
-                  waiting only for its own event; `fused` = one persistent Triton GEMM whose tile loop
-                  waits for the flag of the chunk it reads next (tiles ordered by arrival);
+  consumer on the compute stream: `decomposed` = cuBLAS mms in the order of `consumer_gemms`: with
+                  lead_fraction 0 one per chunk, local chunk first, each waiting only for its own event;
+                  with lead_fraction f > 0 a "lead" mm over f of the local rows, then one mm (two when
+                  the local rows sit in the middle) over every other row once all pulls have landed:
+                  fewer, larger GEMMs, which cuBLAS runs faster than one per rank; rows of this rank
+                  are read from a_shard itself, so no GEMM waits for the publish copy;
+                  `fused` = one persistent Triton GEMM whose tile loop waits for the flag of the chunk
+                  it reads next (tiles ordered by arrival);
   the comm stream is joined back into the compute stream before the call returns.
 Double buffering makes an end-of-step barrier unnecessary: peers read this rank's a[b] only during step
 e, and every peer has finished reading a[b] of step e-2 before it signals ready for step e-1, which this
@@ -27,6 +32,7 @@ On CPU (host pool) the same schedule runs with a thread as the comm stream and t
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import NamedTuple
 
@@ -41,7 +47,10 @@ from ._validate import (OpInputError, check_at_most, check_divisible, check_not_
 from .config import OpConfig
 from .triton_gemm import sm_carveout
 
-__all__ = ["AgGemm", "Chunk", "ag_gemm"]
+__all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
+
+
+LEAD_ROW_ALIGN = 128  # lead GEMM rows are rounded up to this (a cuBLAS-friendly row count)
 
 
 class Chunk(NamedTuple):
@@ -49,6 +58,12 @@ class Chunk(NamedTuple):
     first_row: int    # in the gathered a
     num_rows: int
     flag_index: int   # owner-major: owner * chunks_per_rank + chunk within the owner
+
+
+class ConsumerGemm(NamedTuple):
+    first_row: int    # in the gathered a (and in out)
+    num_rows: int
+    wait: int         # index into chunks(m) of the chunk whose arrival it waits for; -1: this rank's rows
 
 
 class AgGemm:
@@ -208,11 +223,40 @@ class AgGemm:
                        for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
         return out
 
+    def consumer_gemms(self, m: int) -> list[ConsumerGemm]:
+        """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once."""
+        chunks = self.chunks(m)
+        fraction = self.config.lead_fraction
+        if not fraction:
+            return [ConsumerGemm(lo, count, -1 if owner == self.rank else i)
+                    for i, (owner, lo, count, _) in enumerate(chunks)]
+        rows = m // self.world_size
+        lead = min(rows, -(-max(1, math.ceil(fraction * rows)) // LEAD_ROW_ALIGN) * LEAD_ROW_ALIGN)
+        # the lead sits at the edge of the local rows that keeps the rest contiguous when it can
+        last_rank = self.rank == self.world_size - 1 and self.world_size > 1
+        lead_lo = m - lead if last_rank else self.rank * rows
+        plan = [ConsumerGemm(lead_lo, lead, -1)]
+        for lo, hi in ((0, lead_lo), (lead_lo + lead, m)):
+            if hi > lo:  # the comm stream pulls in order: its last chunk's event covers every pull
+                plan.append(ConsumerGemm(lo, hi - lo, len(chunks) - 1))
+        return plan
+
     def _step_epoch(self, offset: int = 0):
         """This call's epoch (+ offset) as the flag operations take it: host int, or device counter."""
         if self.cuda_graphs:
             return DeviceEpoch(self._epoch_counter, offset)
         return self._epoch + offset
+
+    def _consume(self, plan, a_shard, a, w, out, wait) -> None:
+        """The decomposed consumer: `wait(i)` blocks (host) or orders (stream) on chunk i's arrival."""
+        local_lo = self.rank * a_shard.shape[0]
+        for lo, count, chunk in plan:
+            if chunk < 0:  # this rank's rows: read a_shard, which the publish copy may still be reading
+                src = a_shard[lo - local_lo:lo - local_lo + count]
+            else:
+                wait(chunk)
+                src = a[lo:lo + count]
+            torch.mm(src, w, out=out[lo:lo + count])
 
     def _peers(self) -> list[int]:
         return [p for p in range(self.world_size) if p != self.rank]
@@ -257,15 +301,18 @@ class AgGemm:
                 for event in ready:
                     event.set()
 
-        thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
-        thread.start()
-        for i, (owner, lo, count, _) in enumerate(chunks):
+        def wait(i: int) -> None:
             ready[i].wait()
             if failure:
-                break
+                raise failure[0]
+
+        thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
+        thread.start()
+        try:
             if w is not None:
-                torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
-        thread.join()
+                self._consume(self.consumer_gemms(m), a_shard, a, w, out, wait)
+        finally:
+            thread.join()
         if failure:
             raise failure[0]
 
@@ -278,13 +325,14 @@ class AgGemm:
             self._epoch_counter.add_(1)
         if self._fused is not None:  # only the fused consumer reads chunk flags
             self._chunk_flags.zero_()
-        self._publish(a_shard, a)
         chunks = self.chunks(a.shape[0])
         comm = self._comm_stream
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
             if trace:
                 trace[1].record(comm)
+            # on the comm stream (copy engine): the GEMMs over this rank's rows read a_shard instead
+            self._publish(a_shard, a)
             waited = set()
             for i, chunk in enumerate(chunks):
                 owner = chunk[0]
@@ -309,10 +357,8 @@ class AgGemm:
             self._fused.run(a, w, out)
         else:
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
-                for i, (owner, lo, count, _) in enumerate(chunks):
-                    if owner != self.rank:
-                        compute.wait_event(self._events[i])
-                    torch.mm(a[lo:lo + count], w, out=out[lo:lo + count])
+                self._consume(self.consumer_gemms(a.shape[0]), a_shard, a, w, out,
+                              lambda i: compute.wait_event(self._events[i]))
         compute.wait_stream(comm)
         if trace:
             trace[3].record(compute)

@@ -47,7 +47,11 @@ class OpConfig:
 
     sm_margin: SMs the GEMM leaves free (the GEMM runs on num_sms - sm_margin); num_comm_sms: SMs the
     communication side may use (0 = copy engine only); chunks_per_rank: sub-chunks per rank's shard;
-    comm_stream_priority: CUDA priority of the communication stream(s) (lower = higher priority).
+    comm_stream_priority: CUDA priority of the communication stream(s) (lower = higher priority);
+    lead_fraction (ag_gemm, decomposed): 0 = one GEMM per arriving chunk; f in (0, 1] = a lead GEMM over
+    f of the local rows, then one GEMM over the rest once every pull has landed (see AgGemm);
+    bulk_wgrad (gemm_rs): in a column layer's backward, run the input-grad GEMM whole on cuBLAS and
+    overlap its reduce-scatter (copy engine) with the weight-grad GEMM instead of with itself.
     """
     op: str
     method: str
@@ -55,9 +59,17 @@ class OpConfig:
     num_comm_sms: int = 0
     chunks_per_rank: int = 1
     comm_stream_priority: int = -1
+    lead_fraction: float = 0.0
+    bulk_wgrad: bool = False
 
     def __post_init__(self):
         self.validate()
+
+    def with_method(self, method: str, **changes) -> "OpConfig":
+        """A copy running `method` (sweeps): fields that only apply to another method fall back to 0."""
+        if method != "decomposed":
+            changes.setdefault("lead_fraction", 0.0)
+        return dataclasses.replace(self, method=method, **changes)
 
     def validate(self, *, num_sms: int | None = None, file: str = "<dict>", prefix: str = "") -> None:
         key = prefix or f"ops.{self.op}"
@@ -70,6 +82,16 @@ class OpConfig:
         _int_in(f"{key}.num_comm_sms", self.num_comm_sms, 0, sm_hi, file)
         _int_in(f"{key}.chunks_per_rank", self.chunks_per_rank, 1, MAX_CHUNKS_PER_RANK, file)
         _int_in(f"{key}.comm_stream_priority", self.comm_stream_priority, *STREAM_PRIORITY_RANGE, file)
+        lead = self.lead_fraction
+        if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= 1:
+            raise _bad(f"{key}.lead_fraction", lead, "a number with 0 <= x <= 1", file)
+        if lead and (self.op, self.method) != ("ag_gemm", "decomposed"):
+            raise _bad(f"{key}.lead_fraction", lead, f"0 (it applies to ag_gemm with method decomposed; "
+                       f"this is {self.op} with method {self.method})", file)
+        if not isinstance(self.bulk_wgrad, bool):
+            raise _bad(f"{key}.bulk_wgrad", self.bulk_wgrad, "true or false", file)
+        if self.bulk_wgrad and self.op != "gemm_rs":
+            raise _bad(f"{key}.bulk_wgrad", self.bulk_wgrad, "false (it applies to gemm_rs)", file)
 
 
 @dataclass(frozen=True, kw_only=True)

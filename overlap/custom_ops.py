@@ -5,6 +5,7 @@ registry (op contexts hold pools and streams, which cannot be op arguments):
 
     column_forward(x [M/W, H], w [H, L], id)            -> y [M, L], gathered [M, H], stamp (int64 CPU scalar)
     column_backward(dy [M, L], gathered, stamp, w, id)  -> dx [M/W, H] = RS(dy @ w^T), dw [H, L] = gathered^T @ dy
+                                                           (with gemm_rs.bulk_wgrad the RS overlaps the dw GEMM)
     row_forward(x [M, L], w [L, H], id)                  -> y [M/W, H] = RS(x @ w)
     row_backward(dy [M/W, H], x, w, id)                  -> dx [M, L] = AG(dy) @ w^T, dw [L, H] = x^T @ AG(dy)
 
@@ -52,6 +53,10 @@ class LayerOps:
     def gemm_rs(self, a, w):
         raise NotImplementedError
 
+    def gemm_rs_bulk(self, a, w, work):
+        """(gemm_rs(a, w), work()): backends that can overlap the reduce-scatter with `work` do."""
+        return self.gemm_rs(a, w), work()
+
     def check_saved(self, epoch: int) -> None:
         """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
 
@@ -84,6 +89,11 @@ class OverlapLayerOps(LayerOps):
 
     def gemm_rs(self, a, w):
         return self.rs(a, w)
+
+    def gemm_rs_bulk(self, a, w, work):
+        if self.rs.config.bulk_wgrad:
+            return self.rs.bulk(a, w, work)
+        return self.rs(a, w), work()
 
     def check_saved(self, epoch: int) -> None:
         later = self.ag.epoch - epoch
@@ -191,9 +201,9 @@ def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.T
     ops = get_layer_ops(layer_id)
     ops.check_saved(int(stamp))
     grad_y = grad_y.contiguous()
-    grad_x = ops.gemm_rs(grad_y, w.t())  # a view: every backend reads it in place
-    grad_w = torch.mm(gathered.t(), grad_y)  # the forward's gathered input: no second AllGather
-    return grad_x, grad_w
+    # w.t() is a view: every backend reads it in place. The weight grad uses the forward's gathered
+    # input (no second AllGather) and is independent of grad_x: with bulk_wgrad it hides the RS.
+    return ops.gemm_rs_bulk(grad_y, w.t(), lambda: torch.mm(gathered.t(), grad_y))
 
 
 @column_backward.register_fake

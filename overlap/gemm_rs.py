@@ -17,6 +17,9 @@ Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W so
               owners' rows first (as `fused`) and then computes its own rows last, adding the other
               sources' partials to its accumulator in the epilogue: no reduction kernel, no second pass
               over the partials, no reserved SMs. Needs M/W % 128 == 0; other M run as `fused`.
+`bulk(a, w, work)` is the schedule a column layer's backward uses with `bulk_wgrad`: the whole GEMM on
+cuBLAS, the copy-engine push of `decomposed`, the caller's independent `work` (the weight-grad GEMM), then
+the reduction kernel on every SM. Same slots, flags and epochs.
 Double buffering replaces an end barrier: a source writes slot b of step e only after its own step e-1
 reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
 step e-2 reduction (the last reader of slot b) had finished (for epilogue_reduce the reduction is the
@@ -136,6 +139,48 @@ class GemmRs:
                 self._run_decomposed(a, w, out)
         return out
 
+    def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
+        """(out_shard [M/W, N] = reduce_scatter(a @ w), work()), the reduce-scatter overlapping `work`.
+
+        For a GEMM+RS followed by independent GPU work (a column layer's backward: the weight-grad GEMM).
+        a @ w runs whole (cuBLAS, every SM) on the current stream; the copy engine moves each owner's rows
+        to it while `work()` enqueues on the current stream; then this rank's W partials are summed there
+        on every SM. Same pool region, flags and epochs as `__call__`; both results are valid on the
+        current stream on return (CUDA), or at once (CPU: no overlap, the same protocol).
+        """
+        self._validate(a, w)
+        rows = a.shape[0] // self.world_size
+        with self._guard:
+            self._epoch += 1
+            out = torch.empty(rows, self.n, dtype=self.dtype, device=self.device)
+            if self.device.type == "cpu":
+                self._run_host(a, w, out)
+                return out, work()
+            compute = torch.cuda.current_stream(self.device)
+            self._begin_cuda(compute)
+            partials = torch.mm(a, w)
+            self._mark(1, compute)
+            self._push(partials, rows, compute)
+            result = work()
+            self._mark(2, compute)
+            self._reduce(rows, out, programs=self.num_sms)
+            compute.wait_stream(self._comm_stream)  # partials (caching allocator) are freed on return
+            self._mark(3, compute)
+        return out, result
+
+    def _push(self, partials, rows, compute) -> None:
+        """Copy-engine push of every owner's rows of `partials` [M, N] into its slot, then its flags."""
+        from kernels.flags import launch_signal_range
+
+        region = f"{self.name}.partials"
+        self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            for owner in self.owners():
+                self._slots(owner, rows)[self.rank].copy_(partials[owner * rows:(owner + 1) * rows],
+                                                          non_blocking=True)
+                launch_signal_range(self.pool.peer_signals(region, owner), self.rank * self.flags_per_source,
+                                    self.flags_per_source, self._step_epoch())
+
     def check_errors(self) -> None:
         """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""
         if self.device.type != "cuda":
@@ -230,10 +275,10 @@ class GemmRs:
                 self.pool.wait(f"{self.name}.partials", self._reduced_flag0 + owner, self._step_epoch(-1),
                                timeout_s=self.timeout_s, peer=owner, op=self.name)
 
-    def _reduce(self, rows: int, out: torch.Tensor) -> None:
+    def _reduce(self, rows: int, out: torch.Tensor, programs: int | None = None) -> None:
         from kernels.flags import epoch_args
         from kernels.gemm import reduce_partials_kernel
-        programs = max(1, self.config.num_comm_sms or self.config.sm_margin or 8)
+        programs = programs or max(1, self.config.num_comm_sms or self.config.sm_margin or 8)
         epoch, counter, device_epoch = epoch_args(self._step_epoch())
         reduce_partials_kernel[(programs,)](
             self._slots(self.rank, rows), out, self.pool.signals(f"{self.name}.partials"), self._errors,

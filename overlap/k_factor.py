@@ -285,12 +285,12 @@ def op_pair(op, inputs) -> OpPair:
                                    sm_count=programs)
             comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
         else:
-            chunks = [(lo, lo + count) for _, lo, count, _ in op.chunks(gathered.shape[0])]
+            plan = [(lo, lo + count) for lo, count, _ in op.consumer_gemms(gathered.shape[0])]
 
             def comp():
-                # the decomposed consumer: one mm per chunk, with the op's carveout
+                # the decomposed consumer's GEMMs (per chunk, or lead + rest), with the op's carveout
                 with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
-                    for lo, hi in chunks:
+                    for lo, hi in plan:
                         torch.mm(gathered[lo:hi], w, out=out[lo:hi])
         trace = getattr(op, "last_trace_events", None)   # requested hook (see the k-factor issue note)
         return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), trace)

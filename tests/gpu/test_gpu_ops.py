@@ -3,7 +3,8 @@
 * GEMM+RS `epilogue_reduce`: eager steps with a scrambled workspace, the `fused` fallback for M/W not a
   multiple of 128, and CUDA-graph replays; the weight alternates between row-major [K, N] and the transpose
   view of a row-major [N, K] (what backward passes, read in place by the kernel);
-* AG+GEMM `fused` and `decomposed` with both weight layouts, gathered rows bit-exact.
+* GEMM+RS `bulk` (the column-backward schedule with bulk_wgrad), eager and replayed, with its work's result;
+* AG+GEMM `fused`, `decomposed` and `decomposed` with a lead GEMM, both weight layouts, gathered rows bit-exact.
 """
 
 import torch
@@ -35,10 +36,13 @@ def _epilogue_reduce(rank, world):
     with SymmetricPool(256 << 20, group=group) as pool:
         # (M, K_local, N): tiles of 128 rows per owner with N and K tails; then M/W = 300 (the fallback)
         for i, (m, k, n) in enumerate([(2 * 512, 1000, 1064), (2 * 300, 264, 520)]):
-            for graphs in (False, True):
+            for graphs, bulk in ((False, False), (True, False), (False, True), (True, True)):
                 op = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.bfloat16,
-                            config=OpConfig(op="gemm_rs", method="epilogue_reduce"), name=f"er{i}{graphs}",
-                            timeout_s=20, cuda_graphs=graphs)
+                            config=OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=bulk),
+                            name=f"er{i}{graphs}{bulk}", timeout_s=20, cuda_graphs=graphs)
+                # bulk: the column-backward schedule, with a weight-grad-like GEMM as the overlapped work
+                call = (lambda a, w: op.bulk(a, w, lambda: torch.mm(a.t(), a))) if bulk else \
+                    (lambda a, w: (op(a, w), None))
                 a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
                 # graphs: one layout per op (a graph's pointers are fixed); eager: both, alternating
                 w_rows = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
@@ -60,16 +64,18 @@ def _epilogue_reduce(rank, world):
                         torch.cuda.synchronize()
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
-                            out_graph = op(a, w)
+                            out_graph = call(a, w)
                     if graph is not None:
                         graph.replay()
-                        out = out_graph
+                        out, work = out_graph
                     else:
-                        out = op(a, w)
+                        out, work = call(a, w)
                     torch.cuda.synchronize()
                     op.check_errors()
                     worst = max(worst, _rel(out, _reference(a, w, rank, world)))
-                errors[(m, graphs)] = worst
+                    if bulk:
+                        worst = max(worst, _rel(work, a.double().t() @ a.double()))
+                errors[(m, graphs, bulk)] = worst
                 del graph
                 op.close()
         pool.barrier()
@@ -88,10 +94,12 @@ def _ag_gemm(rank, world):
     errors = {}
     with SymmetricPool(256 << 20, group=group) as pool:
         m, k, n = 2 * 300, 1000, 1064  # M/W, K and N tails
-        for method, sm_margin in (("fused", 8), ("decomposed", 0)):
+        # lead 0.25 of 300 rows: a 128-row lead GEMM from a_shard, then the other 472 rows in one GEMM
+        for method, sm_margin, lead in (("fused", 8, 0), ("decomposed", 0, 0), ("decomposed", 0, 0.25)):
             op = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
-                        config=OpConfig(op="ag_gemm", method=method, sm_margin=sm_margin, chunks_per_rank=2),
-                        name=f"ag_{method}")
+                        config=OpConfig(op="ag_gemm", method=method, sm_margin=sm_margin, chunks_per_rank=2,
+                                        lead_fraction=lead),
+                        name=f"ag_{method}{lead}")
             worst = 0.0
             for step in range(6):
                 gen = torch.Generator(device=dev).manual_seed(100 * step + rank)
@@ -107,9 +115,9 @@ def _ag_gemm(rank, world):
                 shards = [torch.empty_like(a_shard) for _ in range(world)]
                 dist.all_gather(shards, a_shard)
                 if not torch.equal(gathered, torch.cat(shards)):
-                    raise AssertionError(f"{method} step {step}: gathered rows are not bit-exact")
+                    raise AssertionError(f"{method} lead {lead} step {step}: gathered rows are not bit-exact")
                 worst = max(worst, _rel(out, torch.cat(shards).double() @ w.double()))
-            errors[method] = worst
+            errors[(method, lead)] = worst
             op.close()
         pool.barrier()
     return errors

@@ -1,5 +1,7 @@
 """AllGather+GEMM on CPU ranks (host pool, comm thread, torch.mm) against the NCCL/gloo reference."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,12 +18,13 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _correct(rank, world, shapes, chunks, dtype_name):
+def _correct(rank, world, shapes, chunks, dtype_name, lead_fraction=0.0):
     dtype = getattr(torch, dtype_name)
     group = dist.group.WORLD
     max_m = max(m for m, _, _ in shapes)
     k, n = shapes[0][1], shapes[0][2]
-    cfg = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=chunks, comm_stream_priority=0)
+    cfg = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=chunks, comm_stream_priority=0,
+                   lead_fraction=lead_fraction)
     errors = []
     with SymmetricPool(64 << 20, group=group) as pool:
         op = AgGemm(group=group, pool=pool, max_m=max_m, k=k, n_local=n, dtype=dtype, config=cfg)
@@ -57,6 +60,14 @@ def test_ag_gemm_matches_reference_with_tails(world, chunks):
     # M/W = 100 and 37 (not multiples of 128), K = 72 (not a multiple of 64), N = 50 (tail)
     shapes = [(100 * world, 72, 50), (37 * world, 72, 50)]
     for errs in run_ranks(_correct, world, shapes, chunks, "bfloat16", timeout_s=180):
+        assert max(errs) <= 1e-2, errs
+
+
+@pytest.mark.parametrize("world,chunks,lead", [(2, 1, 0.25), (4, 2, 0.5)])
+def test_ag_gemm_with_a_lead_gemm_matches_reference(world, chunks, lead):
+    # M/W = 300: a 128-row lead and a tail; 100 and 37: the lead is the whole local shard
+    shapes = [(300 * world, 72, 50), (100 * world, 72, 50), (37 * world, 72, 50)]
+    for errs in run_ranks(_correct, world, shapes, chunks, "bfloat16", lead, timeout_s=180):
         assert max(errs) <= 1e-2, errs
 
 
@@ -121,3 +132,32 @@ def test_chunks_are_local_first_then_ring_order():
     assert [c[0] for c in chunks] == [1, 1, 2, 2, 3, 3, 0, 0]
     assert chunks[:2] == [(1, 10, 5, 2), (1, 15, 5, 3)]
     assert sum(c[2] for c in chunks) == 40
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("m_per_rank", [37, 300, 8192])
+def test_consumer_gemms_cover_every_row_once_and_wait_only_for_peer_rows(world, fraction, m_per_rank):
+    m = m_per_rank * world
+    for rank in range(world):
+        class Fake:
+            config = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=2, lead_fraction=fraction)
+        fake = Fake()
+        fake.rank, fake.world_size = rank, world
+        fake.chunks = lambda m, fake=fake: AgGemm.chunks(fake, m)
+        plan = AgGemm.consumer_gemms(fake, m)
+        covered = sorted((lo, lo + count) for lo, count, _ in plan)
+        assert covered[0][0] == 0 and covered[-1][1] == m
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), covered  # no gap, no overlap
+        local = range(rank * m_per_rank, (rank + 1) * m_per_rank)
+        chunks = fake.chunks(m)
+        for lo, count, wait in plan:
+            if wait < 0:  # read from a_shard: only this rank's rows
+                assert lo in local and lo + count - 1 in local
+            else:  # its rows have all arrived once chunk `wait` has
+                assert all(c.owner == rank or i <= wait for i, c in enumerate(chunks)
+                           if c.first_row < lo + count and lo < c.first_row + c.num_rows)
+        if fraction:
+            lead = plan[0]
+            assert lead.wait == -1 and len(plan) <= 3
+            assert lead.num_rows == min(m_per_rank, math.ceil(math.ceil(fraction * m_per_rank) / 128) * 128)

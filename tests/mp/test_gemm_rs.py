@@ -12,7 +12,7 @@ from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 
 
-def _correct(rank, world, shapes, dtype_name):
+def _correct(rank, world, shapes, dtype_name, bulk=False):
     dtype = getattr(torch, dtype_name)
     group = dist.group.WORLD
     k, n = shapes[0][1], shapes[0][2]
@@ -31,7 +31,13 @@ def _correct(rank, world, shapes, dtype_name):
             # odd steps: the transpose view of a row-major [N, K] weight (what backward passes)
             w = torch.randn(k, n, generator=gen).to(dtype) if step % 2 == 0 else \
                 torch.randn(n, k, generator=gen).to(dtype).t()
-            out = op(a, w)
+            if bulk:  # the column-backward schedule: the RS around the caller's independent work
+                calls = []
+                out, token = op.bulk(a, w, lambda: calls.append(step) or ("work", step))
+                if token != ("work", step) or calls != [step]:
+                    raise AssertionError(f"bulk ran work {calls} and returned {token!r}")
+            else:
+                out = op(a, w)
             # fp64 reference of the summed partials: gather every rank's a, w
             parts = [None] * world
             dist.all_gather_object(parts, (a.double(), w.double()), group=group)
@@ -50,6 +56,13 @@ def test_gemm_rs_matches_fp64_reference_with_tails(world):
     # rows per rank 100 / 37, K_local = 1280-like tail (72 is not a multiple of 64), N tail 50
     shapes = [(100 * world, 72, 50), (37 * world, 72, 50)]
     for errs in run_ranks(_correct, world, shapes, "bfloat16", timeout_s=180):
+        assert max(errs) <= 1e-2, errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gemm_rs_bulk_runs_the_work_once_and_matches_the_reference(world):
+    shapes = [(100 * world, 72, 50), (37 * world, 72, 50)]
+    for errs in run_ranks(_correct, world, shapes, "bfloat16", True, timeout_s=180):
         assert max(errs) <= 1e-2, errs
 
 

@@ -1,5 +1,7 @@
 """TP layers on CPU ranks (gloo + host pool) against the single-process MLP with the full weights."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
@@ -20,11 +22,20 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _make(group, pool, dtype, activation="swiglu", overlap=True, max_m=None, **kwargs):
+def _make(group, pool, dtype, activation="swiglu", overlap=True, max_m=None, config=None, **kwargs):
     world = dist.get_world_size(group)
     mlp = TPMLP(HIDDEN, FFN, activation=activation, group=group, max_m=max_m or ROWS[0] * world, dtype=dtype,
-                pool=pool if overlap else None, config=load_preset("cpu", world), overlap=overlap, **kwargs)
+                pool=pool if overlap else None, config=config or load_preset("cpu", world), overlap=overlap,
+                **kwargs)
     return mlp
+
+
+def bulk_lead_config(world):
+    """The CPU preset with the GPU preset's schedules: a lead AG GEMM and the RS of backward in bulk."""
+    cfg = load_preset("cpu", world)
+    ag = dataclasses.replace(cfg.ag_gemm, default=dataclasses.replace(cfg.ag_gemm.default, lead_fraction=0.5))
+    rs = dataclasses.replace(cfg.gemm_rs, default=dataclasses.replace(cfg.gemm_rs.default, bulk_wgrad=True))
+    return dataclasses.replace(cfg, ag_gemm=ag, gemm_rs=rs)
 
 
 def _pool(group, dtype, num_mlps, world):
@@ -60,13 +71,13 @@ def _compare(mlp, ref, rank, world, m, seed, dtype):
                rel_err(mlp.fc2.weight.grad, shard_fc2(ref.fc2_weight.grad, rank, world)))
 
 
-def _matches_reference(rank, world, group, cases):
+def _matches_reference(rank, world, group, cases, config=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     errors = {}
     with _pool(group, torch.float32, len(cases), world) as pool:
         for i, (dtype_name, activation, overlap) in enumerate(cases):
             dtype = getattr(torch, dtype_name)
-            mlp = _make(group, pool, dtype, activation, overlap, name=f"mlp{i}")
+            mlp = _make(group, pool, dtype, activation, overlap, config=config, name=f"mlp{i}")
             ref = _ref(activation, seed=i + 10 * world, dtype=dtype)
             mlp.load_full_weights(ref.fc1_weight.detach().to(dtype), ref.fc2_weight.detach().to(dtype))
             errs = [_compare(mlp, ref, rank, world, rows * world, seed=step, dtype=dtype)
@@ -90,6 +101,19 @@ def test_mlp_output_and_every_gradient_match_the_full_reference(world):
     for errors in run_ranks(_world_cases, world, timeout_s=240):
         for (dtype_name, activation, overlap), err in errors.items():
             assert err <= TOLERANCE[dtype_name], (dtype_name, activation, overlap, err)
+
+
+def _bulk_lead_cases(rank, world):
+    torch.set_num_threads(1)
+    cases = [(d, "swiglu", True) for d in ("float32", "bfloat16")]
+    return _matches_reference(rank, world, dist.group.WORLD, cases, config=bulk_lead_config(world))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mlp_with_lead_gemm_and_bulk_wgrad_matches_the_full_reference(world):
+    for errors in run_ranks(_bulk_lead_cases, world, timeout_s=240):
+        for (dtype_name, _, _), err in errors.items():
+            assert err <= TOLERANCE[dtype_name], (dtype_name, err)
 
 
 def _two_groups_of_two(rank, world):

@@ -1,6 +1,7 @@
 """Presets load; every invalid field gives its own message naming file, key, value and what is allowed."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,18 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
 
     with pytest.raises(SystemExit, match="--cuda-graphs needs CUDA devices"):
         op_bench.run(CpuContext(), "ag_gemm", [], [], warmup=1, reps=1, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"op": "ag_gemm", "method": "decomposed", "lead_fraction": 1.5}, "a number with 0 <= x <= 1"),
+    ({"op": "ag_gemm", "method": "decomposed", "lead_fraction": True}, "a number with 0 <= x <= 1"),
+    ({"op": "ag_gemm", "method": "fused", "lead_fraction": 0.5}, "applies to ag_gemm with method decomposed"),
+    ({"op": "gemm_rs", "method": "fused", "lead_fraction": 0.5}, "applies to ag_gemm with method decomposed"),
+    ({"op": "ag_gemm", "method": "decomposed", "bulk_wgrad": True}, "false (it applies to gemm_rs)"),
+    ({"op": "gemm_rs", "method": "fused", "bulk_wgrad": 1}, "true or false"),
+])
+def test_lead_fraction_and_bulk_wgrad_are_validated(fields, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        OpConfig(**fields)
+    assert OpConfig(op="ag_gemm", method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
+    assert OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
