@@ -45,7 +45,9 @@ def tuned_config(base: OverlapConfig, best: dict, *, device_name: str, world: in
     presets = {}
     for op, choices in best.items():
         seed = getattr(base, op).default
-        cfgs = [(m, dataclasses.replace(seed, **fields)) for m, fields in choices]
+        cfgs = [(m, seed.with_method(fields.get("method", seed.method),
+                                     **{k: v for k, v in fields.items() if k != "method"}))
+                for m, fields in choices]
         default, buckets = cfgs[-1][1], []
         for m, cfg in cfgs[:-1]:
             if buckets and buckets[-1].config == cfg:

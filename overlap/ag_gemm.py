@@ -63,7 +63,7 @@ class Chunk(NamedTuple):
 class ConsumerGemm(NamedTuple):
     first_row: int    # in the gathered a (and in out)
     num_rows: int
-    wait: int         # index into chunks(m) of the chunk whose arrival it waits for; -1: this rank's rows
+    wait: int         # index into chunks(m) of the chunk it waits for; len(chunks): all; -1: a_shard only
 
 
 class AgGemm:
@@ -102,8 +102,9 @@ class AgGemm:
             from .triton_gemm import num_sms
             config.validate(num_sms=num_sms(self.device))
             self._comm_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
+            self._publish_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
             num_chunks = self.world_size * config.chunks_per_rank
-            self._events = [torch.cuda.Event() for _ in range(num_chunks)]
+            self._events = [torch.cuda.Event() for _ in range(num_chunks + 1)]  # + 1: all arrived
             # 1 = this call's chunk is in place; zeroed at the start of every call (stream-ordered after the
             # previous call's consumer), so the value needs no epoch and a captured graph can replay it
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
@@ -237,8 +238,8 @@ class AgGemm:
         lead_lo = m - lead if last_rank else self.rank * rows
         plan = [ConsumerGemm(lead_lo, lead, -1)]
         for lo, hi in ((0, lead_lo), (lead_lo + lead, m)):
-            if hi > lo:  # the comm stream pulls in order: its last chunk's event covers every pull
-                plan.append(ConsumerGemm(lo, hi - lo, len(chunks) - 1))
+            if hi > lo:  # local rows from the pool and peer rows: wait for every chunk (index len(chunks))
+                plan.append(ConsumerGemm(lo, hi - lo, len(chunks)))
         return plan
 
     def _step_epoch(self, offset: int = 0):
@@ -273,6 +274,14 @@ class AgGemm:
         for peer in self._peers():
             self.pool.signal(f"{self.name}.a", self.rank, self._step_epoch(), rank=peer)
 
+    def _signal_arrived(self, stream, chunks, indices) -> None:
+        """Chunks `indices` are in place, in `stream` order: a chunk flag (fused) or an event each."""
+        for i in indices:
+            if self._fused is not None:
+                self._fused.signal_chunk(chunks[i].flag_index)
+            else:
+                self._events[i].record(stream)
+
     def _pull(self, chunk: Chunk, a, *, host: bool) -> None:
         owner, lo, count, _ = chunk
         src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % self.num_buffers, lo:lo + count]
@@ -281,7 +290,7 @@ class AgGemm:
     def _run_host(self, a_shard, w, a, out) -> None:
         m = a.shape[0]
         chunks = self.chunks(m)
-        ready = [threading.Event() for _ in chunks]
+        ready = [threading.Event() for _ in range(len(chunks) + 1)]  # + 1: every chunk has arrived
         failure: list[BaseException] = []
         self._publish(a_shard, a)
 
@@ -296,6 +305,7 @@ class AgGemm:
                     if owner != self.rank:
                         self._pull(chunk, a, host=True)
                     ready[i].set()
+                ready[-1].set()
             except BaseException as exc:  # surfaced on the caller's thread
                 failure.append(exc)
                 for event in ready:
@@ -326,29 +336,33 @@ class AgGemm:
         if self._fused is not None:  # only the fused consumer reads chunk flags
             self._chunk_flags.zero_()
         chunks = self.chunks(a.shape[0])
-        comm = self._comm_stream
+        comm, publish = self._comm_stream, self._publish_stream
         comm.wait_stream(compute)
+        publish.wait_stream(compute)
+        with torch.cuda.stream(publish):
+            # its own stream, so that the comm stream's ready-wait kernel is launched at once, before the
+            # consumer's first GEMM can take every SM; that GEMM reads a_shard, not the copy
+            self._publish(a_shard, a)
+            self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
         with torch.cuda.stream(comm):
             if trace:
                 trace[1].record(comm)
-            # on the comm stream (copy engine): the GEMMs over this rank's rows read a_shard instead
-            self._publish(a_shard, a)
             waited = set()
             for i, chunk in enumerate(chunks):
                 owner = chunk[0]
-                if owner != self.rank:
-                    if owner not in waited:
-                        self.pool.wait(f"{self.name}.a", owner, self._step_epoch(), peer=owner, op=self.name)
-                        waited.add(owner)
-                    self._pull(chunk, a, host=False)
-                if self._fused is not None:
-                    self._fused.signal_chunk(chunk.flag_index)
-                else:
-                    self._events[i].record(comm)
+                if owner == self.rank:
+                    continue
+                if owner not in waited:
+                    self.pool.wait(f"{self.name}.a", owner, self._step_epoch(), peer=owner, op=self.name)
+                    waited.add(owner)
+                self._pull(chunk, a, host=False)
+                self._signal_arrived(comm, chunks, [i])
             if self.cuda_graphs:  # tell each owner its rows of this call have been read
                 for owner in self._peers():
                     self.pool.signal(f"{self.name}.a", self.world_size + self.rank, self._step_epoch(),
                                      rank=owner)
+            comm.wait_stream(publish)
+            self._events[len(chunks)].record(comm)  # every chunk, local ones included, is in place
             if trace:
                 trace[2].record(comm)
         if w is None:
@@ -356,6 +370,10 @@ class AgGemm:
         elif self._fused is not None:
             self._fused.run(a, w, out)
         else:
+            if self.cuda_graphs and not self.config.sm_margin:
+                # replayed, the ready flag is a kernel: with no SM left free it would wait for the first
+                # GEMM to finish, and so would the peer's pull; let it go first
+                compute.wait_stream(publish)
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
                 self._consume(self.consumer_gemms(a.shape[0]), a_shard, a, w, out,
                               lambda i: compute.wait_event(self._events[i]))

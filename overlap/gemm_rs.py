@@ -162,9 +162,11 @@ class GemmRs:
             self._mark(1, compute)
             self._push(partials, rows, compute)
             result = work()
+            # our own flags first: replayed, they are kernels, and a reduction spinning on every SM for
+            # the peers' flags must not keep them from running (the peers' own come from their streams)
+            compute.wait_stream(self._comm_stream)
             self._mark(2, compute)
             self._reduce(rows, out, programs=self.num_sms)
-            compute.wait_stream(self._comm_stream)  # partials (caching allocator) are freed on return
             self._mark(3, compute)
         return out, result
 

@@ -154,7 +154,8 @@ def test_consumer_gemms_cover_every_row_once_and_wait_only_for_peer_rows(world, 
         for lo, count, wait in plan:
             if wait < 0:  # read from a_shard: only this rank's rows
                 assert lo in local and lo + count - 1 in local
-            else:  # its rows have all arrived once chunk `wait` has
+            else:  # its rows have all arrived once chunk `wait` has (len(chunks): all, the publish too)
+                assert wait == len(chunks) or not set(range(lo, lo + count)) & set(local)
                 assert all(c.owner == rank or i <= wait for i, c in enumerate(chunks)
                            if c.first_row < lo + count and lo < c.first_row + c.num_rows)
         if fraction:
