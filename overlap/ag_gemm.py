@@ -25,7 +25,9 @@ rank waited for during step e-1.
 epoch lives in device memory (bumped at the start of each call, read by the flag kernels), there is one
 buffer (a graph's copies have fixed addresses), and instead of the double buffer each reader signals
 consumed[reader] = e on the owner after pulling, which the owner waits for (>= e-1) before it overwrites
-its rows in the next call. Flags of region `<name>.a`: ready[owner] at [0, W), consumed[reader] at [W, 2W).
+its rows in the next call. ready[owner] is then a toggle (1 = published, reset to 0 by the reader before
+it signals consumed), so that it is written by a stream memory operation, with no SM.
+Flags of region `<name>.a`: ready[owner] at [0, W), consumed[reader] at [W, 2W).
 
 On CPU (host pool) the same schedule runs with a thread as the comm stream and torch.mm.
 """
@@ -272,7 +274,16 @@ class AgGemm:
         if slot.data_ptr() != a_shard.data_ptr():
             slot.copy_(a_shard)
         for peer in self._peers():
-            self.pool.signal(f"{self.name}.a", self.rank, self._step_epoch(), rank=peer)
+            self.pool.signal(f"{self.name}.a", self.rank, self._ready_value(), rank=peer)
+
+    def _ready_value(self) -> int:
+        """What ready[owner] holds once owner's rows of this call are published.
+
+        Eager: the epoch. Replayed: 1, which the reader resets to 0 after its pull and before it signals
+        consumed (which the owner waits for before it publishes again): a constant is written by a stream
+        memory operation, so the signal needs no SM while the consumer's first GEMM holds them all.
+        """
+        return 1 if self.cuda_graphs else self._epoch
 
     def _signal_arrived(self, stream, chunks, indices) -> None:
         """Chunks `indices` are in place, in `stream` order: a chunk flag (fused) or an event each."""
@@ -353,16 +364,19 @@ class AgGemm:
                 if owner == self.rank:
                     continue
                 if owner not in waited:
-                    self.pool.wait(f"{self.name}.a", owner, self._step_epoch(), peer=owner, op=self.name)
+                    self.pool.wait(f"{self.name}.a", owner, self._ready_value(), peer=owner, op=self.name)
                     waited.add(owner)
                 self._pull(chunk, a, host=False)
                 self._signal_arrived(comm, chunks, [i])
-            if self.cuda_graphs:  # tell each owner its rows of this call have been read
+            comm.wait_stream(publish)
+            self._events[len(chunks)].record(comm)  # every chunk, local ones included, is in place
+            if self.cuda_graphs:  # reset the ready flags, then tell each owner its rows have been read
+                from kernels.flags import write_flag
+                for owner in self._peers():
+                    write_flag(self.pool.signals(f"{self.name}.a"), owner, 0)
                 for owner in self._peers():
                     self.pool.signal(f"{self.name}.a", self.world_size + self.rank, self._step_epoch(),
                                      rank=owner)
-            comm.wait_stream(publish)
-            self._events[len(chunks)].record(comm)  # every chunk, local ones included, is in place
             if trace:
                 trace[2].record(comm)
         if w is None:
@@ -370,10 +384,6 @@ class AgGemm:
         elif self._fused is not None:
             self._fused.run(a, w, out)
         else:
-            if self.cuda_graphs and not self.config.sm_margin:
-                # replayed, the ready flag is a kernel: with no SM left free it would wait for the first
-                # GEMM to finish, and so would the peer's pull; let it go first
-                compute.wait_stream(publish)
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
                 self._consume(self.consumer_gemms(a.shape[0]), a_shard, a, w, out,
                               lambda i: compute.wait_event(self._events[i]))

@@ -219,6 +219,8 @@ def _parse_op(op, raw, num_sms, file) -> OpPreset:
         _int_in(f"{key}.m_max", item["m_max"], last + 1, 1 << 40, file)
         last = item["m_max"]
         merged = {**fields, **{k: v for k, v in item.items() if k != "m_max"}}
+        if merged.get("method") != "decomposed" and "lead_fraction" not in item:
+            merged.pop("lead_fraction", None)  # a bucket that switches method drops decomposed-only fields
         buckets.append(OpBucket(m_max=item["m_max"], config=_make_op(op, merged, num_sms, file, key)))
     return OpPreset(default=default, by_m=tuple(buckets))
 

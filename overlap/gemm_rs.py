@@ -12,14 +12,16 @@ Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W so
               programs (its own high-priority stream) waits for each row block's W flags and sums.
   decomposed: one cuBLAS mm per owner chunk (owners in ring order, own chunk last) limited to
               num_sms - sm_margin SMs, each chunk pushed to its owner with the copy engine and flagged;
-              the same reduction kernel.
+              the same reduction kernel (W = 2 with num_comm_sms = 0: after the GEMMs, one add of our
+              rows and the peer's on the compute stream).
   epilogue_reduce: one persistent Triton GEMM on num_sms - sm_margin programs that scatters the other
               owners' rows first (as `fused`) and then computes its own rows last, adding the other
               sources' partials to its accumulator in the epilogue: no reduction kernel, no second pass
               over the partials, no reserved SMs. Needs M/W % 128 == 0; other M run as `fused`.
 `bulk(a, w, work)` is the schedule a column layer's backward uses with `bulk_wgrad`: the whole GEMM on
 cuBLAS, the copy-engine push of `decomposed`, the caller's independent `work` (the weight-grad GEMM), then
-the reduction kernel on every SM. Same slots, flags and epochs.
+the reduction kernel on every SM (W = 2: one add of our rows and the peer's slot, after a bounded wait for
+its flag). Same slots, flags and epochs.
 Double buffering replaces an end barrier: a source writes slot b of step e only after its own step e-1
 reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
 step e-2 reduction (the last reader of slot b) had finished (for epilogue_reduce the reduction is the
@@ -135,6 +137,8 @@ class GemmRs:
                 self._run_epilogue_reduce(a, w, out)
             elif self.config.method in ("fused", "epilogue_reduce"):
                 self._run_fused(a, w, out)
+            elif self.world_size == 2 and not self.config.num_comm_sms:
+                self._run_decomposed_pair(a, w, out)
             else:
                 self._run_decomposed(a, w, out)
         return out
@@ -160,28 +164,61 @@ class GemmRs:
             self._begin_cuda(compute)
             partials = torch.mm(a, w)
             self._mark(1, compute)
-            self._push(partials, rows, compute)
+            pair = self.world_size == 2
+            self._push(partials, rows, compute, own=not pair)
             result = work()
-            # our own flags first: replayed, they are kernels, and a reduction spinning on every SM for
-            # the peers' flags must not keep them from running (the peers' own come from their streams)
-            compute.wait_stream(self._comm_stream)
             self._mark(2, compute)
-            self._reduce(rows, out, programs=self.num_sms)
+            if pair:  # one elementwise add of our rows and the peer's: no copy of our own rows
+                self._add_pair(partials[self.rank * rows:(self.rank + 1) * rows], out)
+            else:
+                # our own flags first: replayed, they are kernels, and a reduction spinning on every SM
+                # for the peers' flags must not keep them from running
+                compute.wait_stream(self._comm_stream)
+                self._reduce(rows, out, programs=self.num_sms)
+            compute.wait_stream(self._comm_stream)  # partials (caching allocator) are freed on return
             self._mark(3, compute)
         return out, result
 
-    def _push(self, partials, rows, compute) -> None:
-        """Copy-engine push of every owner's rows of `partials` [M, N] into its slot, then its flags."""
+    def _add_pair(self, own_partial, out) -> None:
+        """W = 2, on the compute stream: bounded wait for the peer's partial, out = own_partial + it."""
+        peer = 1 - self.rank
+        self.pool.wait(f"{self.name}.partials", peer * self.flags_per_source, self._step_epoch(),
+                       timeout_s=self.timeout_s, peer=peer, op=self.name)
+        torch.add(own_partial, self._slots(self.rank, out.shape[0])[peer], out=out)
+        self._signal_reduced()
+
+    def _run_decomposed_pair(self, a, w, out) -> None:
+        """W = 2 with num_comm_sms = 0: the peer's rows first, pushed on the copy engine while our own
+        rows' GEMM runs, then one add on every SM (no reduction kernel spinning beside the GEMMs)."""
+        rows = a.shape[0] // 2
+        peer = 1 - self.rank
+        compute = torch.cuda.current_stream(self.device)
+        self._begin_cuda(compute)
+        with sm_carveout(self.config.sm_margin):
+            staged = torch.mm(a[peer * rows:(peer + 1) * rows], w, out=self._staging[:rows])
+            self._push_rows(staged, peer, compute)
+            own = torch.mm(a[self.rank * rows:(self.rank + 1) * rows], w)
+        self._mark(1, compute)
+        self._mark(2, compute)
+        self._add_pair(own, out)
+        compute.wait_stream(self._comm_stream)  # the staging buffer is rewritten by the next call
+        self._mark(3, compute)
+
+    def _push_rows(self, rows_of_owner, owner, compute) -> None:
+        """Copy-engine push of `rows_of_owner` [M/W, N] into owner's slot of this rank, then its flags."""
         from kernels.flags import launch_signal_range
 
-        region = f"{self.name}.partials"
         self._comm_stream.wait_stream(compute)
         with torch.cuda.stream(self._comm_stream):
-            for owner in self.owners():
-                self._slots(owner, rows)[self.rank].copy_(partials[owner * rows:(owner + 1) * rows],
-                                                          non_blocking=True)
-                launch_signal_range(self.pool.peer_signals(region, owner), self.rank * self.flags_per_source,
-                                    self.flags_per_source, self._step_epoch())
+            self._slots(owner, rows_of_owner.shape[0])[self.rank].copy_(rows_of_owner, non_blocking=True)
+            launch_signal_range(self.pool.peer_signals(f"{self.name}.partials", owner),
+                                self.rank * self.flags_per_source, self.flags_per_source, self._step_epoch())
+
+    def _push(self, partials, rows, compute, *, own: bool) -> None:
+        """`_push_rows` for every owner's rows of `partials` [M, N], ring order (own=False: not this rank's
+        rows, which the caller reads from `partials`)."""
+        for owner in self.owners() if own else self.owners()[:-1]:
+            self._push_rows(partials[owner * rows:(owner + 1) * rows], owner, compute)
 
     def check_errors(self) -> None:
         """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""

@@ -3,7 +3,8 @@
 * GEMM+RS `epilogue_reduce`: eager steps with a scrambled workspace, the `fused` fallback for M/W not a
   multiple of 128, and CUDA-graph replays; the weight alternates between row-major [K, N] and the transpose
   view of a row-major [N, K] (what backward passes, read in place by the kernel);
-* GEMM+RS `bulk` (the column-backward schedule with bulk_wgrad), eager and replayed, with its work's result;
+* GEMM+RS `bulk` (the column-backward schedule with bulk_wgrad), eager and replayed, with its work's result,
+  and `decomposed` at W = 2 with num_comm_sms = 0 (the pair schedule: push, own GEMM, one add);
 * AG+GEMM `fused`, `decomposed` and `decomposed` with a lead GEMM, both weight layouts, gathered rows bit-exact.
 """
 
@@ -36,10 +37,12 @@ def _epilogue_reduce(rank, world):
     with SymmetricPool(256 << 20, group=group) as pool:
         # (M, K_local, N): tiles of 128 rows per owner with N and K tails; then M/W = 300 (the fallback)
         for i, (m, k, n) in enumerate([(2 * 512, 1000, 1064), (2 * 300, 264, 520)]):
-            for graphs, bulk in ((False, False), (True, False), (False, True), (True, True)):
+            for method, graphs, bulk in (("epilogue_reduce", False, False), ("epilogue_reduce", True, False),
+                                         ("epilogue_reduce", False, True), ("epilogue_reduce", True, True),
+                                         ("decomposed", False, False), ("decomposed", True, False)):
                 op = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.bfloat16,
-                            config=OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=bulk),
-                            name=f"er{i}{graphs}{bulk}", timeout_s=20, cuda_graphs=graphs)
+                            config=OpConfig(op="gemm_rs", method=method, bulk_wgrad=bulk),
+                            name=f"er{i}{method}{graphs}{bulk}", timeout_s=20, cuda_graphs=graphs)
                 # bulk: the column-backward schedule, with a weight-grad-like GEMM as the overlapped work
                 call = (lambda a, w: op.bulk(a, w, lambda: torch.mm(a.t(), a))) if bulk else \
                     (lambda a, w: (op(a, w), None))
@@ -75,7 +78,7 @@ def _epilogue_reduce(rank, world):
                     worst = max(worst, _rel(out, _reference(a, w, rank, world)))
                     if bulk:
                         worst = max(worst, _rel(work, a.double().t() @ a.double()))
-                errors[(m, graphs, bulk)] = worst
+                errors[(m, method, graphs, bulk)] = worst
                 del graph
                 op.close()
         pool.barrier()
