@@ -264,17 +264,12 @@ class AgGemm:
     def _peers(self) -> list[int]:
         return [p for p in range(self.world_size) if p != self.rank]
 
-    def _wait_consumed(self) -> None:
-        """Replayed (one buffer): every peer must have pulled our previous rows before we overwrite them."""
-        if self.cuda_graphs:
+    def _publish(self, a_shard, a) -> None:
+        rows = a_shard.shape[0]
+        if self.cuda_graphs:  # one buffer: every peer must have pulled our previous rows
             for peer in self._peers():
                 self.pool.wait(f"{self.name}.a", self.world_size + peer, self._step_epoch(-1), peer=peer,
                                op=self.name)
-
-    def _publish(self, a_shard, a, *, waited: bool = False) -> None:
-        rows = a_shard.shape[0]
-        if not waited:
-            self._wait_consumed()
         slot = a[self.rank * rows:(self.rank + 1) * rows]
         if slot.data_ptr() != a_shard.data_ptr():
             slot.copy_(a_shard)
@@ -355,27 +350,15 @@ class AgGemm:
         comm, publish = self._comm_stream, self._publish_stream
         comm.wait_stream(compute)
         publish.wait_stream(compute)
-        plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
-        waited = set()
-        # the wait kernels that come first go out before any GEMM can take every SM
         with torch.cuda.stream(publish):
-            self._wait_consumed()
+            # its own stream, so that the comm stream's ready-wait kernel is launched at once, before the
+            # consumer's first GEMM can take every SM; that GEMM reads a_shard, not the copy
+            self._publish(a_shard, a)
+            self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
         with torch.cuda.stream(comm):
             if trace:
                 trace[1].record(comm)
-            first = next((c.owner for c in chunks if c.owner != self.rank), None)
-            if first is not None:
-                self.pool.wait(f"{self.name}.a", first, self._ready_value(), peer=first, op=self.name)
-                waited.add(first)
-        # then the GEMMs over this rank's rows (they read a_shard): enqueued before the copies, so that
-        # neither the host's copy enqueue nor their copy-engine work delays the first GEMM
-        local = [g for g in plan if g.wait < 0]
-        with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
-            self._consume(local, a_shard, a, w, out, None)
-        with torch.cuda.stream(publish):
-            self._publish(a_shard, a, waited=True)
-            self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
-        with torch.cuda.stream(comm):
+            waited = set()
             for i, chunk in enumerate(chunks):
                 owner = chunk[0]
                 if owner == self.rank:
@@ -401,8 +384,8 @@ class AgGemm:
         elif self._fused is not None:
             self._fused.run(a, w, out)
         else:
-            with sm_carveout(self.config.sm_margin):
-                self._consume([g for g in plan if g.wait >= 0], a_shard, a, w, out,
+            with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
+                self._consume(self.consumer_gemms(a.shape[0]), a_shard, a, w, out,
                               lambda i: compute.wait_event(self._events[i]))
         compute.wait_stream(comm)
         if trace:
