@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
+from ._gemm_rs_ce import CopyEngineSchedules
 from ._guard import CallGuard
 from ._validate import (OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor,
                         check_weight)
@@ -61,7 +62,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class GemmRs:
+class GemmRs(CopyEngineSchedules):
     """Op context built once per (group, pool, max_m, k_local, n, dtype, config); call it many times.
 
     The output is valid on the caller's current stream when the call returns (CUDA), or at once (CPU).
@@ -142,83 +143,6 @@ class GemmRs:
             else:
                 self._run_decomposed(a, w, out)
         return out
-
-    def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
-        """(out_shard [M/W, N] = reduce_scatter(a @ w), work()), the reduce-scatter overlapping `work`.
-
-        For a GEMM+RS followed by independent GPU work (a column layer's backward: the weight-grad GEMM).
-        a @ w runs whole (cuBLAS, every SM) on the current stream; the copy engine moves each owner's rows
-        to it while `work()` enqueues on the current stream; then this rank's W partials are summed there
-        on every SM. Same pool region, flags and epochs as `__call__`; both results are valid on the
-        current stream on return (CUDA), or at once (CPU: no overlap, the same protocol).
-        """
-        self._validate(a, w)
-        rows = a.shape[0] // self.world_size
-        with self._guard:
-            self._epoch += 1
-            out = torch.empty(rows, self.n, dtype=self.dtype, device=self.device)
-            if self.device.type == "cpu":
-                self._run_host(a, w, out)
-                return out, work()
-            compute = torch.cuda.current_stream(self.device)
-            self._begin_cuda(compute)
-            partials = torch.mm(a, w)
-            self._mark(1, compute)
-            pair = self.world_size == 2
-            self._push(partials, rows, compute, own=not pair)
-            result = work()
-            self._mark(2, compute)
-            if pair:  # one elementwise add of our rows and the peer's: no copy of our own rows
-                self._add_pair(partials[self.rank * rows:(self.rank + 1) * rows], out)
-            else:
-                # our own flags first: replayed, they are kernels, and a reduction spinning on every SM
-                # for the peers' flags must not keep them from running
-                compute.wait_stream(self._comm_stream)
-                self._reduce(rows, out, programs=self.num_sms)
-            compute.wait_stream(self._comm_stream)  # partials (caching allocator) are freed on return
-            self._mark(3, compute)
-        return out, result
-
-    def _add_pair(self, own_partial, out) -> None:
-        """W = 2, on the compute stream: bounded wait for the peer's partial, out = own_partial + it."""
-        peer = 1 - self.rank
-        self.pool.wait(f"{self.name}.partials", peer * self.flags_per_source, self._step_epoch(),
-                       timeout_s=self.timeout_s, peer=peer, op=self.name)
-        torch.add(own_partial, self._slots(self.rank, out.shape[0])[peer], out=out)
-        self._signal_reduced()
-
-    def _run_decomposed_pair(self, a, w, out) -> None:
-        """W = 2 with num_comm_sms = 0: the peer's rows first, pushed on the copy engine while our own
-        rows' GEMM runs, then one add on every SM (no reduction kernel spinning beside the GEMMs)."""
-        rows = a.shape[0] // 2
-        peer = 1 - self.rank
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
-        with sm_carveout(self.config.sm_margin):
-            staged = torch.mm(a[peer * rows:(peer + 1) * rows], w, out=self._staging[:rows])
-            self._push_rows(staged, peer, compute)
-            own = torch.mm(a[self.rank * rows:(self.rank + 1) * rows], w)
-        self._mark(1, compute)
-        self._mark(2, compute)
-        self._add_pair(own, out)
-        compute.wait_stream(self._comm_stream)  # the staging buffer is rewritten by the next call
-        self._mark(3, compute)
-
-    def _push_rows(self, rows_of_owner, owner, compute) -> None:
-        """Copy-engine push of `rows_of_owner` [M/W, N] into owner's slot of this rank, then its flags."""
-        from kernels.flags import launch_signal_range
-
-        self._comm_stream.wait_stream(compute)
-        with torch.cuda.stream(self._comm_stream):
-            self._slots(owner, rows_of_owner.shape[0])[self.rank].copy_(rows_of_owner, non_blocking=True)
-            launch_signal_range(self.pool.peer_signals(f"{self.name}.partials", owner),
-                                self.rank * self.flags_per_source, self.flags_per_source, self._step_epoch())
-
-    def _push(self, partials, rows, compute, *, own: bool) -> None:
-        """`_push_rows` for every owner's rows of `partials` [M, N], ring order (own=False: not this rank's
-        rows, which the caller reads from `partials`)."""
-        for owner in self.owners() if own else self.owners()[:-1]:
-            self._push_rows(partials[owner * rows:(owner + 1) * rows], owner, compute)
 
     def check_errors(self) -> None:
         """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""
