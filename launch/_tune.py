@@ -10,11 +10,12 @@ from overlap.config import OpBucket, OpPreset, OverlapConfig
 
 __all__ = ["CONFIG_KEYS", "best_configs", "tuned_config", "gate_failures"]
 
-CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms")
+CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
 
 
 def _config_of(row) -> tuple:
-    return tuple(row[key] for key in CONFIG_KEYS)
+    # rows written before lead_fraction existed ran without a lead
+    return tuple(row.get(key, 0.0) if key == "lead_fraction" else row[key] for key in CONFIG_KEYS)
 
 
 def best_configs(rows: list[dict]) -> dict[str, list[tuple[int, dict]]]:

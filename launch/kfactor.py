@@ -11,7 +11,7 @@ copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each next 
 ("gemm", compute-bound) and next to an RMSNorm over the gathered [M, H] repeated to last about as long
 as the CE gather ("membound").
 
---sweep KEY=V1,V2 (repeatable; keys method, sm_margin, chunks_per_rank, num_comm_sms; a token holding '='
+--sweep KEY=V1,V2 (repeatable; keys method, sm_margin, chunks_per_rank, num_comm_sms, lead_fraction (AG decomposed only); a token holding '='
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
@@ -55,7 +55,7 @@ from . import _dist
 from ._tune import CONFIG_KEYS, best_configs, gate_failures, tuned_config
 
 OPS = ("ag_gemm", "gemm_rs", "regimes")
-SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int}
+SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}
 GPU_GRID = {"method": ("decomposed", "fused"), "sm_margin": (0, 8, 16, 32), "chunks_per_rank": (1, 2)}
 CPU_GRID = {"sm_margin": (0, 8), "chunks_per_rank": (1, 2)}
 CPU_M, CPU_K, CPU_N = (256, 512), 64, 64
@@ -82,7 +82,8 @@ def parse_sweep(items: list[str] | None) -> dict[str, tuple]:
             try:
                 grid[key].append(SWEEP_KEYS[key](token))
             except ValueError:
-                raise ValueError(f"--sweep: {key}={token!r} is not an int") from None
+                kind = "an int" if SWEEP_KEYS[key] is int else "a number"
+                raise ValueError(f"--sweep: {key}={token!r} is not {kind}") from None
     for k, values in grid.items():
         if not values:
             raise ValueError(f"--sweep: {k}= has no values")
@@ -150,6 +151,8 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
         fields = dict(zip(axes, values))
         if fields.get("method", base.method) not in METHODS[op]:
             continue   # a method of the other op (e.g. epilogue_reduce in a sweep over both ops)
+        if fields.get("lead_fraction") and (op, fields.get("method", base.method)) != ("ag_gemm", "decomposed"):
+            continue   # a lead GEMM exists only for the decomposed AG consumer
         if op == "gemm_rs":
             fields["chunks_per_rank"] = base.chunks_per_rank   # not used by GemmRs
             fields.setdefault("num_comm_sms", fields.get("sm_margin", base.sm_margin))

@@ -39,17 +39,19 @@ class CopyEngineSchedules:
             partials = torch.mm(a, w)
             self._mark(1, compute)
             pair = self.world_size == 2
-            self._push(partials, rows, compute, own=not pair)
-            result = work()
-            self._mark(2, compute)
-            if pair:  # one elementwise add of our rows and the peer's: no copy of our own rows
-                self._add_pair(partials[self.rank * rows:(self.rank + 1) * rows], out)
-            else:
-                # our own flags first: replayed, they are kernels, and a reduction spinning on every SM
-                # for the peers' flags must not keep them from running
+            try:
+                self._push(partials, rows, compute, own=not pair)
+                result = work()
+                self._mark(2, compute)
+                if pair:  # one elementwise add of our rows and the peer's: no copy of our own rows
+                    self._add_pair(partials[self.rank * rows:(self.rank + 1) * rows], out)
+                else:
+                    # our own flags first: replayed, they are kernels, and a reduction spinning on every
+                    # SM for the peers' flags must not keep them from running
+                    compute.wait_stream(self._comm_stream)
+                    self._reduce(rows, out, programs=self.num_sms)
+            finally:  # also if work() raised: partials (caching allocator) is freed on return
                 compute.wait_stream(self._comm_stream)
-                self._reduce(rows, out, programs=self.num_sms)
-            compute.wait_stream(self._comm_stream)  # partials (caching allocator) are freed on return
             self._mark(3, compute)
         return out, result
 

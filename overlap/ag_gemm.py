@@ -3,17 +3,19 @@
 Shapes: a_shard [M/W, K], w [K, N_local], out [M, N_local]; M <= max_m, M % W == 0.
 
 Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<name>.a` [2, max_m, K]):
-  comm stream (high priority, 0 SMs): a_shard -> rows of this rank in a[b] (skipped when the caller
-                  wrote `input_slot`), then flag ready[rank] = e on every peer (release);
-                  for peer p = rank+1, rank+2, ... : wait ready[p] >= e (bounded),
-                  copy p's rows of p's a[b] into the same rows of this rank's a[b] (copy engine), in
-                  `chunks_per_rank` pieces, each followed by its readiness signal (event or flag);
+  publish stream (high priority): a_shard -> rows of this rank in a[b] (copy engine; skipped when the
+                  caller wrote `input_slot`), then flag ready[rank] = e on every peer (a stream memop);
+  comm stream (high priority): for peer p = rank+1, rank+2, ... : wait ready[p] >= e (a bounded spin
+                  kernel on one SM), copy p's rows of p's a[b] into the same rows of this rank's a[b]
+                  (copy engine), in `chunks_per_rank` pieces, each followed by its readiness signal (event
+                  or flag); then, after the publish stream, the "every chunk" event;
   consumer on the compute stream: `decomposed` = cuBLAS mms in the order of `consumer_gemms`: with
                   lead_fraction 0 one per chunk, local chunk first, each waiting only for its own event;
                   with lead_fraction f > 0 a "lead" mm over f of the local rows, then one mm (two when
                   the local rows sit in the middle) over every other row once all pulls have landed:
-                  fewer, larger GEMMs, which cuBLAS runs faster than one per rank; rows of this rank
-                  are read from a_shard itself, so no GEMM waits for the publish copy;
+                  fewer, larger GEMMs, which cuBLAS runs faster than one per rank; the GEMMs over
+                  this rank's rows only (local chunks, the lead) read a_shard itself and wait for
+                  nothing; the others wait for the "every chunk" event (publish copy included);
                   `fused` = one persistent Triton GEMM whose tile loop waits for the flag of the chunk
                   it reads next (tiles ordered by arrival);
   the comm stream is joined back into the compute stream before the call returns.
@@ -26,7 +28,8 @@ epoch lives in device memory (bumped at the start of each call, read by the flag
 buffer (a graph's copies have fixed addresses), and instead of the double buffer each reader signals
 consumed[reader] = e on the owner after pulling, which the owner waits for (>= e-1) before it overwrites
 its rows in the next call. ready[owner] is then a toggle (1 = published, reset to 0 by the reader before
-it signals consumed), so that it is written by a stream memory operation, with no SM.
+it signals consumed), so that it stays a stream memory operation. The epoch-valued consumed signal and
+the owner's consumed waits are kernels: they need an SM, and may wait behind a GEMM that holds them all.
 Flags of region `<name>.a`: ready[owner] at [0, W), consumed[reader] at [W, 2W).
 
 On CPU (host pool) the same schedule runs with a thread as the comm stream and torch.mm.

@@ -139,6 +139,9 @@ def test_a_swept_method_applies_only_to_the_ops_that_have_it():
                                                      ("epilogue_reduce", 0), ("epilogue_reduce", 16)]
     with pytest.raises(SystemExit, match="no swept method applies to ag_gemm"):
         configs_for("ag_gemm", base, {"method": ("epilogue_reduce",)}, True, 132)
+    # a lead GEMM only for the decomposed AG consumer; the preset's lead is dropped for fused
+    lead = configs_for("ag_gemm", base, {"method": ("decomposed", "fused"), "lead_fraction": (0.0, 0.25)}, True, 132)
+    assert [(c.method, c.lead_fraction) for c in lead] == [("decomposed", 0.0), ("decomposed", 0.25), ("fused", 0.0)]
 
 
 def _row(op, layer, m, method, sm, t):

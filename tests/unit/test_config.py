@@ -188,3 +188,19 @@ def test_lead_fraction_and_bulk_wgrad_are_validated(fields, needle):
         OpConfig(**fields)
     assert OpConfig(op="ag_gemm", method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
     assert OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
+
+
+def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it():
+    raw = _base()
+    raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5)
+    raw["ops"]["ag_gemm"]["by_m"] = [{"m_max": 1024, "method": "fused"}, {"m_max": 4096, "sm_margin": 8}]
+    cfg = parse_config(raw, file="mem")
+    assert cfg.op_config("ag_gemm", 1024).lead_fraction == 0 and cfg.op_config("ag_gemm", 1024).method == "fused"
+    assert cfg.op_config("ag_gemm", 4096).lead_fraction == 0.5  # inherited: still decomposed
+    base = cfg.ag_gemm.default
+    assert base.with_method("fused").lead_fraction == 0
+    assert base.with_method("decomposed", sm_margin=4) == OpConfig(op="ag_gemm", method="decomposed",
+                                                                  lead_fraction=0.5, sm_margin=4,
+                                                                  **{k: getattr(base, k) for k in
+                                                                     ("num_comm_sms", "chunks_per_rank",
+                                                                      "comm_stream_priority")})
