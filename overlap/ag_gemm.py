@@ -355,7 +355,10 @@ class AgGemm:
         publish.wait_stream(compute)
         with torch.cuda.stream(publish):
             # its own stream, so that the comm stream's ready-wait kernel is launched at once, before the
-            # consumer's first GEMM can take every SM; that GEMM reads a_shard, not the copy
+            # consumer's first GEMM can take every SM; that GEMM reads a_shard, not the copy. Enqueued
+            # before that wait kernel: with the order reversed (f219883, reverted) the ready memop did not
+            # land until the waits had timed out -- apparently a fenced memop waits for device work
+            # submitted before it, here a spin that only it could end (results/NOTES.md)
             self._publish(a_shard, a)
             self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
         with torch.cuda.stream(comm):

@@ -5,7 +5,8 @@
   view of a row-major [N, K] (what backward passes, read in place by the kernel);
 * GEMM+RS `bulk` (the column-backward schedule with bulk_wgrad), eager and replayed, with its work's result,
   and `decomposed` at W = 2 with num_comm_sms = 0 (the pair schedule: push, own GEMM, one add);
-* AG+GEMM `fused`, `decomposed` and `decomposed` with a lead GEMM, both weight layouts, gathered rows bit-exact.
+* AG+GEMM `fused`, `decomposed` and `decomposed` with a lead GEMM, both weight layouts, gathered rows bit-exact;
+  the lead schedule again inside CUDA-graph replays (the toggled ready flag).
 """
 
 import torch
@@ -130,3 +131,49 @@ def test_gpu_ag_gemm_both_methods_and_weight_layouts_match_the_reference(num_gpu
     for errors in run_ranks(_ag_gemm, 2, backend="nccl", timeout_s=300):
         for key, err in errors.items():
             assert err <= 1e-2, (key, err)
+
+
+def _ag_gemm_lead_replayed(rank, world):
+    """The lead schedule (128 of 300 local rows) and the toggled ready flag inside CUDA-graph replays."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    m, k, n = 2 * 300, 1000, 1064
+    worst = 0.0
+    with SymmetricPool(64 << 20, group=group) as pool:
+        op = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
+                    config=OpConfig(op="ag_gemm", method="decomposed", lead_fraction=0.25),
+                    name="ag_lead_graph", cuda_graphs=True)
+        a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
+        w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
+        graph = None
+        for step in range(6):
+            gen = torch.Generator(device=dev).manual_seed(300 * step + rank)
+            a_shard.copy_(torch.randn(m // world, k, generator=gen, device=dev))
+            w.copy_(torch.randn(k, n, generator=gen, device=dev) / k ** 0.5)
+            torch.cuda.synchronize()
+            dist.barrier()
+            if step == 2:  # two eager calls first (warm-up, and the same op outside a graph)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out, static_gathered = op(a_shard, w, return_gathered=True)
+            if graph is not None:
+                graph.replay()
+                out, gathered = static_out, static_gathered
+            else:
+                out, gathered = op(a_shard, w, return_gathered=True)
+            torch.cuda.synchronize()
+            op.check_errors()
+            shards = [torch.empty_like(a_shard) for _ in range(world)]
+            dist.all_gather(shards, a_shard)
+            if not torch.equal(gathered, torch.cat(shards)):
+                raise AssertionError(f"step {step}: gathered rows are not bit-exact")
+            worst = max(worst, _rel(out, torch.cat(shards).double() @ w.double()))
+        del graph
+        op.close()
+        pool.barrier()
+    return worst
+
+
+def test_gpu_ag_gemm_lead_schedule_in_cuda_graph_replays(num_gpus):
+    for worst in run_ranks(_ag_gemm_lead_replayed, 2, backend="nccl", timeout_s=300):
+        assert worst <= 1e-2, worst
