@@ -118,7 +118,6 @@ class GemmRs(CopyEngineSchedules):
         # decomposed: cuBLAS output of the peers' chunks before the copy-engine push
         self._staging = torch.empty(self.max_m if self.config.method == "decomposed" else 0, self.n,
                                     dtype=self.dtype, device=self.device)
-        self._events = [torch.cuda.Event() for _ in range(self.world_size)]
         self._trace = None
 
     # ----- public --------------------------------------------------------------------------------------
@@ -315,28 +314,20 @@ class GemmRs(CopyEngineSchedules):
         from kernels.flags import launch_signal_range
 
         rows = a.shape[0] // self.world_size
-        region = f"{self.name}.partials"
         compute = torch.cuda.current_stream(self.device)
         self._begin_cuda(compute)
         self._reduce_stream.wait_stream(compute)
-        self._comm_stream.wait_stream(compute)
         with sm_carveout(self.config.sm_margin):
-            for i, owner in enumerate(self.owners()):
+            for owner in self.owners():
                 chunk = a[owner * rows:(owner + 1) * rows]
                 if owner == self.rank:
                     torch.mm(chunk, w, out=self._slots(owner, rows)[self.rank])
-                    launch_signal_range(self.pool.peer_signals(region, owner), self.rank * self.flags_per_source,
-                                        self.flags_per_source, self._step_epoch())
-                    continue
-                staged = self._staging[owner * rows:(owner + 1) * rows]
-                torch.mm(chunk, w, out=staged)
-                self._events[i].record(compute)
-                self._comm_stream.wait_event(self._events[i])
-                with torch.cuda.stream(self._comm_stream):
-                    self._slots(owner, rows)[self.rank].copy_(staged, non_blocking=True)
-                    launch_signal_range(self.pool.peer_signals(region, owner),
+                    launch_signal_range(self.pool.peer_signals(f"{self.name}.partials", owner),
                                         self.rank * self.flags_per_source, self.flags_per_source,
                                         self._step_epoch())
+                    continue
+                staged = torch.mm(chunk, w, out=self._staging[owner * rows:(owner + 1) * rows])
+                self._push_rows(staged, owner, compute)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)

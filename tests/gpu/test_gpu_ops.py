@@ -92,6 +92,17 @@ def test_gpu_gemm_rs_epilogue_reduce_matches_the_reference(num_gpus):
             assert err <= 1e-2, (key, err)
 
 
+def _ag_error(op, a_shard, w, out, gathered, label) -> float:
+    """After one AG+GEMM call: no expired wait, gathered rows bit-exact, out's error vs float64."""
+    torch.cuda.synchronize()
+    op.check_errors()
+    shards = [torch.empty_like(a_shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(shards, a_shard)
+    if not torch.equal(gathered, torch.cat(shards)):
+        raise AssertionError(f"{label}: gathered rows are not bit-exact")
+    return _rel(out, torch.cat(shards).double() @ w.double())
+
+
 def _ag_gemm(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
@@ -114,13 +125,7 @@ def _ag_gemm(rank, world):
                 torch.cuda.synchronize()
                 dist.barrier()
                 out, gathered = op(a_shard, w, return_gathered=True)
-                torch.cuda.synchronize()
-                op.check_errors()
-                shards = [torch.empty_like(a_shard) for _ in range(world)]
-                dist.all_gather(shards, a_shard)
-                if not torch.equal(gathered, torch.cat(shards)):
-                    raise AssertionError(f"{method} lead {lead} step {step}: gathered rows are not bit-exact")
-                worst = max(worst, _rel(out, torch.cat(shards).double() @ w.double()))
+                worst = max(worst, _ag_error(op, a_shard, w, out, gathered, f"{method} lead {lead} step {step}"))
             errors[(method, lead)] = worst
             op.close()
         pool.barrier()
@@ -150,6 +155,7 @@ def _ag_gemm_lead_replayed(rank, world):
             gen = torch.Generator(device=dev).manual_seed(300 * step + rank)
             a_shard.copy_(torch.randn(m // world, k, generator=gen, device=dev))
             w.copy_(torch.randn(k, n, generator=gen, device=dev) / k ** 0.5)
+            op.gathered.random_(-100, 100)  # scrambled before the barrier: peers pull from it after
             torch.cuda.synchronize()
             dist.barrier()
             if step == 2:  # two eager calls first (warm-up, and the same op outside a graph)
@@ -161,13 +167,7 @@ def _ag_gemm_lead_replayed(rank, world):
                 out, gathered = static_out, static_gathered
             else:
                 out, gathered = op(a_shard, w, return_gathered=True)
-            torch.cuda.synchronize()
-            op.check_errors()
-            shards = [torch.empty_like(a_shard) for _ in range(world)]
-            dist.all_gather(shards, a_shard)
-            if not torch.equal(gathered, torch.cat(shards)):
-                raise AssertionError(f"step {step}: gathered rows are not bit-exact")
-            worst = max(worst, _rel(out, torch.cat(shards).double() @ w.double()))
+            worst = max(worst, _ag_error(op, a_shard, w, out, gathered, f"replayed lead step {step}"))
         del graph
         op.close()
         pool.barrier()
