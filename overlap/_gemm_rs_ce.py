@@ -40,7 +40,7 @@ class CopyEngineSchedules:
             self._mark(1, compute)
             pair = self.world_size == 2
             try:
-                self._push(partials, rows, compute, own=not pair)
+                self._push(partials, rows, compute, own=not pair, pair=pair)
                 result = work()
                 self._mark(2, compute)
                 if pair:  # one elementwise add of our rows and the peer's: no copy of our own rows
@@ -56,12 +56,22 @@ class CopyEngineSchedules:
         return out, result
 
     def _add_pair(self, own_partial, out) -> None:
-        """W = 2, on the compute stream: bounded wait for the peer's partial, out = own_partial + it."""
+        """W = 2, on the compute stream: bounded wait for the peer's pushed partial, out = own_partial + it."""
+        from kernels.flags import write_flag
+
         peer = 1 - self.rank
-        self.pool.wait(f"{self.name}.partials", peer * self.flags_per_source, self._step_epoch(),
-                       timeout_s=self.timeout_s, peer=peer, op=self.name)
+        region = f"{self.name}.partials"
+        self.pool.wait(region, self._pair_flag0 + peer, self._pushed_value(), timeout_s=self.timeout_s,
+                       peer=peer, op=self.name)
+        if self.cuda_graphs:  # the toggle back to 0 lands before the reduced signal lets the peer push again
+            write_flag(self.pool.signals(region), self._pair_flag0 + peer, 0)
         torch.add(own_partial, self._slots(self.rank, out.shape[0])[peer], out=out)
         self._signal_reduced()
+
+    def _pushed_value(self) -> int:
+        """What the pushed-slot flag holds once this call's partial has landed: the host epoch, or replayed
+        the constant 1 (reset by the owner), so that a stream memory operation can write it."""
+        return 1 if self.cuda_graphs else self._epoch
 
     def _run_decomposed_pair(self, a, w, out) -> None:
         """W = 2 with num_comm_sms = 0: the peer's rows first, pushed on the copy engine while our own
@@ -72,7 +82,7 @@ class CopyEngineSchedules:
         self._begin_cuda(compute)
         with sm_carveout(self.config.sm_margin):
             staged = torch.mm(a[peer * rows:(peer + 1) * rows], w, out=self._staging[:rows])
-            self._push_rows(staged, peer, compute)
+            self._push_rows(staged, peer, compute, pair=True)
             own = torch.mm(a[self.rank * rows:(self.rank + 1) * rows], w)
         self._mark(1, compute)
         self._mark(2, compute)
@@ -80,18 +90,25 @@ class CopyEngineSchedules:
         compute.wait_stream(self._comm_stream)  # the staging buffer is rewritten by the next call
         self._mark(3, compute)
 
-    def _push_rows(self, rows_of_owner, owner, compute) -> None:
-        """Copy-engine push of `rows_of_owner` [M/W, N] into owner's slot of this rank, then its flags."""
-        from kernels.flags import launch_signal_range
+    def _push_rows(self, rows_of_owner, owner, compute, *, pair: bool) -> None:
+        """Copy-engine push of `rows_of_owner` [M/W, N] into owner's slot of this rank, then its flags:
+        pair=True (the owner reduces with `_add_pair`) the pushed-slot flag, by a stream memory operation,
+        which needs no SM while a GEMM holds them all; else every row-block flag (a kernel), which the
+        reduction kernel waits for."""
+        from kernels.flags import launch_signal_range, write_flag
 
+        flags = self.pool.peer_signals(f"{self.name}.partials", owner)
         self._comm_stream.wait_stream(compute)
         with torch.cuda.stream(self._comm_stream):
             self._slots(owner, rows_of_owner.shape[0])[self.rank].copy_(rows_of_owner, non_blocking=True)
-            launch_signal_range(self.pool.peer_signals(f"{self.name}.partials", owner),
-                                self.rank * self.flags_per_source, self.flags_per_source, self._step_epoch())
+            if pair:
+                write_flag(flags, self._pair_flag0 + self.rank, self._pushed_value())
+            else:
+                launch_signal_range(flags, self.rank * self.flags_per_source, self.flags_per_source,
+                                    self._step_epoch())
 
-    def _push(self, partials, rows, compute, *, own: bool) -> None:
+    def _push(self, partials, rows, compute, *, own: bool, pair: bool) -> None:
         """`_push_rows` for every owner's rows of `partials` [M, N], ring order (own=False: not this rank's
         rows, which the caller reads from `partials`)."""
         for owner in self.owners() if own else self.owners()[:-1]:
-            self._push_rows(partials[owner * rows:(owner + 1) * rows], owner, compute)
+            self._push_rows(partials[owner * rows:(owner + 1) * rows], owner, compute, pair=pair)

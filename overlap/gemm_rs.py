@@ -32,7 +32,10 @@ epoch lives in device memory (bumped at the start of each call; the GEMM's flag 
 waits and the flag kernels read it), there is one buffer (a graph's pointers are fixed), and instead of the
 double buffer each owner signals reduced[owner] = e on every source when its reduction is done; a source
 waits for reduced >= e-1 of every peer before its GEMM writes into their slots again. Those W words follow
-the partials flags: index W * flags_per_source + owner.
+the partials flags: index W * flags_per_source + owner. The W = 2 copy-engine schedules (`bulk`, the
+`decomposed` pair) flag a pushed slot in W more words after those, index W * flags_per_source + W + source,
+written by a stream memory operation (no SM: the push ends while a GEMM holds them all): the epoch, or
+replayed the toggle 1 that the owner resets to 0 after its wait (as AllGather's ready flag).
 
 On CPU (host pool) the same protocol runs with torch.mm, stores into peers' shared memory and host waits.
 """
@@ -92,9 +95,10 @@ class GemmRs(CopyEngineSchedules):
         max_rows = max_m // self.world_size
         self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
         self._reduced_flag0 = self.world_size * self.flags_per_source
+        self._pair_flag0 = self._reduced_flag0 + self.world_size  # W = 2 copy-engine schedules, per source
         self._slot_elems = self.world_size * max_rows * n
         self.partials = pool.reserve(f"{name}.partials", (self.num_buffers, self._slot_elems), dtype,
-                                     num_signals=self._reduced_flag0 + self.world_size, exclusive=True)
+                                     num_signals=self._pair_flag0 + self.world_size, exclusive=True)
         self._epoch = 0
         self._epoch_counter = None
         self._guard = CallGuard(name, self.device)
@@ -327,7 +331,7 @@ class GemmRs(CopyEngineSchedules):
                                         self._step_epoch())
                     continue
                 staged = torch.mm(chunk, w, out=self._staging[owner * rows:(owner + 1) * rows])
-                self._push_rows(staged, owner, compute)
+                self._push_rows(staged, owner, compute, pair=False)
         self._mark(1, compute)
         with torch.cuda.stream(self._reduce_stream):
             self._mark(2, self._reduce_stream)

@@ -53,7 +53,8 @@ def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.
     region = _align((1 if cuda_graphs else 2) * max_m * hidden * dtype.itemsize)
     flags_per_source = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
     ag_words = 2 * world_size                           # ready + consumed per rank
-    rs_words = world_size * flags_per_source + world_size  # row-block flags per source + reduced per rank
+    # row-block flags per source + reduced per rank + pushed-slot flags per source (W = 2 schedules)
+    rs_words = world_size * flags_per_source + 2 * world_size
     return num_layers * 2 * region, num_layers * (ag_words + rs_words)
 
 
