@@ -15,7 +15,9 @@ Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<
                   the local rows sit in the middle) over every other row once all pulls have landed:
                   fewer, larger GEMMs, which cuBLAS runs faster than one per rank; the GEMMs over
                   this rank's rows only (local chunks, the lead) read a_shard itself and wait for
-                  nothing; the others wait for the "every chunk" event (publish copy included);
+                  nothing (the leading ones are enqueued right after the first ready-wait kernel: the
+                  kernel already holds its SM, and in eager mode few host calls precede the first
+                  GEMM); the others wait for the "every chunk" event (publish copy included);
                   `fused` = one persistent Triton GEMM whose tile loop waits for the flag of the chunk
                   it reads next (tiles ordered by arrival);
   the comm stream is joined back into the compute stream before the call returns.
@@ -110,6 +112,7 @@ class AgGemm:
             self._publish_stream = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
             num_chunks = self.world_size * config.chunks_per_rank
             self._events = [torch.cuda.Event() for _ in range(num_chunks + 1)]  # + 1: all arrived
+            self._fork_event = torch.cuda.Event()
             # 1 = this call's chunk is in place; zeroed at the start of every call (stream-ordered after the
             # previous call's consumer), so the value needs no epoch and a captured graph can replay it
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
@@ -351,8 +354,9 @@ class AgGemm:
             self._chunk_flags.zero_()
         chunks = self.chunks(a.shape[0])
         comm, publish = self._comm_stream, self._publish_stream
-        comm.wait_stream(compute)
-        publish.wait_stream(compute)
+        forked = self._fork_event
+        forked.record(compute)
+        publish.wait_event(forked)
         with torch.cuda.stream(publish):
             # its own stream, so that the comm stream's ready-wait kernel is launched at once, before the
             # consumer's first GEMM can take every SM; that GEMM reads a_shard, not the copy. Enqueued
@@ -360,7 +364,18 @@ class AgGemm:
             # land until the waits had timed out -- apparently a fenced memop waits for device work
             # submitted before it, here a spin that only it could end (results/NOTES.md)
             self._publish(a_shard, a)
-            self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
+            if self._fused is not None:  # the decomposed consumer reads local rows from a_shard
+                self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
+        comm.wait_event(forked)
+        plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
+        local_first = 0  # the leading GEMMs over this rank's rows only: issued right after the first wait
+        while local_first < len(plan) and plan[local_first].wait < 0:
+            local_first += 1
+
+        def consume(gemms) -> None:
+            with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
+                self._consume(gemms, a_shard, a, w, out, lambda i: compute.wait_event(self._events[i]))
+
         with torch.cuda.stream(comm):
             if trace:
                 trace[1].record(comm)
@@ -372,6 +387,10 @@ class AgGemm:
                 if owner not in waited:
                     self.pool.wait(f"{self.name}.a", owner, self._ready_value(), peer=owner, op=self.name)
                     waited.add(owner)
+                    if local_first:  # the wait kernel holds its SM: the GEMMs may take the rest now (eager:
+                        with torch.cuda.stream(compute):  # fewer host calls before the first GEMM)
+                            consume(plan[:local_first])
+                        plan, local_first = plan[local_first:], 0
                 self._pull(chunk, a, host=False)
                 self._signal_arrived(comm, chunks, [i])
             comm.wait_stream(publish)
@@ -385,14 +404,10 @@ class AgGemm:
                                      rank=owner)
             if trace:
                 trace[2].record(comm)
-        if w is None:
-            pass
-        elif self._fused is not None:
+        if self._fused is not None and w is not None:
             self._fused.run(a, w, out)
-        else:
-            with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
-                self._consume(self.consumer_gemms(a.shape[0]), a_shard, a, w, out,
-                              lambda i: compute.wait_event(self._events[i]))
+        elif plan:
+            consume(plan)
         compute.wait_stream(comm)
         if trace:
             trace[3].record(compute)
