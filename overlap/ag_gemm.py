@@ -15,9 +15,9 @@ Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<
                   the local rows sit in the middle) over every other row once all pulls have landed:
                   fewer, larger GEMMs, which cuBLAS runs faster than one per rank; the GEMMs over
                   this rank's rows only (local chunks, the lead) read a_shard itself and wait for
-                  nothing (the leading ones are enqueued right after the first ready-wait kernel: the
-                  kernel already holds its SM, and in eager mode few host calls precede the first
-                  GEMM); the others wait for the "every chunk" event (publish copy included);
+                  nothing (eager: the leading ones are enqueued right after the first ready-wait
+                  kernel, so that few host calls precede the first GEMM); the others wait for the
+                  "every chunk" event (publish copy included);
                   `fused` = one persistent Triton GEMM whose tile loop waits for the flag of the chunk
                   it reads next (tiles ordered by arrival);
   the comm stream is joined back into the compute stream before the call returns.
@@ -368,8 +368,12 @@ class AgGemm:
                 self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
         comm.wait_event(forked)
         plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
-        local_first = 0  # the leading GEMMs over this rank's rows only: issued right after the first wait
-        while local_first < len(plan) and plan[local_first].wait < 0:
+        # eager: the leading GEMMs over this rank's rows only are enqueued right after the first ready-wait
+        # kernel, so that fewer host calls precede the first GEMM. Not in a captured graph, where the host
+        # order costs nothing and this one measured slower: the ready waits took ~300 us instead of ~110 us
+        # and the fc2 backward's second GEMM waited 150 us for its pull (results/NOTES.md, fifth session)
+        local_first = 0
+        while not self.cuda_graphs and local_first < len(plan) and plan[local_first].wait < 0:
             local_first += 1
 
         def consume(gemms) -> None:
@@ -387,8 +391,8 @@ class AgGemm:
                 if owner not in waited:
                     self.pool.wait(f"{self.name}.a", owner, self._ready_value(), peer=owner, op=self.name)
                     waited.add(owner)
-                    if local_first:  # the wait kernel holds its SM: the GEMMs may take the rest now (eager:
-                        with torch.cuda.stream(compute):  # fewer host calls before the first GEMM)
+                    if local_first:  # the wait kernel already holds its SM: the GEMMs may take the rest
+                        with torch.cuda.stream(compute):
                             consume(plan[:local_first])
                         plan, local_first = plan[local_first:], 0
                 self._pull(chunk, a, host=False)
