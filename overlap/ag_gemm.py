@@ -369,9 +369,8 @@ class AgGemm:
         comm.wait_event(forked)
         plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
         # eager: the leading GEMMs over this rank's rows only are enqueued right after the first ready-wait
-        # kernel, so that fewer host calls precede the first GEMM. Not in a captured graph, where the host
-        # order costs nothing and this one measured slower: the ready waits took ~300 us instead of ~110 us
-        # and the fc2 backward's second GEMM waited 150 us for its pull (results/NOTES.md, fifth session)
+        # kernel, so that fewer host calls precede the first GEMM (the publish copy is enqueued before
+        # them). Replayed, the host order costs nothing, and the graph keeps the order it was measured with
         local_first = 0
         while not self.cuda_graphs and local_first < len(plan) and plan[local_first].wait < 0:
             local_first += 1
