@@ -116,6 +116,31 @@ def test_mlp_with_lead_gemm_and_bulk_wgrad_matches_the_full_reference(world):
             assert err <= TOLERANCE[dtype_name], (dtype_name, err)
 
 
+def _reserved_vs_required(rank, world):
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    nbytes, words = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world,
+                                      dtype=torch.float32)
+    with SymmetricPool(4 * nbytes, group=group, num_signal_words=4 * words + 64) as pool:
+        before = set(pool._regions)
+        mlp = _make(group, pool, torch.float32, config=bulk_lead_config(world), name="sized")
+        regions = [r for name, r in pool._regions.items() if name not in before]
+        reserved = (sum(r.nbytes for r in regions), sum(r.num_signals for r in regions), len(regions))
+        mlp.close()
+        pool.barrier()
+    return nbytes, words, reserved
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pool_requirements_cover_exactly_the_signal_words_the_layers_reserve(world):
+    """pool_requirements is what callers size pools with: every flag word the ops reserve (row-block flags,
+    reduced flags, the W = 2 schedules' pushed-slot flags, AG ready/consumed) is counted, none twice."""
+    for nbytes, words, (reserved_bytes, reserved_words, num_regions) in run_ranks(_reserved_vs_required, world):
+        assert num_regions == 4  # two layers x (AG region + RS region)
+        assert reserved_words == words
+        assert reserved_bytes <= nbytes
+
+
 def _two_groups_of_two(rank, world):
     torch.set_num_threads(1)  # 2-4 ranks share 2 cores: oversubscribed threads cost 10x
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
