@@ -1,9 +1,11 @@
 """GemmRs's copy-engine schedules for W = 2 and the column backward: `bulk` and the `decomposed` pair.
 
 Both run the GEMM on cuBLAS and move the other owner's rows with the copy engine into its slot of the
-`<name>.partials` region (the same slots, flags and epochs as every GemmRs method, see overlap/gemm_rs.py),
+`<name>.partials` region (the same slots and epochs as every GemmRs method, see overlap/gemm_rs.py),
 then reduce on the compute stream after the caller's work: at W = 2 one elementwise add after a bounded
-wait for the peer's flag, no reduction kernel spinning beside the GEMMs and no copy of this rank's rows.
+wait for the peer's pushed-slot flag (flag words of their own, written by a stream memop), no reduction
+kernel spinning beside the GEMMs and no copy of this rank's rows; at W > 2 the row-block flags and the
+reduction kernel of `decomposed`.
 A mixin of GemmRs: it uses the op's pool, streams, epochs and validation.
 """
 
@@ -23,7 +25,8 @@ class CopyEngineSchedules:
         For a GEMM+RS followed by independent GPU work (a column layer's backward: the weight-grad GEMM).
         a @ w runs whole (cuBLAS, every SM) on the current stream; the copy engine moves each owner's rows
         to it while `work()` enqueues on the current stream; then this rank's W partials are summed there
-        on every SM. Same pool region, flags and epochs as `__call__`; both results are valid on the
+        on every SM. Same pool region and epochs as `__call__` (at W = 2 the pushed-slot flags, else the same
+flags); both results are valid on the
         current stream on return (CUDA), or at once (CPU: no overlap, the same protocol).
         """
         self._validate(a, w)
