@@ -60,6 +60,11 @@ __all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
 LEAD_ROW_ALIGN = 128  # lead GEMM rows are rounded up to this (a cuBLAS-friendly row count)
 
 
+def flag_words(world_size: int) -> int:
+    """Flag words of one AgGemm region: ready[owner] and consumed[reader]."""
+    return 2 * world_size
+
+
 class Chunk(NamedTuple):
     owner: int        # rank whose shard these rows are
     first_row: int    # in the gathered a
@@ -102,7 +107,7 @@ class AgGemm:
         self.cuda_graphs = bool(cuda_graphs)
         self.num_buffers = 1 if cuda_graphs else 2
         self.gathered = pool.reserve(f"{name}.a", (self.num_buffers, max_m, k), dtype,
-                                     num_signals=2 * self.world_size, exclusive=True)
+                                     num_signals=flag_words(self.world_size), exclusive=True)
         self._epoch = 0
         self._epoch_counter = None
         if self.device.type == "cuda":

@@ -61,6 +61,12 @@ __all__ = ["GemmRs", "gemm_rs"]
 FLAG_BLOCK_M = 128  # row-block granularity of the flags (the fused GEMM's BLOCK_M)
 
 
+def flag_words(max_m: int, world_size: int) -> int:
+    """Flag words of one GemmRs region: row-block flags per source, `reduced` per owner, and the W = 2
+    schedules' pushed-slot flag per source (layout in the module docstring)."""
+    return world_size * (_cdiv(max_m // world_size, FLAG_BLOCK_M) + 1) + 2 * world_size
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -98,7 +104,7 @@ class GemmRs(CopyEngineSchedules):
         self._pair_flag0 = self._reduced_flag0 + self.world_size  # W = 2 copy-engine schedules, per source
         self._slot_elems = self.world_size * max_rows * n
         self.partials = pool.reserve(f"{name}.partials", (self.num_buffers, self._slot_elems), dtype,
-                                     num_signals=self._pair_flag0 + self.world_size, exclusive=True)
+                                     num_signals=flag_words(max_m, self.world_size), exclusive=True)
         self._epoch = 0
         self._epoch_counter = None
         self._guard = CallGuard(name, self.device)

@@ -49,13 +49,10 @@ def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.
     Each layer holds one AgGemm region [B, max_m, hidden] and one GemmRs region [B, max_m, hidden]
     (B = 2 buffers, 1 with cuda_graphs=True; independent of the FFN width).
     """
-    from .gemm_rs import FLAG_BLOCK_M
+    from . import ag_gemm, gemm_rs
     region = _align((1 if cuda_graphs else 2) * max_m * hidden * dtype.itemsize)
-    flags_per_source = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
-    ag_words = 2 * world_size                           # ready + consumed per rank
-    # row-block flags per source + reduced per rank + pushed-slot flags per source (W = 2 schedules)
-    rs_words = world_size * flags_per_source + 2 * world_size
-    return num_layers * 2 * region, num_layers * (ag_words + rs_words)
+    words = ag_gemm.flag_words(world_size) + gemm_rs.flag_words(max_m, world_size)
+    return num_layers * 2 * region, num_layers * words
 
 
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
