@@ -118,6 +118,7 @@ class AgGemm:
             num_chunks = self.world_size * config.chunks_per_rank
             self._events = [torch.cuda.Event() for _ in range(num_chunks + 1)]  # + 1: all arrived
             self._fork_event = torch.cuda.Event()
+            self._published = torch.cuda.Event()  # replayed: the consumer's GEMMs start after the publish
             # 1 = this call's chunk is in place; zeroed at the start of every call (stream-ordered after the
             # previous call's consumer), so the value needs no epoch and a captured graph can replay it
             self._chunk_flags = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
@@ -371,11 +372,14 @@ class AgGemm:
             self._publish(a_shard, a)
             if self._fused is not None:  # the decomposed consumer reads local rows from a_shard
                 self._signal_arrived(publish, chunks, [i for i, c in enumerate(chunks) if c.owner == self.rank])
+            if self.cuda_graphs:
+                self._published.record(publish)
         comm.wait_event(forked)
         plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
         # eager: the leading GEMMs over this rank's rows only are enqueued right after the first ready-wait
-        # kernel, so that fewer host calls precede the first GEMM (the publish copy is enqueued before
-        # them). Replayed, the host order costs nothing, and the graph keeps the order it was measured with
+        # kernel, so that fewer host calls precede the first GEMM (and after the publish copy, which the
+        # host enqueued first). Replayed, the host order costs nothing, and the GEMMs wait for the publish
+        # event instead (below)
         local_first = 0
         while not self.cuda_graphs and local_first < len(plan) and plan[local_first].wait < 0:
             local_first += 1
@@ -415,6 +419,12 @@ class AgGemm:
         if self._fused is not None and w is not None:
             self._fused.run(a, w, out)
         elif plan:
+            if self.cuda_graphs:
+                # The publish copy runs on SMs (a same-device copy). Replayed, nothing orders it against
+                # the first GEMM, and when the GEMM wins it holds every SM and the copy -- with the ready
+                # flag the peer waits for behind it -- lands after the whole lead GEMM: 300-500 us ready
+                # waits and 70-230 us stalls in profiled replays (results/NOTES.md, fifth session)
+                compute.wait_event(self._published)
             consume(plan)
         compute.wait_stream(comm)
         if trace:
