@@ -16,8 +16,10 @@ Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<
                   fewer, larger GEMMs, which cuBLAS runs faster than one per rank; the GEMMs over
                   this rank's rows only (local chunks, the lead) read a_shard itself and wait for
                   nothing (eager: the leading ones are enqueued right after the first ready-wait
-                  kernel, so that few host calls precede the first GEMM); the others wait for the
-                  "every chunk" event (publish copy included);
+                  kernel, so that few host calls precede the first GEMM; replayed: after the publish
+                  copy); the others wait for the "every chunk" event (publish copy included);
+                  a call with `lead` work (a row layer's weight-grad GEMM over its own rows) runs that
+                  work where the lead GEMM would run, then one mm over all M rows;
                   `fused` = one persistent Triton GEMM whose tile loop waits for the flag of the chunk
                   it reads next (tiles ordered by arrival);
   the comm stream is joined back into the compute stream before the call returns.
@@ -144,10 +146,15 @@ class AgGemm:
         rows = m // self.world_size
         return self.gathered[(self._epoch + 1) % self.num_buffers, self.rank * rows:(self.rank + 1) * rows]
 
-    def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False):
+    def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False,
+                 lead=None):
         """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local].
 
         w is row-major, or the transpose view `weight.t()` of a row-major [N_local, K] (read in place).
+        lead: a callable that enqueues work on the current stream reading only this rank's data (a row
+        layer's backward: the weight-grad GEMM of its own rows). It runs while the peers' rows are pulled,
+        in place of the lead GEMM, and the consumer is then one GEMM over all M rows once every row is in
+        place (lead_fraction does not apply). Its results are valid on the current stream on return.
         """
         self._validate(a_shard, w)
         m = a_shard.shape[0] * self.world_size
@@ -156,9 +163,9 @@ class AgGemm:
             a = self.gathered[self._epoch % self.num_buffers, :m]
             out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
             if self.device.type == "cuda":
-                self._run_cuda(a_shard, w, a, out)
+                self._run_cuda(a_shard, w, a, out, lead)
             else:
-                self._run_host(a_shard, w, a, out)
+                self._run_host(a_shard, w, a, out, lead)
         return (out, a) if return_gathered else out
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
@@ -238,9 +245,12 @@ class AgGemm:
                        for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
         return out
 
-    def consumer_gemms(self, m: int) -> list[ConsumerGemm]:
-        """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once."""
+    def consumer_gemms(self, m: int, *, whole: bool = False) -> list[ConsumerGemm]:
+        """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once.
+        whole=True (a call with `lead` work): one GEMM over every row, once every chunk has arrived."""
         chunks = self.chunks(m)
+        if whole:
+            return [ConsumerGemm(0, m, len(chunks))]
         fraction = self.config.lead_fraction
         if not fraction:
             return [ConsumerGemm(lo, count, -1 if owner == self.rank else i)
@@ -310,7 +320,7 @@ class AgGemm:
         src = self.pool.peer(f"{self.name}.a", owner)[self._epoch % self.num_buffers, lo:lo + count]
         a[lo:lo + count].copy_(src, non_blocking=not host)
 
-    def _run_host(self, a_shard, w, a, out) -> None:
+    def _run_host(self, a_shard, w, a, out, lead=None) -> None:
         m = a.shape[0]
         chunks = self.chunks(m)
         ready = [threading.Event() for _ in range(len(chunks) + 1)]  # + 1: every chunk has arrived
@@ -342,14 +352,16 @@ class AgGemm:
         thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
         thread.start()
         try:
+            if lead is not None:
+                lead()
             if w is not None:
-                self._consume(self.consumer_gemms(m), a_shard, a, w, out, wait)
+                self._consume(self.consumer_gemms(m, whole=lead is not None), a_shard, a, w, out, wait)
         finally:
             thread.join()
         if failure:
             raise failure[0]
 
-    def _run_cuda(self, a_shard, w, a, out) -> None:
+    def _run_cuda(self, a_shard, w, a, out, lead=None) -> None:
         compute = torch.cuda.current_stream(self.device)
         trace = self._trace
         if trace:
@@ -375,18 +387,27 @@ class AgGemm:
             if self.cuda_graphs:
                 self._published.record(publish)
         comm.wait_event(forked)
-        plan = self.consumer_gemms(a.shape[0]) if w is not None and self._fused is None else []
-        # eager: the leading GEMMs over this rank's rows only are enqueued right after the first ready-wait
-        # kernel, so that fewer host calls precede the first GEMM (and after the publish copy, which the
-        # host enqueued first). Replayed, the host order costs nothing, and the GEMMs wait for the publish
-        # event instead (below)
+        plan = self.consumer_gemms(a.shape[0], whole=lead is not None) \
+            if w is not None and self._fused is None else []
+        # Early work reads this rank's rows only: the caller's `lead`, else the leading local GEMMs. Eager:
+        # enqueued right after the first ready-wait kernel, so that fewer host calls precede it (and after
+        # the publish copy, which the host enqueued first). Replayed, the host order costs nothing, and it
+        # waits for the publish event instead (below)
         local_first = 0
-        while not self.cuda_graphs and local_first < len(plan) and plan[local_first].wait < 0:
+        while lead is None and local_first < len(plan) and plan[local_first].wait < 0:
             local_first += 1
+        early_gemms, plan = plan[:local_first], plan[local_first:]
+        early_pending = lead is not None or bool(early_gemms)
 
         def consume(gemms) -> None:
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
                 self._consume(gemms, a_shard, a, w, out, lambda i: compute.wait_event(self._events[i]))
+
+        def early() -> None:
+            if lead is not None:
+                with sm_carveout(self.config.sm_margin):
+                    lead()
+            consume(early_gemms)
 
         with torch.cuda.stream(comm):
             if trace:
@@ -399,10 +420,10 @@ class AgGemm:
                 if owner not in waited:
                     self.pool.wait(f"{self.name}.a", owner, self._ready_value(), peer=owner, op=self.name)
                     waited.add(owner)
-                    if local_first:  # the wait kernel already holds its SM: the GEMMs may take the rest
+                    if early_pending and not self.cuda_graphs:  # the wait kernel already holds its SM
                         with torch.cuda.stream(compute):
-                            consume(plan[:local_first])
-                        plan, local_first = plan[local_first:], 0
+                            early()
+                        early_pending = False
                 self._pull(chunk, a, host=False)
                 self._signal_arrived(comm, chunks, [i])
             comm.wait_stream(publish)
@@ -417,14 +438,18 @@ class AgGemm:
             if trace:
                 trace[2].record(comm)
         if self._fused is not None and w is not None:
+            if lead is not None:
+                lead()
             self._fused.run(a, w, out)
-        elif plan:
+        elif plan or early_pending:
             if self.cuda_graphs:
                 # The publish copy runs on SMs (a same-device copy). Replayed, nothing orders it against
                 # the first GEMM, and when the GEMM wins it holds every SM and the copy -- with the ready
                 # flag the peer waits for behind it -- lands after the whole lead GEMM: 300-500 us ready
                 # waits and 70-230 us stalls in profiled replays (results/NOTES.md, fifth session)
                 compute.wait_event(self._published)
+            if early_pending:
+                early()
             consume(plan)
         compute.wait_stream(comm)
         if trace:

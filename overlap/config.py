@@ -50,6 +50,10 @@ class OpConfig:
     comm_stream_priority: CUDA priority of the communication stream(s) (lower = higher priority);
     lead_fraction (ag_gemm, decomposed): 0 = one GEMM per arriving chunk; f in (0, 1] = a lead GEMM over
     f of the local rows, then one GEMM over the rest once every pull has landed (see AgGemm);
+    lead_wgrad (ag_gemm, decomposed): in a row layer's backward, the weight-grad GEMM over this rank's
+    rows of dy leads while the peers' rows are pulled, then the input-grad GEMM runs whole over all M
+    rows, then the weight grad of the other rows is accumulated onto the lead's (beta = 1): no split of
+    the input-grad GEMM; lead_fraction does not apply to that call;
     bulk_wgrad (gemm_rs): in a column layer's backward, run the input-grad GEMM whole on cuBLAS and
     overlap its reduce-scatter (copy engine) with the weight-grad GEMM instead of with itself.
     """
@@ -60,6 +64,7 @@ class OpConfig:
     chunks_per_rank: int = 1
     comm_stream_priority: int = -1
     lead_fraction: float = 0.0
+    lead_wgrad: bool = False
     bulk_wgrad: bool = False
 
     def __post_init__(self):
@@ -69,6 +74,7 @@ class OpConfig:
         """A copy running `method` (sweeps): fields that only apply to another method fall back to 0."""
         if method != "decomposed":
             changes.setdefault("lead_fraction", 0.0)
+            changes.setdefault("lead_wgrad", False)
         return dataclasses.replace(self, method=method, **changes)
 
     def validate(self, *, num_sms: int | None = None, file: str = "<dict>", prefix: str = "") -> None:
@@ -88,6 +94,11 @@ class OpConfig:
         if lead and (self.op, self.method) != ("ag_gemm", "decomposed"):
             raise _bad(f"{key}.lead_fraction", lead, f"0 (it applies to ag_gemm with method decomposed; "
                        f"this is {self.op} with method {self.method})", file)
+        if not isinstance(self.lead_wgrad, bool):
+            raise _bad(f"{key}.lead_wgrad", self.lead_wgrad, "true or false", file)
+        if self.lead_wgrad and (self.op, self.method) != ("ag_gemm", "decomposed"):
+            raise _bad(f"{key}.lead_wgrad", self.lead_wgrad, f"false (it applies to ag_gemm with method "
+                       f"decomposed; this is {self.op} with method {self.method})", file)
         if not isinstance(self.bulk_wgrad, bool):
             raise _bad(f"{key}.bulk_wgrad", self.bulk_wgrad, "true or false", file)
         if self.bulk_wgrad and self.op != "gemm_rs":
@@ -219,8 +230,9 @@ def _parse_op(op, raw, num_sms, file) -> OpPreset:
         _int_in(f"{key}.m_max", item["m_max"], last + 1, 1 << 40, file)
         last = item["m_max"]
         merged = {**fields, **{k: v for k, v in item.items() if k != "m_max"}}
-        if merged.get("method") != "decomposed" and "lead_fraction" not in item:
-            merged.pop("lead_fraction", None)  # a bucket that switches method drops decomposed-only fields
+        for only_decomposed in ("lead_fraction", "lead_wgrad"):
+            if merged.get("method") != "decomposed" and only_decomposed not in item:
+                merged.pop(only_decomposed, None)  # a bucket that switches method drops decomposed-only fields
         buckets.append(OpBucket(m_max=item["m_max"], config=_make_op(op, merged, num_sms, file, key)))
     return OpPreset(default=default, by_m=tuple(buckets))
 

@@ -8,6 +8,8 @@ registry (op contexts hold pools and streams, which cannot be op arguments):
                                                            (with gemm_rs.bulk_wgrad the RS overlaps the dw GEMM)
     row_forward(x [M, L], w [L, H], id)                  -> y [M/W, H] = RS(x @ w)
     row_backward(dy [M/W, H], x, w, id)                  -> dx [M, L] = AG(dy) @ w^T, dw [L, H] = x^T @ AG(dy)
+                                                           (with ag_gemm.lead_wgrad the AG overlaps the dw
+                                                           GEMM of this rank's rows)
 
 `H` is the model width (sequence-sharded side), `L` the rank-local width. Each layer owns one AllGather+GEMM
 and one GEMM+ReduceScatter: column = AG in forward, RS in backward; row = RS in forward, AG in backward.
@@ -57,6 +59,11 @@ class LayerOps:
         """(gemm_rs(a, w), work()): backends that can overlap the reduce-scatter with `work` do."""
         return self.gemm_rs(a, w), work()
 
+    def ag_gemm_wgrad(self, dy, w, x):
+        """A row layer's backward: (AG(dy) @ w [M, L], x^T @ AG(dy) [L, H]) for dy [M/W, H], x [M, L]."""
+        grad_x, dy_full, _ = self.ag_gemm(dy, w, keep=False)
+        return grad_x, torch.mm(x.t(), dy_full)
+
     def check_saved(self, epoch: int) -> None:
         """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
 
@@ -94,6 +101,22 @@ class OverlapLayerOps(LayerOps):
         if self.rs.config.bulk_wgrad:
             return self.rs.bulk(a, w, work)
         return self.rs(a, w), work()
+
+    def ag_gemm_wgrad(self, dy, w, x):
+        if not self.ag.config.lead_wgrad:
+            return super().ag_gemm_wgrad(dy, w, x)
+        # lead_wgrad: the weight grad of this rank's rows of dy overlaps the pulls, the input-grad GEMM
+        # runs whole (cuBLAS's fast kernel for all M rows), the other rows' weight grad is accumulated
+        # onto the lead's in the GEMM epilogue (beta = 1, in place: no extra pass over dw)
+        rows = dy.shape[0]
+        lo, m = self.ag.rank * rows, rows * self.world_size
+        grad_w = torch.empty(x.shape[1], dy.shape[1], dtype=dy.dtype, device=dy.device)
+        grad_x, dy_full = self.ag(dy, w, return_gathered=True,
+                                  lead=lambda: torch.mm(x[lo:lo + rows].t(), dy, out=grad_w))
+        for first, end in ((0, lo), (lo + rows, m)):
+            if end > first:
+                grad_w.addmm_(x[first:end].t(), dy_full[first:end])
+        return grad_x, grad_w
 
     def check_saved(self, epoch: int) -> None:
         later = self.ag.epoch - epoch
@@ -225,12 +248,10 @@ def _(x, w, layer_id):
 @torch.library.custom_op("tp_overlap::row_backward", mutates_args=())
 def row_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                  layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = get_layer_ops(layer_id)
-    # AllGather of dy overlapped with the GEMM producing dx; the gathered dy (a pool view valid until
-    # this op's second-next call) is consumed at once by the weight-grad GEMM
-    grad_x, grad_y_full, _ = ops.ag_gemm(grad_y.contiguous(), w.t(), keep=False)
-    grad_w = torch.mm(x.t(), grad_y_full)
-    return grad_x, grad_w
+    # AllGather of dy overlapped with the GEMM producing dx (with ag_gemm.lead_wgrad: with the weight-grad
+    # GEMM of this rank's rows); the gathered dy, a pool view that a later call of this op overwrites, is
+    # consumed at once by the weight-grad GEMM
+    return get_layer_ops(layer_id).ag_gemm_wgrad(grad_y.contiguous(), w.t(), x)
 
 
 @row_backward.register_fake

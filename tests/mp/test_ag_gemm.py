@@ -162,3 +162,32 @@ def test_consumer_gemms_cover_every_row_once_and_wait_only_for_peer_rows(world, 
             lead = plan[0]
             assert lead.wait == -1 and len(plan) <= 3
             assert lead.num_rows == min(m_per_rank, math.ceil(math.ceil(fraction * m_per_rank) / 128) * 128)
+
+
+def _lead_work(rank, world):
+    """A call with `lead` work: the work runs once per call, and the output and gathered a stay exact."""
+    group = dist.group.WORLD
+    cfg = OpConfig(op="ag_gemm", method="decomposed", comm_stream_priority=0, lead_fraction=0.5)
+    gen = torch.Generator().manual_seed(300 + rank)
+    results = []
+    with SymmetricPool(16 << 20, group=group) as pool:
+        op = AgGemm(group=group, pool=pool, max_m=300 * world, k=72, n_local=50, dtype=torch.bfloat16,
+                    config=cfg)
+        assert op.consumer_gemms(300 * world, whole=True) == [(0, 300 * world, len(op.chunks(300 * world)))]
+        for m in (300 * world, 37 * world, 300 * world):
+            a_shard = torch.randn(m // world, 72, generator=gen).to(torch.bfloat16)
+            w = torch.randn(72, 50, generator=gen).to(torch.bfloat16)
+            led = []
+            out, a = op(a_shard, w, return_gathered=True, lead=lambda: led.append(a_shard.double().sum()))
+            ref_out, ref_a = ag_gemm_reference(a_shard, w, group=group)
+            results.append((len(led), torch.equal(a, ref_a), rel_err(out, ref_a.double() @ w.double())))
+            pool.barrier()
+        op.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ag_gemm_with_lead_work_runs_it_once_and_matches_reference(world):
+    for results in run_ranks(_lead_work, world, timeout_s=120):
+        for calls, exact, err in results:
+            assert calls == 1 and exact and err <= 1e-2, results

@@ -30,10 +30,12 @@ def _make(group, pool, dtype, activation="swiglu", overlap=True, max_m=None, con
     return mlp
 
 
-def bulk_lead_config(world):
-    """The CPU preset with the GPU preset's schedules: a lead AG GEMM and the RS of backward in bulk."""
+def bulk_lead_config(world, lead_wgrad=False):
+    """The CPU preset with the GPU preset's schedules: a lead AG GEMM (or, with lead_wgrad, the row
+    backward's weight-grad GEMM of the local rows as the lead) and the RS of backward in bulk."""
     cfg = load_preset("cpu", world)
-    ag = dataclasses.replace(cfg.ag_gemm, default=dataclasses.replace(cfg.ag_gemm.default, lead_fraction=0.5))
+    ag = dataclasses.replace(cfg.ag_gemm, default=dataclasses.replace(cfg.ag_gemm.default, lead_fraction=0.5,
+                                                                      lead_wgrad=lead_wgrad))
     rs = dataclasses.replace(cfg.gemm_rs, default=dataclasses.replace(cfg.gemm_rs.default, bulk_wgrad=True))
     return dataclasses.replace(cfg, ag_gemm=ag, gemm_rs=rs)
 
@@ -103,15 +105,15 @@ def test_mlp_output_and_every_gradient_match_the_full_reference(world):
             assert err <= TOLERANCE[dtype_name], (dtype_name, activation, overlap, err)
 
 
-def _bulk_lead_cases(rank, world):
+def _bulk_lead_cases(rank, world, lead_wgrad):
     torch.set_num_threads(1)
     cases = [(d, "swiglu", True) for d in ("float32", "bfloat16")]
-    return _matches_reference(rank, world, dist.group.WORLD, cases, config=bulk_lead_config(world))
+    return _matches_reference(rank, world, dist.group.WORLD, cases, config=bulk_lead_config(world, lead_wgrad))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_mlp_with_lead_gemm_and_bulk_wgrad_matches_the_full_reference(world):
-    for errors in run_ranks(_bulk_lead_cases, world, timeout_s=240):
+@pytest.mark.parametrize("world,lead_wgrad", [(2, False), (4, False), (2, True), (4, True)])
+def test_mlp_with_lead_gemm_and_bulk_wgrad_matches_the_full_reference(world, lead_wgrad):
+    for errors in run_ranks(_bulk_lead_cases, world, lead_wgrad, timeout_s=240):
         for (dtype_name, _, _), err in errors.items():
             assert err <= TOLERANCE[dtype_name], (dtype_name, err)
 

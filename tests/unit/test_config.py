@@ -182,25 +182,31 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
     ({"op": "gemm_rs", "method": "fused", "lead_fraction": 0.5}, "applies to ag_gemm with method decomposed"),
     ({"op": "ag_gemm", "method": "decomposed", "bulk_wgrad": True}, "false (it applies to gemm_rs)"),
     ({"op": "gemm_rs", "method": "fused", "bulk_wgrad": 1}, "true or false"),
+    ({"op": "ag_gemm", "method": "decomposed", "lead_wgrad": "yes"}, "true or false"),
+    ({"op": "ag_gemm", "method": "fused", "lead_wgrad": True}, "applies to ag_gemm with method decomposed"),
+    ({"op": "gemm_rs", "method": "decomposed", "lead_wgrad": True}, "applies to ag_gemm with method decomposed"),
 ])
 def test_lead_fraction_and_bulk_wgrad_are_validated(fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         OpConfig(**fields)
     assert OpConfig(op="ag_gemm", method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
     assert OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
+    assert OpConfig(op="ag_gemm", method="decomposed", lead_wgrad=True).lead_wgrad
 
 
 def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it():
     raw = _base()
-    raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5)
+    raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5, lead_wgrad=True)
     raw["ops"]["ag_gemm"]["by_m"] = [{"m_max": 1024, "method": "fused"}, {"m_max": 4096, "sm_margin": 8}]
     cfg = parse_config(raw, file="mem")
     assert cfg.op_config("ag_gemm", 1024).lead_fraction == 0 and cfg.op_config("ag_gemm", 1024).method == "fused"
+    assert not cfg.op_config("ag_gemm", 1024).lead_wgrad
     assert cfg.op_config("ag_gemm", 4096).lead_fraction == 0.5  # inherited: still decomposed
+    assert cfg.op_config("ag_gemm", 4096).lead_wgrad
     base = cfg.ag_gemm.default
-    assert base.with_method("fused").lead_fraction == 0
+    assert base.with_method("fused").lead_fraction == 0 and not base.with_method("fused").lead_wgrad
     assert base.with_method("decomposed", sm_margin=4) == OpConfig(op="ag_gemm", method="decomposed",
                                                                   lead_fraction=0.5, sm_margin=4,
                                                                   **{k: getattr(base, k) for k in
                                                                      ("num_comm_sms", "chunks_per_rank",
-                                                                      "comm_stream_priority")})
+                                                                      "comm_stream_priority", "lead_wgrad")})
