@@ -42,7 +42,6 @@ On CPU (host pool) the same schedule runs with a thread as the comm stream and t
 from __future__ import annotations
 
 import math
-import threading
 from typing import NamedTuple
 
 import torch
@@ -321,45 +320,8 @@ class AgGemm:
         a[lo:lo + count].copy_(src, non_blocking=not host)
 
     def _run_host(self, a_shard, w, a, out, lead=None) -> None:
-        m = a.shape[0]
-        chunks = self.chunks(m)
-        ready = [threading.Event() for _ in range(len(chunks) + 1)]  # + 1: every chunk has arrived
-        failure: list[BaseException] = []
-        self._publish(a_shard, a)
-
-        def comm() -> None:
-            try:
-                waited = set()
-                for i, chunk in enumerate(chunks):
-                    owner = chunk[0]
-                    if owner != self.rank and owner not in waited:
-                        self.pool.wait(f"{self.name}.a", owner, self._epoch, peer=owner, op=self.name)
-                        waited.add(owner)
-                    if owner != self.rank:
-                        self._pull(chunk, a, host=True)
-                    ready[i].set()
-                ready[-1].set()
-            except BaseException as exc:  # surfaced on the caller's thread
-                failure.append(exc)
-                for event in ready:
-                    event.set()
-
-        def wait(i: int) -> None:
-            ready[i].wait()
-            if failure:
-                raise failure[0]
-
-        thread = threading.Thread(target=comm, name=f"{self.name}-comm", daemon=True)
-        thread.start()
-        try:
-            if lead is not None:
-                lead()
-            if w is not None:
-                self._consume(self.consumer_gemms(m, whole=lead is not None), a_shard, a, w, out, wait)
-        finally:
-            thread.join()
-        if failure:
-            raise failure[0]
+        from ._ag_gemm_host import run_host
+        run_host(self, a_shard, w, a, out, lead)
 
     def _run_cuda(self, a_shard, w, a, out, lead=None) -> None:
         compute = torch.cuda.current_stream(self.device)

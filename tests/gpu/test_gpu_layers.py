@@ -5,12 +5,14 @@ whole forward+backward step replayed 100 times with fresh inputs, the torch_symm
 launcher end to end.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
@@ -35,10 +37,20 @@ def _pool(group, hidden, max_m, num_mlps=1, cuda_graphs=False):
     return SymmetricPool(num_mlps * nbytes, group=group, backend="torch", num_signal_words=num_mlps * words + 64)
 
 
-def _mlp(group, pool, hidden, ffn, max_m, activation="swiglu", **kwargs):
+def _with_leads(cfg):
+    """The preset with the AG leads on at every M (the preset turns them off at small M): a lead GEMM
+    over half the local rows, and the row backward's weight-grad GEMM of the local rows as its lead."""
+    def lead(op):
+        return dataclasses.replace(op, lead_fraction=0.5, lead_wgrad=True) if op.method == "decomposed" else op
+    ag = cfg.ag_gemm
+    return dataclasses.replace(cfg, ag_gemm=dataclasses.replace(
+        ag, default=lead(ag.default), by_m=tuple(dataclasses.replace(b, config=lead(b.config)) for b in ag.by_m)))
+
+
+def _mlp(group, pool, hidden, ffn, max_m, activation="swiglu", leads=False, **kwargs):
     cfg = load_preset(torch.cuda.get_device_name(), dist.get_world_size(group))
     return TPMLP(hidden, ffn, activation=activation, group=group, max_m=max_m, dtype=torch.bfloat16,
-                 pool=pool, config=cfg, **kwargs)
+                 pool=pool, config=_with_leads(cfg) if leads else cfg, **kwargs)
 
 
 def _step(mlp, x, dy):
@@ -54,11 +66,13 @@ def _matches_reference(rank, world):
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     shapes = [(72, 88, 37 * world), (1024, 2816, 1024 * world)]  # tails; a realistic shape
     cases = [(a, impl) for a in ("swiglu", "gelu") for impl in ("overlap", "nccl", "torch_symm")]
+    cases.append(("swiglu", "overlap_leads"))
     errors = {}
-    with _pool(group, 1024, 1024 * world, num_mlps=2 * len(shapes)) as pool:
+    with _pool(group, 1024, 1024 * world, num_mlps=3 * len(shapes)) as pool:  # 3 overlap MLPs per shape
         for hidden, ffn, m in shapes:
             for activation, impl in cases:
-                kwargs = {"overlap": True} if impl == "overlap" else {"overlap": False, "baseline": impl}
+                kwargs = {"overlap": True, "leads": impl == "overlap_leads"} if impl.startswith("overlap") \
+                    else {"overlap": False, "baseline": impl}
                 mlp = _mlp(group, pool, hidden, ffn, m, activation, name=f"{hidden}.{activation}.{impl}", **kwargs)
                 ref = MLPReference(hidden, ffn, activation=activation, seed=7, dtype=dtype, device=dev).double()
                 mlp.load_full_weights(ref.fc1_weight.detach().to(dtype), ref.fc2_weight.detach().to(dtype))
@@ -116,13 +130,13 @@ def test_gpu_compile_fullgraph_matches_eager(num_gpus):
         assert max(errors) <= 1e-2, errors  # inductor fuses silu * up in fp32: not bit-equal
 
 
-def _graph_replay(rank, world, num_replays):
+def _graph_replay(rank, world, num_replays, leads):
     """Capture forward+backward once; replay with fresh inputs, comparing each replay with eager."""
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     hidden, ffn, m = 1024, 2816, 2048 * world
     num_inputs = 4
     with _pool(group, hidden, m, cuda_graphs=True) as pool:
-        mlp = _mlp(group, pool, hidden, ffn, m, cuda_graphs=True)
+        mlp = _mlp(group, pool, hidden, ffn, m, cuda_graphs=True, leads=leads)
         ref = MLPReference(hidden, ffn, seed=11, dtype=dtype, device=dev)
         mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
         gen = torch.Generator().manual_seed(100 + rank)
@@ -168,9 +182,10 @@ def _graph_replay(rank, world, num_replays):
     return worst, mismatches
 
 
-def test_gpu_cuda_graph_of_a_full_step_replays_100_times_like_eager(num_gpus):
+@pytest.mark.parametrize("leads", [False, True], ids=["preset", "leads"])
+def test_gpu_cuda_graph_of_a_full_step_replays_100_times_like_eager(num_gpus, leads):
     # Inputs change on every replay: stale flags or a reused buffer show up as mismatches, not as luck.
-    for worst, mismatches in run_ranks(_graph_replay, 2, 100, backend="nccl", timeout_s=300):
+    for worst, mismatches in run_ranks(_graph_replay, 2, 100, leads, backend="nccl", timeout_s=300):
         assert mismatches == 0 and worst == 0.0, (worst, mismatches)
 
 
