@@ -3,8 +3,9 @@
 Shapes: a_shard [M/W, K], w [K, N_local], out [M, N_local]; M <= max_m, M % W == 0.
 
 Schedule of one call (step e = 1, 2, ...; buffer b = e % 2 of the pool region `<name>.a` [2, max_m, K]):
-  publish stream (high priority): a_shard -> rows of this rank in a[b] (copy engine; skipped when the
-                  caller wrote `input_slot`), then flag ready[rank] = e on every peer (a stream memop);
+  publish stream (high priority): a_shard -> rows of this rank in a[b] (a same-device copy, which the
+                  driver may run as a kernel on SMs; skipped when the caller wrote `input_slot`),
+                  then flag ready[rank] = e on every peer (a stream memop);
   comm stream (high priority): for peer p = rank+1, rank+2, ... : wait ready[p] >= e (a bounded spin
                   kernel on one SM), copy p's rows of p's a[b] into the same rows of this rank's a[b]
                   (copy engine), in `chunks_per_rank` pieces, each followed by its readiness signal (event
@@ -150,10 +151,11 @@ class AgGemm:
         """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local].
 
         w is row-major, or the transpose view `weight.t()` of a row-major [N_local, K] (read in place).
-        lead: a callable that enqueues work on the current stream reading only this rank's data (a row
-        layer's backward: the weight-grad GEMM of its own rows). It runs while the peers' rows are pulled,
-        in place of the lead GEMM, and the consumer is then one GEMM over all M rows once every row is in
-        place (lead_fraction does not apply). Its results are valid on the current stream on return.
+        lead: a callable, run once, that enqueues work on the current stream reading only this rank's
+        data (a row layer's backward: the weight-grad GEMM of its own rows). It runs while the peers' rows
+        are pulled, in place of the lead GEMM, and the `decomposed` consumer is then one GEMM over all M
+        rows once every row is in place (lead_fraction does not apply; `fused` runs it before its GEMM).
+        Its results are valid on the current stream on return.
         """
         self._validate(a_shard, w)
         m = a_shard.shape[0] * self.world_size
@@ -359,7 +361,7 @@ class AgGemm:
         while lead is None and local_first < len(plan) and plan[local_first].wait < 0:
             local_first += 1
         early_gemms, plan = plan[:local_first], plan[local_first:]
-        early_pending = lead is not None or bool(early_gemms)
+        early_pending = self._fused is None and (lead is not None or bool(early_gemms))  # fused: below
 
         def consume(gemms) -> None:
             with sm_carveout(self.config.sm_margin):  # the cuBLAS consumer honours sm_margin too
@@ -401,7 +403,8 @@ class AgGemm:
                 trace[2].record(comm)
         if self._fused is not None and w is not None:
             if lead is not None:
-                lead()
+                with sm_carveout(self.config.sm_margin):
+                    lead()
             self._fused.run(a, w, out)
         elif plan or early_pending:
             if self.cuda_graphs:

@@ -177,3 +177,58 @@ def _ag_gemm_lead_replayed(rank, world):
 def test_gpu_ag_gemm_lead_schedule_in_cuda_graph_replays(num_gpus):
     for worst in run_ranks(_ag_gemm_lead_replayed, 2, backend="nccl", timeout_s=300):
         assert worst <= 1e-2, worst
+
+
+def _ag_gemm_lead_work(rank, world):
+    """`lead` work (what a row layer's backward passes): run once per call, eager (both methods) and
+    replayed, its result valid on return, and the consumer GEMM still exact."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    m, k, n = 2 * 300, 1000, 1064
+    results = []
+    with SymmetricPool(256 << 20, group=group) as pool:
+        for method, sm_margin, graphs in (("fused", 8, False), ("decomposed", 0, False), ("decomposed", 0, True)):
+            op = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.bfloat16,
+                        config=OpConfig(op="ag_gemm", method=method, sm_margin=sm_margin),
+                        name=f"ag_leadwork_{method}{graphs}", cuda_graphs=graphs)
+            a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
+            w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
+            lead_out = torch.empty(k, k, dtype=torch.float32, device=dev)
+            calls, graph = [], None
+
+            def lead():
+                calls.append(1)
+                torch.mm(a_shard.t().float(), a_shard.float(), out=lead_out)
+
+            for step in range(4):
+                gen = torch.Generator(device=dev).manual_seed(500 * step + rank)
+                a_shard.copy_(torch.randn(m // world, k, generator=gen, device=dev))
+                w.copy_(torch.randn(k, n, generator=gen, device=dev) / k ** 0.5)
+                lead_out.fill_(float("nan"))
+                torch.cuda.synchronize()
+                dist.barrier()
+                before = len(calls)
+                if graphs and step == 2:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        static = op(a_shard, w, return_gathered=True, lead=lead)
+                if graph is not None:
+                    graph.replay()
+                    out, gathered = static
+                else:
+                    out, gathered = op(a_shard, w, return_gathered=True, lead=lead)
+                err = _ag_error(op, a_shard, w, out, gathered, f"{method} lead work step {step}")
+                lead_err = _rel(lead_out, a_shard.t().double() @ a_shard.double())
+                results.append((method, graphs, step, len(calls) - before, err, lead_err))
+            del graph
+            op.close()
+        pool.barrier()
+    return results
+
+
+def test_gpu_ag_gemm_lead_work_runs_once_per_call_eager_and_replayed(num_gpus):
+    for results in run_ranks(_ag_gemm_lead_work, 2, backend="nccl", timeout_s=300):
+        for method, graphs, step, calls, err, lead_err in results:
+            # replayed steps run the captured work without calling it again
+            assert calls == (0 if graphs and step == 3 else 1), (method, graphs, step, calls)
+            assert err <= 1e-2 and lead_err <= 1e-4, (method, graphs, step, err, lead_err)

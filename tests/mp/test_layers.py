@@ -8,6 +8,7 @@ import torch._dynamo  # noqa: F401  before init_process_group in the children: s
 import torch.distributed as dist
 
 from overlap._validate import OpInputError
+from overlap.ag_gemm import AgGemm
 from overlap.config import load_preset
 from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
 from symm_mem import SymmetricPool
@@ -108,14 +109,29 @@ def test_mlp_output_and_every_gradient_match_the_full_reference(world):
 def _bulk_lead_cases(rank, world, lead_wgrad):
     torch.set_num_threads(1)
     cases = [(d, "swiglu", True) for d in ("float32", "bfloat16")]
-    return _matches_reference(rank, world, dist.group.WORLD, cases, config=bulk_lead_config(world, lead_wgrad))
+    led = []  # AgGemm calls that ran lead work: the row backward's weight-grad lead
+    plain_call = AgGemm.__call__
+
+    def counting_call(op, *args, lead=None, **kwargs):
+        led.append(lead is not None)
+        return plain_call(op, *args, lead=lead, **kwargs)
+
+    AgGemm.__call__ = counting_call
+    try:
+        errors = _matches_reference(rank, world, dist.group.WORLD, cases,
+                                    config=bulk_lead_config(world, lead_wgrad))
+    finally:
+        AgGemm.__call__ = plain_call
+    return errors, sum(led), len(led)
 
 
 @pytest.mark.parametrize("world,lead_wgrad", [(2, False), (4, False), (2, True), (4, True)])
 def test_mlp_with_lead_gemm_and_bulk_wgrad_matches_the_full_reference(world, lead_wgrad):
-    for errors in run_ranks(_bulk_lead_cases, world, lead_wgrad, timeout_s=240):
+    for errors, lead_calls, calls in run_ranks(_bulk_lead_cases, world, lead_wgrad, timeout_s=240):
         for (dtype_name, _, _), err in errors.items():
             assert err <= TOLERANCE[dtype_name], (dtype_name, err)
+        # one AG per forward (no lead) and one per backward (lead work exactly when lead_wgrad is on)
+        assert calls > 0 and lead_calls == (calls // 2 if lead_wgrad else 0), (lead_calls, calls)
 
 
 def _reserved_vs_required(rank, world):
