@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node N -m launch.tp_mlp [--config FILE] [--model llama8b,llama70b]
              [--tokens 4096,16384] [--steps S] [--warmup W] [--dtype bf16|fp32] [--cpu] [--out FILE]
+             [--cuda-graphs] [--sustained SECONDS] [--trace-dir DIR]
 
 For every (model, M): builds the MLP from the model dims (--model, else the preset's `model` section, else
 llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
@@ -14,7 +15,10 @@ with gloo and the host pool. --cuda-graphs (CUDA) builds ours with cuda_graphs=T
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
 columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
 one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
-each stream's busy time in the row's `timeline` (launch/_timeline.py).
+each stream's busy time in the row's `timeline` (launch/_timeline.py). --sustained S also times every
+variant as blocks of S seconds of back-to-back steps (order A B A B), with the SM clock and power of each
+block where nvidia-smi answers (launch/_sustained.py): a training loop does not pause between steps, and
+on a power-capped GPU that lowers the speedup the interleaved medians show (`speedup_sustained`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ from overlap.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
+from ._sustained import sustained_blocks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
 TRACE_STEPS = 5
 COLUMNS = ["model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
-           "speedup", "speedup_vs_torch_symm", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "k_comm_fc2_bwd_ag",
+           "speedup", "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "k_comm_fc2_bwd_ag",
            "k_comp_fc2_bwd_ag", "rel_err_max"]
 
 
@@ -65,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results JSON (default results/tp_mlp_<gpu>_tp<W>.json)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also time blocks of SECONDS of back-to-back steps per variant (A B A B), with SM clock "
+                        "and power where nvidia-smi answers (default 0: off)")
     p.add_argument("--trace-dir", default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
                         "PNG and per-stream busy times go here (and into the row's `timeline`)")
@@ -180,6 +188,24 @@ def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict
     return summaries, png
 
 
+def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
+    """Row fields of --sustained (None when off): ms/step, SM clock and power per variant, and the speedup."""
+    names = ("overlap", "baseline", "torch_symm")
+    fields = {f"{key}_{name}{unit}": None for name in names
+              for key, unit in (("t_step", "_sustained_ms"), ("sm_clock", "_mhz"), ("power", "_w"))}
+    fields["speedup_sustained"] = None
+    if not args.sustained:
+        return fields
+    fastest = min(s.median_ms for s in stats.values())
+    blocks = sustained_blocks(steps, seconds=args.sustained, step_ms=fastest, group=ctx.group,
+                              device=ctx.device, rank=ctx.rank, label=label)
+    for name, block in blocks.items():
+        fields[f"t_step_{name}_sustained_ms"] = block["ms"]
+        fields[f"sm_clock_{name}_mhz"], fields[f"power_{name}_w"] = block["sm_clock_mhz"], block["power_w"]
+    fields["speedup_sustained"] = blocks["baseline"]["ms"] / blocks["overlap"]["ms"]
+    return fields
+
+
 def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
     dtype = DTYPES[args.dtype]
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
@@ -233,6 +259,7 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
+    row |= _sustained(ctx, steps, stats, args, label=f"{model.name} M={m}: ")
     if args.trace_dir:
         row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
@@ -260,6 +287,8 @@ def main(argv=None) -> int:
         args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
         if args.cuda_graphs and not cuda:
             raise SystemExit("--cuda-graphs needs CUDA devices")
+        if args.sustained < 0:
+            raise SystemExit(f"--sustained must be >= 0 seconds, got {args.sustained}")
         if args.trace_dir and not cuda:
             raise SystemExit("--trace-dir needs CUDA devices (it profiles GPU streams)")
         default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
@@ -288,7 +317,8 @@ def main(argv=None) -> int:
                     k = row["k_comm_fc1_fwd_ag"]
                     progress(f"{model.name} M={m}: step {row['t_step_overlap_ms']:.3f} ms, overlap=False "
                              f"{row['t_step_baseline_ms']:.3f} ms, speedup {row['speedup']:.3f}x, k_comm fc1 "
-                             f"{'-' if k is None else f'{k:.2f}'}, rel err {row['rel_err_max']:.2g}",
+                             f"{'-' if k is None else f'{k:.2f}'}, rel err {row['rel_err_max']:.2g}"
+                             + (f", sustained {row['speedup_sustained']:.3f}x" if args.sustained else ""),
                              rank=ctx.rank)
             pool.barrier()
         if ctx.rank == 0:
@@ -297,7 +327,7 @@ def main(argv=None) -> int:
             write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
                           extra={"op": "tp_mlp", "preset": cfg.source, "steps": args.steps,
                                  "warmup": args.warmup, "step": "forward + backward + SGD step",
-                                 "cuda_graphs": args.cuda_graphs})
+                                 "cuda_graphs": args.cuda_graphs, "sustained_s": args.sustained})
             print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
         return 0

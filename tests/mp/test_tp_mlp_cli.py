@@ -33,9 +33,28 @@ def test_tp_mlp_cli_runs_on_two_cpu_ranks(tmp_path):
         assert abs(row["speedup"] - row["t_step_baseline_ms"] / row["t_step_overlap_ms"]) < 1e-9
         assert row["t_step_overlap_min_ms"] <= row["t_step_overlap_ms"] <= row["t_step_overlap_max_ms"]
         assert row["k_comm_fc1_fwd_ag"] is None and row["t_step_torch_symm_ms"] is None  # CUDA only
+        assert row["speedup_sustained"] is None and row["t_step_overlap_sustained_ms"] is None  # not asked
         assert set(row["ops"]) == {"fc1.fwd.ag", "fc1.bwd.rs", "fc2.fwd.rs", "fc2.bwd.ag"}
         assert row["ops"]["fc1.fwd.ag"]["method"] == "decomposed"
     assert "| model | M |" in proc.stdout and "tiny M=128: step" in proc.stderr
+
+
+def test_tp_mlp_cli_sustained_blocks_time_every_variant(tmp_path):
+    out = tmp_path / "sustained.json"
+    proc = _run(["--tokens", "64", "--steps", "2", "--warmup", "1", "--sustained", "0.05", "--out", str(out)],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert doc["sustained_s"] == 0.05
+    assert row["t_step_overlap_sustained_ms"] > 0 and row["t_step_baseline_sustained_ms"] > 0
+    assert abs(row["speedup_sustained"]
+               - row["t_step_baseline_sustained_ms"] / row["t_step_overlap_sustained_ms"]) < 1e-9
+    assert row["sm_clock_overlap_mhz"] is None and row["power_baseline_w"] is None  # no GPU to sample
+    assert row["t_step_torch_symm_sustained_ms"] is None  # not a variant on CPU
+    assert "sustained: 2 x 2 blocks of" in proc.stderr and ", sustained " in proc.stderr
+    proc = _run(["--tokens", "64", "--sustained", "-1", "--out", str(tmp_path / "x.json")], tmp_path)
+    assert proc.returncode != 0 and "--sustained must be >= 0 seconds, got -1.0" in proc.stderr
 
 
 def test_tp_mlp_cli_takes_the_model_and_partition_from_the_yaml(tmp_path):
