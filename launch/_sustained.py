@@ -2,10 +2,13 @@
 
 The interleaved medians (overlap.timing) put a barrier and an L2 flush between steps. A training loop does
 not pause, and on a power-capped GPU the variant that does the same work in less time draws more power and
-runs at a lower clock (results/NOTES.md, sixth session). Here every variant runs `seconds` of back-to-back
-steps per block, blocks in the order A B A B (two rounds), and each block reports ms/step (the span of the
-block over its steps, max over ranks) and, on CUDA where `nvidia-smi` answers, this rank's GPU's mean SM
-clock and power draw over the block (20 ms samples; the first 0.2 s of a block is left out as ramp-up).
+runs at a lower clock (results/NOTES.md, sixth session). Here every variant runs blocks of the same number
+of back-to-back steps (`seconds` at the fastest variant's interleaved median), two rounds in the order
+A B C, C B A (each variant's blocks sit at mirrored positions, so none always follows the pauses of the
+interleaved phase), and each block reports ms/step (the span of the block over its steps, max over ranks)
+and, on CUDA where `nvidia-smi` answers, this rank's GPU's mean SM clock and power over the block (20 ms
+samples of the instantaneous power where the driver has it, else its 1 s average; the first 0.2 s of a
+block, 1 s for an averaged power, is left out as ramp-up).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["GpuSampler", "sustained_blocks"]
 
 SAMPLE_MS = 20
 RAMP_S = 0.2
-ROUNDS = 2
+AVERAGED_POWER_RAMP_S = 1.0  # `power.draw` is a 1 s average on Ampere and newer
 
 
 class GpuSampler:
@@ -38,13 +41,29 @@ class GpuSampler:
         self._samples: list[tuple[float, float, float]] = []  # (monotonic s, MHz, W)
         self._proc = None
         self._thread = None
+        self._target = None
+        self.power_field, self.power_ramp_s = "power.draw.instant", RAMP_S
         if device.type == "cuda" and shutil.which("nvidia-smi"):
             uuid = str(torch.cuda.get_device_properties(device).uuid)
             self._target = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            if not self._answers(self.power_field):  # older drivers: only the 1 s average
+                self.power_field, self.power_ramp_s = "power.draw", AVERAGED_POWER_RAMP_S
+
+    def _answers(self, field: str) -> bool:
+        try:
+            probe = subprocess.run(["nvidia-smi", "-i", self._target, f"--query-gpu={field}",
+                                    "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        try:
+            float(probe.stdout.strip())
+        except ValueError:
+            return False
+        return probe.returncode == 0
 
     def __enter__(self) -> "GpuSampler":
-        if getattr(self, "_target", None):
-            cmd = ["nvidia-smi", "-i", self._target, "--query-gpu=clocks.sm,power.draw",
+        if self._target:
+            cmd = ["nvidia-smi", "-i", self._target, f"--query-gpu=clocks.sm,{self.power_field}",
                    "--format=csv,noheader,nounits", "-lms", str(SAMPLE_MS)]
             try:
                 self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -64,11 +83,12 @@ class GpuSampler:
             self._samples.append((time.monotonic(), clock, power))
 
     def window(self, t0: float, t1: float) -> tuple[float | None, float | None]:
-        """Mean (SM clock MHz, power W) of the samples taken in [t0, t1] (monotonic seconds)."""
-        inside = [(c, p) for t, c, p in list(self._samples) if t0 <= t <= t1]
-        if not inside:
-            return None, None
-        return statistics.fmean(c for c, _ in inside), statistics.fmean(p for _, p in inside)
+        """Mean (SM clock MHz, power W) of a block that ran from t0 to t1 (monotonic seconds), each without
+        its ramp-up."""
+        samples = list(self._samples)
+        clocks = [c for t, c, _ in samples if t0 + RAMP_S <= t <= t1]
+        powers = [p for t, _, p in samples if t0 + self.power_ramp_s <= t <= t1]
+        return (statistics.fmean(clocks) if clocks else None, statistics.fmean(powers) if powers else None)
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
@@ -77,6 +97,7 @@ class GpuSampler:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+                self._proc.wait(timeout=5)
             self._thread.join(timeout=5)
 
 
@@ -106,20 +127,21 @@ def _block(step: Callable[[], object], n: int, device) -> tuple[float, float, fl
 
 def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, step_ms: float, group,
                      device: torch.device, rank: int, label: str = "") -> dict[str, dict]:
-    """{variant: {"ms": median ms/step over the blocks, "sm_clock_mhz": mean, "power_w": mean}}, max over
-    ranks for "ms" and this rank's GPU for the others (None without samples). Every variant runs the same
-    number of steps per block: `seconds` worth of `step_ms` (the fastest variant's interleaved median)."""
-    if seconds <= 0 or step_ms <= 0:
-        raise ValueError(f"need seconds > 0 and step_ms > 0, got {seconds}, {step_ms}")
+    """{variant: {"ms": mean ms/step of its two blocks, "block_ms": both, "sm_clock_mhz": mean, "power_w":
+    mean}}: ms max over ranks, clock and power of this rank's GPU (None without samples). Every variant
+    runs the same number of steps per block: `seconds` worth of `step_ms` (the fastest variant's
+    interleaved median, the same on every rank)."""
+    if not (math.isfinite(seconds) and math.isfinite(step_ms)) or seconds <= 0 or step_ms <= 0:
+        raise ValueError(f"need finite seconds > 0 and step_ms > 0, got {seconds}, {step_ms}")
     n = max(3, math.ceil(seconds * 1e3 / step_ms))
-    progress(f"{label}sustained: {ROUNDS} x {len(steps)} blocks of {n} steps", rank=rank)
+    order = list(steps) + list(steps)[::-1]
+    progress(f"{label}sustained: {len(order)} blocks of {n} steps ({' '.join(order)})", rank=rank)
     blocks: dict[str, list] = {name: [] for name in steps}
     with GpuSampler(device) as sampler:
-        for _ in range(ROUNDS):
-            for name, step in steps.items():
-                _sync(group, device)
-                ms, t0, t1 = _block(step, n, device)
-                blocks[name].append((ms, *sampler.window(t0 + RAMP_S, t1)))
+        for name in order:
+            _sync(group, device)
+            ms, t0, t1 = _block(steps[name], n, device)
+            blocks[name].append((ms, *sampler.window(t0, t1)))
     ms_table = torch.tensor([[b[0] for b in blocks[name]] for name in steps], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
         on = ms_table.to(device) if device.type == "cuda" else ms_table
@@ -129,7 +151,7 @@ def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, 
     for i, name in enumerate(steps):
         clocks = [b[1] for b in blocks[name] if b[1] is not None]
         powers = [b[2] for b in blocks[name] if b[2] is not None]
-        out[name] = {"ms": statistics.median(ms_table[i].tolist()),
+        out[name] = {"ms": statistics.fmean(ms_table[i].tolist()), "block_ms": ms_table[i].tolist(),
                      "sm_clock_mhz": statistics.fmean(clocks) if clocks else None,
                      "power_w": statistics.fmean(powers) if powers else None}
     return out

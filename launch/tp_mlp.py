@@ -16,15 +16,17 @@ variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline
 columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
 one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
 each stream's busy time in the row's `timeline` (launch/_timeline.py). --sustained S also times every
-variant as blocks of S seconds of back-to-back steps (order A B A B), with the SM clock and power of each
-block where nvidia-smi answers (launch/_sustained.py): a training loop does not pause between steps, and
-on a power-capped GPU that lowers the speedup the interleaved medians show (`speedup_sustained`).
+variant as two blocks of about S seconds of back-to-back steps (order A B C, C B A), with rank 0's GPU's
+SM clock and power per variant where nvidia-smi answers (launch/_sustained.py): a training loop does not
+pause between steps, which on a power-capped GPU costs the faster variant clock and, where the eager step is
+host-bound, lets the host run ahead (`speedup_sustained`, `speedup_sustained_vs_torch_symm`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 
@@ -192,8 +194,9 @@ def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
     """Row fields of --sustained (None when off): ms/step, SM clock and power per variant, and the speedup."""
     names = ("overlap", "baseline", "torch_symm")
     fields = {f"{key}_{name}{unit}": None for name in names
-              for key, unit in (("t_step", "_sustained_ms"), ("sm_clock", "_mhz"), ("power", "_w"))}
-    fields["speedup_sustained"] = None
+              for key, unit in (("t_step", "_sustained_ms"), ("t_step", "_sustained_blocks_ms"),
+                                ("sm_clock", "_mhz"), ("power", "_w"))}
+    fields["speedup_sustained"] = fields["speedup_sustained_vs_torch_symm"] = None
     if not args.sustained:
         return fields
     fastest = min(s.median_ms for s in stats.values())
@@ -201,8 +204,12 @@ def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
                               device=ctx.device, rank=ctx.rank, label=label)
     for name, block in blocks.items():
         fields[f"t_step_{name}_sustained_ms"] = block["ms"]
+        fields[f"t_step_{name}_sustained_blocks_ms"] = block["block_ms"]
         fields[f"sm_clock_{name}_mhz"], fields[f"power_{name}_w"] = block["sm_clock_mhz"], block["power_w"]
-    fields["speedup_sustained"] = blocks["baseline"]["ms"] / blocks["overlap"]["ms"]
+    ours = blocks["overlap"]["ms"]
+    fields["speedup_sustained"] = blocks["baseline"]["ms"] / ours
+    if "torch_symm" in blocks:
+        fields["speedup_sustained_vs_torch_symm"] = blocks["torch_symm"]["ms"] / ours
     return fields
 
 
@@ -259,13 +266,14 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
-    row |= _sustained(ctx, steps, stats, args, label=f"{model.name} M={m}: ")
     if args.trace_dir:
         row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
         row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
     else:
         row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2))
+    # last: its minutes of full load would change what the k and trace steps above measure
+    row |= _sustained(ctx, steps, stats, args, label=f"{model.name} M={m}: ")
     ours.check_errors()
     row["ops"] = {role: dataclasses.asdict(op.config) for role, op in (
         ("fc1.fwd.ag", ours.fc1.ops.ag), ("fc1.bwd.rs", ours.fc1.ops.rs), ("fc2.fwd.rs", ours.fc2.ops.rs),
@@ -287,8 +295,8 @@ def main(argv=None) -> int:
         args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
         if args.cuda_graphs and not cuda:
             raise SystemExit("--cuda-graphs needs CUDA devices")
-        if args.sustained < 0:
-            raise SystemExit(f"--sustained must be >= 0 seconds, got {args.sustained}")
+        if not math.isfinite(args.sustained) or args.sustained < 0:
+            raise SystemExit(f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
         if args.trace_dir and not cuda:
             raise SystemExit("--trace-dir needs CUDA devices (it profiles GPU streams)")
         default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
