@@ -47,8 +47,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
 TRACE_STEPS = 5
 COLUMNS = ["model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
-           "speedup", "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "k_comm_fc2_bwd_ag",
-           "k_comp_fc2_bwd_ag", "rel_err_max"]
+           "speedup", "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag",
+           "k_comm_fc2_bwd_ag", "k_comp_fc2_bwd_ag", "rel_err_max"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -73,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
-                   help="also time blocks of SECONDS of back-to-back steps per variant (A B A B), with SM clock "
-                        "and power where nvidia-smi answers (default 0: off)")
+                   help="also time two blocks of about SECONDS of back-to-back steps per variant (A B C, "
+                        "C B A), with SM clock and power where nvidia-smi answers (default 0: off)")
     p.add_argument("--trace-dir", default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
                         "PNG and per-stream busy times go here (and into the row's `timeline`)")
