@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap.timing import Timer, progress
+from overlap.timing import progress
 
 __all__ = ["GpuSampler", "sustained_blocks"]
 
@@ -110,11 +110,19 @@ def _sync(group, device) -> None:
 
 def _block(step: Callable[[], object], n: int, device) -> tuple[float, float, float]:
     """n back-to-back steps: (ms per step on this rank, monotonic start, monotonic end)."""
-    timer = Timer(device)
     t0 = time.monotonic()
-    timer.time(lambda: [step() for _ in range(n)])
-    ms = timer.elapsed_ms()[0]  # synchronises
-    return ms / n, t0, time.monotonic()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n, t0, time.monotonic()
+    for _ in range(n):
+        step()
+    t1 = time.monotonic()
+    return (t1 - t0) * 1e3 / n, t0, t1
 
 
 def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, step_ms: float, group,
