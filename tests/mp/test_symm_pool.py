@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from symm_mem import DeviceEpoch, PoolCapacityError, PoolClosedError, PoolError, SignalTimeout, SymmetricPool
+from symm_mem import (DeviceEpoch, PeerAbortError, PoolCapacityError, PoolClosedError, PoolError, SignalTimeout,
+                      SymmetricPool)
 from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
@@ -123,9 +124,12 @@ def _errors(rank, world):
         with pytest.raises(PoolError) as info:
             bad()
         msgs.append(str(info.value))
-    with pytest.raises(SignalTimeout) as info:
-        pool.reserve("d", (4,), torch.float32, num_signals=1)
-        pool.wait("d", 0, 5, timeout_s=0.2, peer=1 - rank)
+    pool.reserve("d", (4,), torch.float32, num_signals=1)
+    # Only rank 0 times out: if both ranks waited with the same short bound, whichever expired first
+    # would abort the group and the other would see PeerAbortError instead of its own timeout.
+    expected = SignalTimeout if rank == 0 else PeerAbortError
+    with pytest.raises(expected) as info:
+        pool.wait("d", 0, 5, timeout_s=0.2 if rank == 0 else 30.0, peer=1 - rank)
     msgs.append(str(info.value))
     pool.close()
     pool.close()
@@ -135,7 +139,8 @@ def _errors(rank, world):
 
 
 def test_errors_name_region_bytes_and_flag():
-    msgs = run_ranks(_errors, 2)[0]
+    msgs, msgs_rank1 = run_ranks(_errors, 2)
+    assert "rank 0 aborted the group" in msgs_rank1[7], msgs_rank1[7]
     cap = msgs[0]
     assert "'b'" in cap and "8000 bytes" in cap and "4096 of 8192 bytes left" in cap, cap
     assert "already reserved" in msgs[1]
