@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap.timing import progress
+from overlap.timing import Timer, barrier, progress
 
 __all__ = ["GpuSampler", "sustained_blocks"]
 
@@ -101,28 +101,13 @@ class GpuSampler:
             self._thread.join(timeout=5)
 
 
-def _sync(group, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if group is not None:
-        dist.barrier(group=group)
-
-
 def _block(step: Callable[[], object], n: int, device) -> tuple[float, float, float]:
     """n back-to-back steps: (ms per step on this rank, monotonic start, monotonic end)."""
+    timer = Timer(device)
     t0 = time.monotonic()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n, t0, time.monotonic()
-    for _ in range(n):
-        step()
-    t1 = time.monotonic()
-    return (t1 - t0) * 1e3 / n, t0, t1
+    timer.time(lambda: [step() for _ in range(n)])
+    ms = timer.elapsed_ms()[0]  # synchronises
+    return ms / n, t0, time.monotonic()
 
 
 def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, step_ms: float, group,
@@ -139,7 +124,7 @@ def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, 
     blocks: dict[str, list] = {name: [] for name in steps}
     with GpuSampler(device) as sampler:
         for name in order:
-            _sync(group, device)
+            barrier(group, device)
             ms, t0, t1 = _block(steps[name], n, device)
             blocks[name].append((ms, *sampler.window(t0, t1)))
     ms_table = torch.tensor([[b[0] for b in blocks[name]] for name in steps], dtype=torch.float64)

@@ -42,14 +42,12 @@ On CPU (host pool) the same schedule runs with a thread as the comm stream and t
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
 from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
 
+from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._guard import CallGuard
 from ._validate import (OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor,
                         check_weight)
@@ -59,25 +57,9 @@ from .triton_gemm import sm_carveout
 __all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
 
 
-LEAD_ROW_ALIGN = 128  # lead GEMM rows are rounded up to this (a cuBLAS-friendly row count)
-
-
 def flag_words(world_size: int) -> int:
     """Flag words of one AgGemm region: ready[owner] and consumed[reader]."""
     return 2 * world_size
-
-
-class Chunk(NamedTuple):
-    owner: int        # rank whose shard these rows are
-    first_row: int    # in the gathered a
-    num_rows: int
-    flag_index: int   # owner-major: owner * chunks_per_rank + chunk within the owner
-
-
-class ConsumerGemm(NamedTuple):
-    first_row: int    # in the gathered a (and in out)
-    num_rows: int
-    wait: int         # index into chunks(m) of the chunk it waits for; len(chunks): all; -1: a_shard only
 
 
 class AgGemm:
@@ -235,37 +217,15 @@ class AgGemm:
     # ----- schedule --------------------------------------------------------------------------------------
     def chunks(self, m: int) -> list[Chunk]:
         """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
-        rows = m // self.world_size
-        per = self.config.chunks_per_rank
-        rows_per_chunk = -(-rows // per)  # the fused kernel maps a row to its chunk flag the same way
-        out = []
-        for step in range(self.world_size):
-            owner = (self.rank + step) % self.world_size
-            bounds = [owner * rows + min(rows, i * rows_per_chunk) for i in range(per + 1)]
-            out.extend(Chunk(owner, lo, hi - lo, owner * per + c)
-                       for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
-        return out
+        return plan_chunks(rank=self.rank, world_size=self.world_size, m=m,
+                           chunks_per_rank=self.config.chunks_per_rank)
 
     def consumer_gemms(self, m: int, *, whole: bool = False) -> list[ConsumerGemm]:
-        """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once.
-        whole=True (a call with `lead` work): one GEMM over every row, once every chunk has arrived."""
-        chunks = self.chunks(m)
-        if whole:
-            return [ConsumerGemm(0, m, len(chunks))]
-        fraction = self.config.lead_fraction
-        if not fraction:
-            return [ConsumerGemm(lo, count, -1 if owner == self.rank else i)
-                    for i, (owner, lo, count, _) in enumerate(chunks)]
-        rows = m // self.world_size
-        lead = min(rows, -(-max(1, math.ceil(fraction * rows)) // LEAD_ROW_ALIGN) * LEAD_ROW_ALIGN)
-        # the lead sits at the edge of the local rows that keeps the rest contiguous when it can
-        last_rank = self.rank == self.world_size - 1 and self.world_size > 1
-        lead_lo = m - lead if last_rank else self.rank * rows
-        plan = [ConsumerGemm(lead_lo, lead, -1)]
-        for lo, hi in ((0, lead_lo), (lead_lo + lead, m)):
-            if hi > lo:  # local rows from the pool and peer rows: wait for every chunk (index len(chunks))
-                plan.append(ConsumerGemm(lo, hi - lo, len(chunks)))
-        return plan
+        """The decomposed consumer's GEMMs in issue order (`plan_consumer_gemms`); whole=True: a call with
+        `lead` work, one GEMM over every row once every chunk has arrived."""
+        return plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
+                                   chunks_per_rank=self.config.chunks_per_rank,
+                                   lead_fraction=self.config.lead_fraction, whole=whole)
 
     def _step_epoch(self, offset: int = 0):
         """This call's epoch (+ offset) as the flag operations take it: host int, or device counter."""

@@ -100,7 +100,7 @@ class OverlapLayerOps(LayerOps):
     def gemm_rs_bulk(self, a, w, work):
         if self.rs.config.bulk_wgrad:
             return self.rs.bulk(a, w, work)
-        return self.rs(a, w), work()
+        return super().gemm_rs_bulk(a, w, work)
 
     def ag_gemm_wgrad(self, dy, w, x):
         if not self.ag.config.lead_wgrad:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import envs
 
-__all__ = ["Stats", "Timer", "bench_interleaved", "progress", "mark", "mark_ms"]
+__all__ = ["Stats", "Timer", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
 SLEEP_CYCLES_PER_US = 2000  # torch.cuda._sleep spins for clock cycles; ~1.98 GHz on an H200 (at least as long below)
@@ -93,7 +93,8 @@ class Timer:
         return [(e - s) * 1e3 for s, e in self._pending]
 
 
-def _barrier(group, device) -> None:
+def barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Drain this rank's device, then meet the group's other ranks (no group: only drain)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if group is not None:
@@ -112,13 +113,13 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
     for _ in range(warmup):
         for name in names:
             variants[name]()
-    _barrier(group, device)
+    barrier(group, device)
     timer = Timer(device)
     tickets: dict[str, list[int]] = {n: [] for n in names}
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
-            _barrier(group, device)
+            barrier(group, device)
             if flush is not None:
                 flush.zero_()
             if hold_device_us > 0 and device.type == "cuda":

@@ -217,9 +217,13 @@ def test_gpu_tp_mlp_cli_llama8b(num_gpus, tmp_path):
     out = tmp_path / "tp_mlp.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--out", str(out)]
+           "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "0.3", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text())["rows"][0]
     assert row["model"] == "llama8b" and row["M"] == 4096 and row["rel_err_max"] <= 2e-2, row
     assert row["t_step_overlap_ms"] > 0 and row["speedup"] > 0 and row["k_comm_fc1_fwd_ag"] is not None, row
+    for name in ("overlap", "baseline"):  # sustained blocks: event-timed, with nvidia-smi clock samples
+        blocks = row[f"t_step_{name}_sustained_blocks_ms"]
+        assert len(blocks) == 2 and 0.3 < row[f"t_step_{name}_sustained_ms"] / row[f"t_step_{name}_ms"] < 3, row
+        assert row[f"sm_clock_{name}_mhz"] > 0, row

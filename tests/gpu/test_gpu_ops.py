@@ -31,6 +31,24 @@ def _rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+class _CaptureAt:
+    """Eager calls of `fn` before step `capture_step`; at it one CUDA-graph capture, replayed from then on
+    (a replay returns the captured call's static outputs). capture_step None: always eager."""
+
+    def __init__(self, capture_step: int | None):
+        self.capture_step, self.graph, self.static = capture_step, None, None
+
+    def __call__(self, step: int, fn):
+        if step == self.capture_step:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static = fn()
+        if self.graph is None:
+            return fn()
+        self.graph.replay()
+        return self.static
+
+
 def _epilogue_reduce(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
@@ -52,7 +70,7 @@ def _epilogue_reduce(rank, world):
                 w_rows = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
                 w_cols = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
                 worst = 0.0
-                graph = out_graph = None
+                run = _CaptureAt(3 if graphs else None)
                 for step in range(8):
                     gen = torch.Generator(device=dev).manual_seed(100 * step + rank)
                     a.copy_(torch.randn(m, k, generator=gen, device=dev))
@@ -64,23 +82,14 @@ def _epilogue_reduce(rank, world):
                     op.partials.random_(-100, 100)
                     torch.cuda.synchronize()
                     dist.barrier()
-                    if graphs and step == 3:
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            out_graph = call(a, w)
-                    if graph is not None:
-                        graph.replay()
-                        out, work = out_graph
-                    else:
-                        out, work = call(a, w)
+                    out, work = run(step, lambda: call(a, w))
                     torch.cuda.synchronize()
                     op.check_errors()
                     worst = max(worst, _rel(out, _reference(a, w, rank, world)))
                     if bulk:
                         worst = max(worst, _rel(work, a.double().t() @ a.double()))
                 errors[(m, method, graphs, bulk)] = worst
-                del graph
+                del run
                 op.close()
         pool.barrier()
     return errors
@@ -150,7 +159,7 @@ def _ag_gemm_lead_replayed(rank, world):
                     name="ag_lead_graph", cuda_graphs=True)
         a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
-        graph = None
+        call = _CaptureAt(2)  # two eager calls first (warm-up, and the same op outside a graph)
         for step in range(6):
             gen = torch.Generator(device=dev).manual_seed(300 * step + rank)
             a_shard.copy_(torch.randn(m // world, k, generator=gen, device=dev))
@@ -158,17 +167,9 @@ def _ag_gemm_lead_replayed(rank, world):
             op.gathered.random_(-100, 100)  # scrambled before the barrier: peers pull from it after
             torch.cuda.synchronize()
             dist.barrier()
-            if step == 2:  # two eager calls first (warm-up, and the same op outside a graph)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_out, static_gathered = op(a_shard, w, return_gathered=True)
-            if graph is not None:
-                graph.replay()
-                out, gathered = static_out, static_gathered
-            else:
-                out, gathered = op(a_shard, w, return_gathered=True)
+            out, gathered = call(step, lambda: op(a_shard, w, return_gathered=True))
             worst = max(worst, _ag_error(op, a_shard, w, out, gathered, f"replayed lead step {step}"))
-        del graph
+        del call
         op.close()
         pool.barrier()
     return worst
@@ -194,7 +195,7 @@ def _ag_gemm_lead_work(rank, world):
             a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
             w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
             lead_out = torch.empty(k, k, dtype=torch.float32, device=dev)
-            calls, graph = [], None
+            calls, call = [], _CaptureAt(2 if graphs else None)
 
             def lead():
                 calls.append(1)
@@ -208,19 +209,11 @@ def _ag_gemm_lead_work(rank, world):
                 torch.cuda.synchronize()
                 dist.barrier()
                 before = len(calls)
-                if graphs and step == 2:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        static = op(a_shard, w, return_gathered=True, lead=lead)
-                if graph is not None:
-                    graph.replay()
-                    out, gathered = static
-                else:
-                    out, gathered = op(a_shard, w, return_gathered=True, lead=lead)
+                out, gathered = call(step, lambda: op(a_shard, w, return_gathered=True, lead=lead))
                 err = _ag_error(op, a_shard, w, out, gathered, f"{method} lead work step {step}")
                 lead_err = _rel(lead_out, a_shard.t().double() @ a_shard.double())
                 results.append((method, graphs, step, len(calls) - before, err, lead_err))
-            del graph
+            del call
             op.close()
         pool.barrier()
     return results

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap._ag_plan import plan_chunks, plan_consumer_gemms
 from overlap.ag_gemm import AgGemm
 from overlap.config import OpConfig
 from overlap._validate import OpInputError
@@ -125,10 +126,7 @@ def test_bad_inputs_raise_the_same_error_on_every_rank_before_communication():
 
 
 def test_chunks_are_local_first_then_ring_order():
-    class Fake:
-        rank, world_size = 1, 4
-        config = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=2)
-    chunks = AgGemm.chunks(Fake(), 40)
+    chunks = plan_chunks(rank=1, world_size=4, m=40, chunks_per_rank=2)
     assert [c[0] for c in chunks] == [1, 1, 2, 2, 3, 3, 0, 0]
     assert chunks[:2] == [(1, 10, 5, 2), (1, 15, 5, 3)]
     assert sum(c[2] for c in chunks) == 40
@@ -140,17 +138,12 @@ def test_chunks_are_local_first_then_ring_order():
 def test_consumer_gemms_cover_every_row_once_and_wait_only_for_peer_rows(world, fraction, m_per_rank):
     m = m_per_rank * world
     for rank in range(world):
-        class Fake:
-            config = OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=2, lead_fraction=fraction)
-        fake = Fake()
-        fake.rank, fake.world_size = rank, world
-        fake.chunks = lambda m, fake=fake: AgGemm.chunks(fake, m)
-        plan = AgGemm.consumer_gemms(fake, m)
+        plan = plan_consumer_gemms(rank=rank, world_size=world, m=m, chunks_per_rank=2, lead_fraction=fraction)
         covered = sorted((lo, lo + count) for lo, count, _ in plan)
         assert covered[0][0] == 0 and covered[-1][1] == m
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), covered  # no gap, no overlap
         local = range(rank * m_per_rank, (rank + 1) * m_per_rank)
-        chunks = fake.chunks(m)
+        chunks = plan_chunks(rank=rank, world_size=world, m=m, chunks_per_rank=2)
         for lo, count, wait in plan:
             if wait < 0:  # read from a_shard: only this rank's rows
                 assert lo in local and lo + count - 1 in local

@@ -1,0 +1,68 @@
+"""AgGemm's row plan: which chunks arrive in which order, and which GEMMs the decomposed consumer runs.
+
+Pure functions of (rank, world size, M, config): the CUDA and the host schedule, the fused consumer's
+chunk flags and the k-factor's "compute solo" all use the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+__all__ = ["Chunk", "ConsumerGemm", "LEAD_ROW_ALIGN", "plan_chunks", "plan_consumer_gemms"]
+
+
+LEAD_ROW_ALIGN = 128  # lead GEMM rows are rounded up to this (a cuBLAS-friendly row count)
+
+
+class Chunk(NamedTuple):
+    owner: int        # rank whose shard these rows are
+    first_row: int    # in the gathered a
+    num_rows: int
+    flag_index: int   # owner-major: owner * chunks_per_rank + chunk within the owner
+
+
+class ConsumerGemm(NamedTuple):
+    first_row: int    # in the gathered a (and in out)
+    num_rows: int
+    wait: int         # index into chunks(m) of the chunk it waits for; len(chunks): all; -1: a_shard only
+
+
+def plan_chunks(*, rank: int, world_size: int, m: int, chunks_per_rank: int) -> list[Chunk]:
+    """Chunks of the gathered [m, K] in arrival order: `rank`'s own first, then rank+1, rank+2, ..."""
+    rows = m // world_size
+    rows_per_chunk = -(-rows // chunks_per_rank)  # the fused kernel maps a row to its chunk flag the same way
+    out = []
+    for step in range(world_size):
+        owner = (rank + step) % world_size
+        bounds = [owner * rows + min(rows, i * rows_per_chunk) for i in range(chunks_per_rank + 1)]
+        out.extend(Chunk(owner, lo, hi - lo, owner * chunks_per_rank + c)
+                   for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
+    return out
+
+
+def plan_consumer_gemms(*, rank: int, world_size: int, m: int, chunks_per_rank: int, lead_fraction: float,
+                        whole: bool = False) -> list[ConsumerGemm]:
+    """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once.
+
+    lead_fraction 0: one GEMM per chunk, each waiting for its own chunk (local ones read a_shard).
+    lead_fraction f > 0: a lead GEMM over f of the local rows (rounded up to LEAD_ROW_ALIGN), then one
+    GEMM on each side of it over the rows that wait for every chunk.
+    whole=True (a call with `lead` work): one GEMM over every row, once every chunk has arrived.
+    """
+    chunks = plan_chunks(rank=rank, world_size=world_size, m=m, chunks_per_rank=chunks_per_rank)
+    if whole:
+        return [ConsumerGemm(0, m, len(chunks))]
+    if not lead_fraction:
+        return [ConsumerGemm(lo, count, -1 if owner == rank else i)
+                for i, (owner, lo, count, _) in enumerate(chunks)]
+    rows = m // world_size
+    lead = min(rows, -(-max(1, math.ceil(lead_fraction * rows)) // LEAD_ROW_ALIGN) * LEAD_ROW_ALIGN)
+    # the lead sits at the edge of the local rows that keeps the rest contiguous when it can
+    last_rank = rank == world_size - 1 and world_size > 1
+    lead_lo = m - lead if last_rank else rank * rows
+    plan = [ConsumerGemm(lead_lo, lead, -1)]
+    for lo, hi in ((0, lead_lo), (lead_lo + lead, m)):
+        if hi > lo:  # local rows from the pool and peer rows: wait for every chunk (index len(chunks))
+            plan.append(ConsumerGemm(lo, hi - lo, len(chunks)))
+    return plan
