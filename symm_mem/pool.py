@@ -15,23 +15,19 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
                      SignalTimeout)
+from ._layout import (ABORT_WORD, ERROR_WORD, FIRST_FLAG_WORD, PoolStats, Region, align,
+                      resolve_backend)
 from .liveness import process_alive
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "live_pool_count"]
 
-ALIGN_BYTES = 256
-ERROR_WORD = 0        # device waits: [code, expected epoch] of the first wait that expired
-ABORT_WORD = 2        # (aborting rank + 1) | reason << 8, written into every rank by `abort()`
-FIRST_FLAG_WORD = 16  # words 0..15 are reserved for error reporting
 LIVENESS_PERIOD_S = 0.05
-BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")
 
 _live_pools = 0
 
@@ -39,44 +35,6 @@ _live_pools = 0
 def live_pool_count() -> int:
     """Pools of this process that are open (created and not yet closed)."""
     return _live_pools
-
-
-@dataclass(frozen=True)
-class Region:
-    name: str
-    offset_bytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    first_flag_word: int
-    num_signals: int
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    backend: str
-    rendezvous_count: int
-    allocations: int
-    bytes_total: int
-    bytes_reserved: int
-    num_regions: int
-    signal_words_reserved: int
-    handles_open: int
-
-
-def _align(n: int, a: int = ALIGN_BYTES) -> int:
-    return (n + a - 1) // a * a
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise PoolError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend == "auto":
-        return "torch" if device.type == "cuda" else "host"
-    if (backend == "host") != (device.type == "cpu"):
-        raise PoolError(f"backend={backend!r} does not serve device {device}; host is for cpu, "
-                        f"torch, nvshmem and ipc for cuda")
-    return backend
 
 
 class SymmetricPool:
@@ -101,10 +59,10 @@ class SymmetricPool:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
-        self.backend_name = _resolve_backend(backend, self.device)
+        self.backend_name = resolve_backend(backend, self.device)
         self.group = group
         self.timeout_s = float(timeout_s)
-        self.arena_bytes = _align(size_bytes)
+        self.arena_bytes = align(size_bytes)
         self.num_signal_words = num_signal_words
         total = self.arena_bytes + 4 * num_signal_words
         self._backend = self._make_backend(total)
@@ -177,7 +135,7 @@ class SymmetricPool:
                     f"{region.num_signals} signals; asked again as {shape} {dtype} with {num_signals}")
             return self.peer(name, self.rank)
         nbytes = math.prod(shape) * dtype.itemsize
-        offset = _align(self._arena_used)
+        offset = align(self._arena_used)
         if offset + nbytes > self.arena_bytes:
             raise PoolCapacityError(name, nbytes, max(0, self.arena_bytes - offset), self.arena_bytes)
         if self._next_flag_word + num_signals > self.num_signal_words:

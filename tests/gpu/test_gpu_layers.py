@@ -217,7 +217,8 @@ def test_gpu_tp_mlp_cli_llama8b(num_gpus, tmp_path):
     out = tmp_path / "tp_mlp.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "0.3", "--out", str(out)]
+           "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "1.0",
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text())["rows"][0]
