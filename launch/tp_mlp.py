@@ -8,8 +8,9 @@ For every (model, M): builds the MLP from the model dims (--model, else the pres
 llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
 GPU name and TP size); checks output and gradients against the `overlap=False` module once; then times
 training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on CUDA, PyTorch's async-TP
-fused ops, interleaved (overlap.timing: median of the max over ranks). k per op (AllGather+GEMM ops,
-CUDA): stream spans inside a step over the op's solo comm / GEMM times. Prints a table on rank 0 and writes
+fused ops, interleaved (overlap.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
+its spans inside a step (CUDA streams; CPU: host clock on the caller's and the comm thread) over the op's
+solo comm / GEMM times. Prints a table on rank 0 and writes
 results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
 with gloo and the host pool. --cuda-graphs (CUDA) builds ours with cuda_graphs=True and times each
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
@@ -37,7 +38,7 @@ from overlap import envs
 from overlap.config import MODELS, ModelConfig, load_config, load_preset
 from overlap.layers import TPMLP, pool_requirements
 from overlap.report import device_slug, format_table, write_results
-from overlap.timing import bench_interleaved, progress
+from overlap.timing import barrier, bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
@@ -136,10 +137,9 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str) -> dict:
 
 
 def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
-    """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) on CUDA, else None."""
+    """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) inside training steps: the
+    op's traced spans (comm stream or thread; the whole call) over its gather alone and its GEMM alone."""
     keys = ("fc1_fwd_ag", "fc2_bwd_ag")
-    if ctx.device.type != "cuda":
-        return {f"k_{kind}_{key}": None for key in keys for kind in ("comm", "comp")}
     ops = {"fc1_fwd_ag": mlp.fc1.ops.ag, "fc2_bwd_ag": mlp.fc2.ops.ag}
     shards = {"fc1_fwd_ag": x.detach(), "fc2_bwd_ag": dy}
     weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t()}  # as backward passes it
@@ -149,13 +149,15 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
         out = torch.empty(full.shape[0], weights[key].shape[1], dtype=full.dtype, device=full.device)
         variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
         variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
-    solo = bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps)
+    solo = {name: st.median_ms for name, st in
+            bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps).items()}
     spans = {key: ([], []) for key in keys}
     for op in ops.values():
         op.enable_trace(True)
+    if ctx.device.type != "cuda":
+        solo |= _host_comm_solo(ctx, ops, shards, reps)
     for _ in range(TRACE_STEPS):
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
+        barrier(ctx.group, ctx.device)
         step()
         for key, op in ops.items():
             trace = op.last_trace_ms()
@@ -166,9 +168,22 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
     medians = _max_over_ranks([statistics.median(v) for key in keys for v in spans[key]], ctx)
     out = {}
     for i, key in enumerate(keys):
-        out[f"k_comm_{key}"] = medians[2 * i] / solo[f"comm_{key}"].median_ms
-        out[f"k_comp_{key}"] = medians[2 * i + 1] / solo[f"gemm_{key}"].median_ms
+        out[f"k_comm_{key}"] = medians[2 * i] / solo[f"comm_{key}"]
+        out[f"k_comp_{key}"] = medians[2 * i + 1] / solo[f"gemm_{key}"]
     return out
+
+
+def _host_comm_solo(ctx, ops: dict, shards: dict, reps: int) -> dict[str, float]:
+    """CPU: each op's gather alone as the comm thread's traced span (median, max over ranks), the span that
+    the step is traced with; the whole call's host time would add starting and joining the thread."""
+    spans = {key: [] for key in ops}
+    for _ in range(reps):
+        for key, op in ops.items():
+            barrier(ctx.group, ctx.device)
+            op.all_gather(shards[key])
+            spans[key].append(op.last_trace_ms()["comm_ms"])
+    medians = _max_over_ranks([statistics.median(spans[key]) for key in ops], ctx)
+    return {f"comm_{key}": ms for key, ms in zip(ops, medians)}
 
 
 def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict, str | None]:

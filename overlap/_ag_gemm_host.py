@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 __all__ = ["run_host"]
 
@@ -14,9 +15,14 @@ def run_host(op, a_shard, w, a, out, lead=None) -> None:
     chunks = op.chunks(m)
     ready = [threading.Event() for _ in range(len(chunks) + 1)]  # + 1: every chunk has arrived
     failure: list[BaseException] = []
+    trace = op._trace  # host clock marks: call start, comm start, comm end, call end (as the CUDA events)
+    if trace:
+        trace[0] = time.perf_counter()
     op._publish(a_shard, a)
 
     def comm() -> None:
+        if trace:
+            trace[1] = time.perf_counter()
         try:
             waited = set()
             for i, chunk in enumerate(chunks):
@@ -27,6 +33,8 @@ def run_host(op, a_shard, w, a, out, lead=None) -> None:
                 if owner != op.rank:
                     op._pull(chunk, a, host=True)
                 ready[i].set()
+            if trace:
+                trace[2] = time.perf_counter()
             ready[-1].set()
         except BaseException as exc:  # surfaced on the caller's thread
             failure.append(exc)
@@ -47,5 +55,7 @@ def run_host(op, a_shard, w, a, out, lead=None) -> None:
             op._consume(op.consumer_gemms(m, whole=lead is not None), a_shard, a, w, out, wait)
     finally:
         thread.join()
+    if trace:
+        trace[3] = time.perf_counter()
     if failure:
         raise failure[0]

@@ -178,12 +178,22 @@ class AgGemm:
                                 observed=-1, timeout_s=self.timeout_s, peer=(code - 1) // per, op=self.name)
 
     def enable_trace(self, on: bool = True) -> None:
-        """Record CUDA events on both streams at each call (for k-factors): see `last_trace_ms`."""
-        self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on else None
+        """Mark each call's start, its comm side's start and end, and its end (for k-factors; see
+        `last_trace_ms`): CUDA events on the compute and comm streams, or host clock readings (CPU) on the
+        caller's thread and the comm thread."""
+        if not on:
+            self._trace = None
+        elif self.device.type == "cuda":
+            self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        else:
+            self._trace = [0.0] * 4
 
     def last_trace_ms(self) -> dict[str, float]:
-        """Spans of the last traced call: compute stream and comm stream, ms (synchronises)."""
+        """Spans of the last traced call, ms: `compute_ms` the whole call on the compute stream (CPU: the
+        caller's thread, waits for rows included), `comm_ms` the comm stream's (thread's) part (synchronises)."""
         start, comm_start, comm_end, end = self._trace
+        if self.device.type != "cuda":
+            return {"compute_ms": (end - start) * 1e3, "comm_ms": (comm_end - comm_start) * 1e3}
         end.synchronize()
         return {"compute_ms": start.elapsed_time(end), "comm_ms": comm_start.elapsed_time(comm_end)}
 

@@ -1,6 +1,7 @@
 """AllGather+GEMM on CPU ranks (host pool, comm thread, torch.mm) against the NCCL/gloo reference."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -184,3 +185,34 @@ def test_ag_gemm_with_lead_work_runs_it_once_and_matches_reference(world):
     for results in run_ranks(_lead_work, world, timeout_s=120):
         for calls, exact, err in results:
             assert calls == 1 and exact and err <= 1e-2, results
+
+
+def _host_trace(rank, world):
+    """CPU trace: host clock marks of the call and of its comm thread, which waits for the late peer."""
+    group = dist.group.WORLD
+    with SymmetricPool(1 << 20, group=group) as pool:
+        op = AgGemm(group=group, pool=pool, max_m=64 * world, k=16, n_local=8, dtype=torch.float32,
+                    config=OpConfig(op="ag_gemm", method="decomposed", comm_stream_priority=0))
+        a_shard, w = torch.randn(64, 16), torch.randn(16, 8)
+        op.enable_trace(True)
+        pool.barrier()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's comm thread waits this long for rank 1's rows
+        t0 = time.perf_counter()
+        op(a_shard, w)
+        t1 = time.perf_counter()
+        marks, spans = list(op._trace), op.last_trace_ms()
+        op.enable_trace(False)
+        out = op(a_shard, w)  # untraced calls still work
+        pool.barrier()
+        op.close()
+    return marks, spans, (t0, t1), tuple(out.shape)
+
+
+def test_host_trace_marks_the_call_and_its_comm_thread():
+    (marks, spans, (t0, t1), shape), _ = run_ranks(_host_trace, 2, timeout_s=60)
+    start, comm_start, comm_end, end = marks
+    assert t0 <= start <= comm_start <= comm_end <= end <= t1, marks
+    assert spans["comm_ms"] >= 150, spans  # covers the wait for the peer's ready flag
+    assert spans["compute_ms"] >= spans["comm_ms"], spans
+    assert shape == (128, 8)

@@ -41,9 +41,10 @@ def bulk_lead_config(world, lead_wgrad=False):
     return dataclasses.replace(cfg, ag_gemm=ag, gemm_rs=rs)
 
 
-def _pool(group, dtype, num_mlps, world):
+def _pool(group, dtype, num_mlps, world, timeout_s: float = 30.0):
     nbytes, words = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
-    return SymmetricPool(num_mlps * nbytes, group=group, num_signal_words=num_mlps * words + 16)
+    return SymmetricPool(num_mlps * nbytes, group=group, num_signal_words=num_mlps * words + 16,
+                         timeout_s=timeout_s)
 
 
 def _ref(activation, seed, dtype):
@@ -223,7 +224,9 @@ def _compile_matches_eager(rank, world):
     torch.set_num_threads(1)  # 2-4 ranks share 2 cores: oversubscribed threads cost 10x
     group, dtype, m = dist.group.WORLD, torch.float32, ROWS[0] * world
     errors = []
-    with _pool(group, dtype, 1, world) as pool:
+    # each rank compiles on its own (inductor, cold cache), and the first AG waits for the peer's rows:
+    # give that wait room for one rank's compile finishing well after the other's
+    with _pool(group, dtype, 1, world, timeout_s=240) as pool:
         mlp = _make(group, pool, dtype)
         ref = _ref("swiglu", seed=3, dtype=dtype)
         mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
@@ -246,7 +249,7 @@ def _compile_matches_eager(rank, world):
 
 
 def test_compile_fullgraph_forward_backward_matches_eager():
-    for errors, (message, pending_errors) in run_ranks(_compile_matches_eager, 2, timeout_s=300):
+    for errors, (message, pending_errors) in run_ranks(_compile_matches_eager, 2, timeout_s=300, pg_timeout_s=240):
         assert max(errors) <= 1e-5, errors
         assert max(pending_errors) <= 1e-5, pending_errors
         assert message and "overwritten by 2 later forwards" in message, message

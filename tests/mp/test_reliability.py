@@ -59,7 +59,9 @@ def test_a_skipped_signal_makes_every_rank_raise_within_the_timeout(world):
     assert "no error" not in kinds, results
     assert "SignalTimeout" in kinds, results
     for kind, msg, elapsed, epoch in results:
-        assert elapsed < 2.0 + 3.0, (kind, elapsed)  # within the timeout plus the abort broadcast
+        # within the 2 s bound plus the abort broadcast and a loaded machine's slack: far below the pool's
+        # 30 s default and run_ranks' 60 s
+        assert elapsed < 2.0 + 10.0, (kind, elapsed)
         assert epoch <= 4
         if kind == "SignalTimeout":
             assert "ag_gemm: timed out after 2 s waiting from peer rank" in msg

@@ -1,6 +1,7 @@
 """`launch.tp_mlp` end to end under torchrun on 2 CPU ranks (gloo + host pool)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +33,9 @@ def test_tp_mlp_cli_runs_on_two_cpu_ranks(tmp_path):
         assert row["t_step_overlap_ms"] > 0 and row["t_step_baseline_ms"] > 0
         assert abs(row["speedup"] - row["t_step_baseline_ms"] / row["t_step_overlap_ms"]) < 1e-9
         assert row["t_step_overlap_min_ms"] <= row["t_step_overlap_ms"] <= row["t_step_overlap_max_ms"]
-        assert row["k_comm_fc1_fwd_ag"] is None and row["t_step_torch_symm_ms"] is None  # CUDA only
+        assert row["t_step_torch_symm_ms"] is None  # CUDA only
+        for key in ("k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "k_comm_fc2_bwd_ag", "k_comp_fc2_bwd_ag"):
+            assert row[key] > 0 and math.isfinite(row[key]), (key, row[key])  # host-clock spans on CPU
         assert row["speedup_sustained"] is None and row["t_step_overlap_sustained_ms"] is None  # not asked
         assert set(row["ops"]) == {"fc1.fwd.ag", "fc1.bwd.rs", "fc2.fwd.rs", "fc2.bwd.ag"}
         assert row["ops"]["fc1.fwd.ag"]["method"] == "decomposed"
@@ -47,10 +50,11 @@ def test_tp_mlp_cli_sustained_blocks_time_every_variant(tmp_path):
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
     assert doc["sustained_s"] == 0.05
-    for name in ("overlap", "baseline"):  # per-step times (not per block): near the interleaved medians
+    for name in ("overlap", "baseline"):  # per step, not per block (tests/unit/test_sustained.py: exact)
         blocks = row[f"t_step_{name}_sustained_blocks_ms"]
         assert len(blocks) == 2 and row[f"t_step_{name}_sustained_ms"] == sum(blocks) / 2
-        assert 0.2 < row[f"t_step_{name}_sustained_ms"] / row[f"t_step_{name}_ms"] < 5, row
+        # a wide band: both are a few ms of host time on a loaded 2-core machine, one of them from 2 steps
+        assert 0.05 < row[f"t_step_{name}_sustained_ms"] / row[f"t_step_{name}_ms"] < 20, row
     assert abs(row["speedup_sustained"]
                - row["t_step_baseline_sustained_ms"] / row["t_step_overlap_sustained_ms"]) < 1e-9
     assert row["sm_clock_overlap_mhz"] is None and row["power_baseline_w"] is None  # no GPU to sample

@@ -1,6 +1,7 @@
 """launch._sustained: the sampler's block windows (ramp-up cuts) and its inert CPU form."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -32,3 +33,11 @@ def test_blocks_run_every_variant_the_same_number_of_steps_in_mirrored_order():
                                           for v in out.values())
     with pytest.raises(ValueError, match="finite seconds > 0"):
         sustained_blocks(steps, seconds=math.nan, step_ms=1.0, group=None, device=torch.device("cpu"), rank=0)
+
+
+def test_block_time_is_per_step():
+    # 50 steps of >= 2 ms each: per step is >= 2 ms, per block would be >= 100 ms
+    out = sustained_blocks({"a": lambda: time.sleep(0.002)}, seconds=0.1, step_ms=2.0, group=None,
+                           device=torch.device("cpu"), rank=0)
+    assert all(2.0 <= ms < 20 for ms in out["a"]["block_ms"]), out
+    assert out["a"]["ms"] == sum(out["a"]["block_ms"]) / 2
