@@ -147,7 +147,8 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
     for key, op in ops.items():
         full = op.all_gather(shards[key]).clone()
         out = torch.empty(full.shape[0], weights[key].shape[1], dtype=full.dtype, device=full.device)
-        variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
+        if ctx.device.type == "cuda":  # CPU: the comm thread's span, below
+            variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
         variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
     solo = {name: st.median_ms for name, st in
             bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps).items()}

@@ -324,7 +324,7 @@ def op_pair(op, inputs) -> OpPair:
 def trace_op(op, inputs, *, reps: int = 10) -> dict[str, float]:
     """Median (over reps) of the max over ranks of each span of `op.last_trace_ms()` (CUDA, collective)."""
     if op.device.type != "cuda" or not hasattr(op, "enable_trace"):
-        raise ValueError(f"{type(op).__name__} on {op.device} has no per-stream trace; use mode='pair'")
+        raise ValueError(f"{type(op).__name__} on {op.device}: mode 'op' times CUDA streams; use mode='pair'")
     op.enable_trace(True)
     samples: list[dict] = []
     try:

@@ -159,7 +159,7 @@ def _ag_gemm_lead_replayed(rank, world):
                     name="ag_lead_graph", cuda_graphs=True)
         a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
-        call = _CaptureAt(2)  # two eager calls first (warm-up, and the same op outside a graph)
+        run = _CaptureAt(2)  # two eager calls first (warm-up, and the same op outside a graph)
         for step in range(6):
             gen = torch.Generator(device=dev).manual_seed(300 * step + rank)
             a_shard.copy_(torch.randn(m // world, k, generator=gen, device=dev))
@@ -167,9 +167,9 @@ def _ag_gemm_lead_replayed(rank, world):
             op.gathered.random_(-100, 100)  # scrambled before the barrier: peers pull from it after
             torch.cuda.synchronize()
             dist.barrier()
-            out, gathered = call(step, lambda: op(a_shard, w, return_gathered=True))
+            out, gathered = run(step, lambda: op(a_shard, w, return_gathered=True))
             worst = max(worst, _ag_error(op, a_shard, w, out, gathered, f"replayed lead step {step}"))
-        del call
+        del run
         op.close()
         pool.barrier()
     return worst
@@ -195,7 +195,7 @@ def _ag_gemm_lead_work(rank, world):
             a_shard = torch.empty(m // world, k, dtype=torch.bfloat16, device=dev)
             w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
             lead_out = torch.empty(k, k, dtype=torch.float32, device=dev)
-            calls, call = [], _CaptureAt(2 if graphs else None)
+            calls, run = [], _CaptureAt(2 if graphs else None)
 
             def lead():
                 calls.append(1)
@@ -209,11 +209,11 @@ def _ag_gemm_lead_work(rank, world):
                 torch.cuda.synchronize()
                 dist.barrier()
                 before = len(calls)
-                out, gathered = call(step, lambda: op(a_shard, w, return_gathered=True, lead=lead))
+                out, gathered = run(step, lambda: op(a_shard, w, return_gathered=True, lead=lead))
                 err = _ag_error(op, a_shard, w, out, gathered, f"{method} lead work step {step}")
                 lead_err = _rel(lead_out, a_shard.t().double() @ a_shard.double())
                 results.append((method, graphs, step, len(calls) - before, err, lead_err))
-            del call
+            del run
             op.close()
         pool.barrier()
     return results
