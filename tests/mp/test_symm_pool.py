@@ -14,8 +14,10 @@ from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
 
-def our_shm_entries():
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+def our_shm_entries(pids):
+    """/dev/shm segments of host pools created by `pids` (other test runs may share the machine)."""
+    return sorted(n for n in os.listdir(SHM_DIR)
+                  if n.startswith(SHM_PREFIX) and int(n[len(SHM_PREFIX):].split("-")[0]) in pids)
 
 
 def _peer_reads(rank, world, rows, cols):
@@ -29,14 +31,14 @@ def _peer_reads(rank, world, rows, cols):
             got = pool.peer("x", peer).clone()
             assert torch.equal(got, expect), f"rank {rank} read wrong data from {peer}"
         pool.barrier()
-        return pool.stats()
+        return pool.stats(), pool.peer_pids
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_encoded_peer_reads_are_exact(world):
-    stats = run_ranks(_peer_reads, world, 33, 17)
-    assert all(s.rendezvous_count == 1 and s.handles_open == world for s in stats)
-    assert our_shm_entries() == []
+    results = run_ranks(_peer_reads, world, 33, 17)
+    assert all(s.rendezvous_count == 1 and s.handles_open == world for s, _ in results)
+    assert len(set(results[0][1])) == world and our_shm_entries(set(results[0][1])) == []
 
 
 def _epoch_flags(rank, world, steps):
@@ -164,14 +166,14 @@ def _killed(rank, world):
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.5)
     pool.close()
-    return "survived"
+    return "survived", pool.peer_pids
 
 
 def test_killed_rank_leaves_no_shm_entries():
-    before = our_shm_entries()
     values = run_ranks(_killed, 2, allow_exit=frozenset({1}))
-    assert values[0] == "survived"
-    assert our_shm_entries() == before == []
+    status, pids = values[0]
+    assert status == "survived" and len(set(pids)) == 2
+    assert our_shm_entries(set(pids)) == []  # the killed rank's segment too (unlinked after the creation barrier)
 
 
 def test_wrong_backend_for_device_is_refused():
