@@ -1,8 +1,15 @@
-"""Errors of the IPC pool."""
+"""Errors of the pools. The bases live here, in the lowest package, so that `symm_mem` (which builds on
+`ipc`) can derive from them without `ipc` importing `symm_mem`."""
 
-from symm_mem.errors import PoolClosedError, PoolError
+__all__ = ["PoolError", "PoolClosedError", "IpcError"]
 
-__all__ = ["IpcError", "PoolClosedError"]
+
+class PoolError(RuntimeError):
+    """Misuse of a pool: wrong arguments, wrong backend for the device, double use."""
+
+
+class PoolClosedError(PoolError):
+    """A pool (symmetric or IPC) was used after close(); the message says which one."""
 
 
 class IpcError(PoolError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symm_mem._mapping import byte_tensor, map_fd, unmap
+from ._mapping import byte_tensor, map_fd, unmap
 
 from .errors import IpcError
 

@@ -48,11 +48,14 @@ class IpcStats:
 class IpcPool:
     """CUDA IPC (cuda-python) for CUDA tensors, memfd mappings for CPU tensors from `ipc.host_empty`."""
 
-    def __init__(self, *, group: dist.ProcessGroup):
+    def __init__(self, *, group: dist.ProcessGroup, gather=None):
+        """`gather(local) -> [value of every rank]` is the exchange's collective (default: the process
+        group's all_gather_object; a SymmetricPool passes its bounded rendezvous)."""
         global _live
         if group is None:
             raise IpcError("group= is required (pass the TP process group explicitly)")
         self.group = group
+        self._gather = gather or self._all_gather_object
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._records: dict[str, list[TensorRecord]] = {}
@@ -66,7 +69,13 @@ class IpcPool:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise PoolClosedError("the IPC pool is closed")
+            raise PoolClosedError("the IPC pool is closed (IpcPool.close() was called); its peer tensors "
+                                  "were valid until then")
+
+    def _all_gather_object(self, local) -> list:
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, local, group=self.group)
+        return gathered
 
     def exchange(self, tensors: dict[str, torch.Tensor]) -> None:
         """Collective: publish `tensors` (same names on every rank) to the group.
@@ -79,8 +88,7 @@ class IpcPool:
             local: dict | str = {name: self._record(name, t) for name, t in sorted(tensors.items())}
         except Exception as exc:  # still join the gather, so that every rank raises instead of waiting
             local = f"{type(exc).__name__}: {exc}" if not isinstance(exc, IpcError) else str(exc)
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, local, group=self.group)
+        gathered = self._gather(local)
         failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, str)]
         if failed:
             raise IpcError("exchange refused: " + "; ".join(f"rank {r}: {msg}" for r, msg in failed))
@@ -164,6 +172,7 @@ class IpcPool:
         return base
 
     def stats(self) -> IpcStats:
+        """Counters; valid after close too (then handles_open is 0)."""
         return IpcStats(exchanges=self._counts["exchanges"], exported=len(self._exported),
                         opened=self._counts["opened"], closed=self._counts["closed"],
                         handles_open=len(self._opened))

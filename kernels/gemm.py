@@ -124,7 +124,7 @@ The reduction kernel of EPILOGUE 1 (``reduce_partials_kernel``) and the epilogue
 import triton
 import triton.language as tl
 
-from .flags import TIMER_AVAILABLE, resolve_epoch, wait_for_flag
+from .flags import TIMER_AVAILABLE, record_error, wait_for_flag
 from .rs_epilogue import (grouped_tile, owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel,
                           scatter_stores)
 
@@ -191,18 +191,18 @@ def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, 
 
 
 @triton.jit
-def _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row, last_row, rows_per_rank, chunks_per_rank,
-                     rows_per_chunk, chunk_epoch, timeout_ns, USE_TIMER: tl.constexpr):
-    """True when no failure is recorded and every chunk holding rows [first_row, last_row] is ready."""
+def _wait_for_chunks(chunk_flags_ptr, error_ptr, error_code_base, first_row, last_row, rows_per_rank,
+                     chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER: tl.constexpr):
+    """True when every chunk holding rows [first_row, last_row] is SET (bounded waits)."""
     first_chunk = (first_row // rows_per_rank) * chunks_per_rank + (first_row % rows_per_rank) // rows_per_chunk
     last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
-    ready = tl.load(error_ptr, volatile=True) == 0
+    ready = first_row >= 0
     for chunk in range(first_chunk, last_chunk + 1):
         # An owner's trailing chunks can be empty (e.g. 9 rows in 4 chunks of 3); nobody needs to signal those.
         if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
-            arrived = wait_for_flag(chunk_flags_ptr + chunk, chunk_epoch, timeout_ns, USE_TIMER)
+            arrived = wait_for_flag(chunk_flags_ptr + chunk, error_ptr, timeout_ns, USE_TIMER)
             if not arrived:
-                tl.atomic_cas(error_ptr, 0, 1 + chunk, sem="relaxed", scope="gpu")
+                record_error(error_ptr, error_code_base + chunk)
             ready = arrived
     # The acquire above ran on one thread: order every thread's A loads after it, then (compiled code only)
     # order this thread's generic-proxy view before its async-proxy (TMA) loads of A.
@@ -213,21 +213,20 @@ def _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row, last_row, rows_per_r
     return ready
 
 
-@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "epoch", "chunk_epoch",
-                               "timeout_ns"])
+@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "timeout_ns",
+                               "error_code_base"])
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
     lda, ldb, ldc,
     tile_row_offset,
     dst_ptrs, flag_ptrs, tile_counters_ptr,
-    rows_per_rank, src_rank, epoch, flags_per_source,
+    rows_per_rank, src_rank, flags_per_source,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
+    chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
     WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
-    epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
 ):
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     # the scatter epilogues carry a pending tile across iterations and barrier inside a branch: not run
@@ -268,6 +267,7 @@ def persistent_gemm_kernel(
     # fence right after a tile's stores stalled every program until the burst drained (~25 us per wave at
     # 128x256 tiles). Counted after the next tile's main loop, the stores have long landed.
     pending_row_block = program_id * 0 - 1
+    failed = program_id < 0  # a wait of this program expired: skip its remaining tiles
     for tile_id in tl.range(program_id, num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
         if EPILOGUE == 2:
             row_block, col_block = owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block,
@@ -282,9 +282,10 @@ def persistent_gemm_kernel(
 
         if WAIT_CHUNKS:
             # Whole-tile wait on every gathered chunk the tile's rows come from (AllGather consumer).
-            tile_ready = _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row,
-                                          tl.minimum(first_row + BLOCK_M, M) - 1, rows_per_rank,
-                                          chunks_per_rank, rows_per_chunk, chunk_epoch, timeout_ns, USE_TIMER)
+            tile_ready = (not failed) & _wait_for_chunks(
+                chunk_flags_ptr, error_ptr, error_code_base, first_row, tl.minimum(first_row + BLOCK_M, M) - 1,
+                rows_per_rank, chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER)
+            failed = not tile_ready
         else:
             tile_ready: tl.constexpr = True
         if tile_ready:
@@ -315,11 +316,10 @@ def persistent_gemm_kernel(
 
             result = acc.to(out_dtype)
             if EPILOGUE != 0:
-                flag_value = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
                 # before any wait of an own tile (EPILOGUE 2): counting never depends on a peer
                 if pending_row_block >= 0:
                     publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                                      num_col_blocks, flags_per_source, flag_value, BLOCK_M)
+                                      num_col_blocks, flags_per_source, BLOCK_M)
                 pending_row_block = program_id * 0 - 1
             if EPILOGUE == 0:
                 if USE_DESCRIPTORS:
@@ -331,14 +331,14 @@ def persistent_gemm_kernel(
                 scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
                 pending_row_block = row_block
             elif (row_block >= own_first_row_block) & (row_block < own_first_row_block + own_row_blocks):
-                reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr, dst_ptrs,
-                                flag_ptrs, error_ptr, rows_per_rank, src_rank, flags_per_source, flag_value,
-                                timeout_ns, USE_TIMER)
+                arrived = reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr,
+                                          dst_ptrs, flag_ptrs, error_ptr, error_code_base, rows_per_rank, src_rank,
+                                          flags_per_source, timeout_ns, failed, USE_TIMER)
+                failed = not arrived
             else:
                 scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
                 pending_row_block = row_block
     if EPILOGUE != 0:
         if pending_row_block >= 0:
             publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                              num_col_blocks, flags_per_source, resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH),
-                              BLOCK_M)
+                              num_col_blocks, flags_per_source, BLOCK_M)

@@ -23,7 +23,7 @@ barrier, so that JIT time does not eat into ``timeout_ns``.
 import triton
 import triton.language as tl
 
-from .flags import TIMER_AVAILABLE, resolve_epoch, wait_for_flag
+from .flags import SET, TIMER_AVAILABLE, record_error, wait_for_flag
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank,
 
 @triton.jit
 def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr, num_col_blocks,
-                      flags_per_source, flag_value, BLOCK_M: tl.constexpr):
+                      flags_per_source, BLOCK_M: tl.constexpr):
     """Count one tile of `row_block` whose stores this program issued earlier; the row block's last tile
     releases the flags of every owner its rows belong to."""
     # Every thread's stores must precede the single-thread release below.
@@ -89,24 +89,25 @@ def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_cou
         for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
             owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
             flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
-            tl.atomic_xchg(owner_flags + flag_index, flag_value, sem="release", scope="sys")
+            tl.atomic_xchg(owner_flags + flag_index, SET, sem="release", scope="sys")
 
 
 @triton.jit
 def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs, flag_ptrs, error_ptr,
-                    rows_per_rank, src_rank, flags_per_source, epoch, timeout_ns, USE_TIMER: tl.constexpr):
+                    error_code_base, rows_per_rank, src_rank, flags_per_source, timeout_ns, failed,
+                    USE_TIMER: tl.constexpr):
     """EPILOGUE 2, own rows: wait for every other source's partial of this row block, add them to the fp32
-    accumulator, store the sum into C (the output shard). Skipped once any wait of this launch expired."""
+    accumulator, store the sum into C (the output shard). Returns False (nothing stored) if a wait expired."""
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     world_size = M // rows_per_rank
     own_flags = tl.load(flag_ptrs + src_rank).to(tl.pointer_type(tl.int32))
-    arrived = tl.load(error_ptr, volatile=True) == 0
+    arrived = not failed  # a wait of this program already expired: skip its remaining own tiles
     for src in range(world_size):
         if arrived & (src != src_rank):
-            arrived = wait_for_flag(own_flags + src * flags_per_source + local_row_block, epoch, timeout_ns,
-                                    USE_TIMER)
+            flag_index = src * flags_per_source + local_row_block
+            arrived = wait_for_flag(own_flags + flag_index, error_ptr, timeout_ns, USE_TIMER)
             if not arrived:
-                tl.atomic_cas(error_ptr, 0, 1 + src, sem="relaxed", scope="gpu")
+                record_error(error_ptr, error_code_base + flag_index)
     # Order the other threads' partial loads after the single-thread acquire.
     tl.debug_barrier()
     if arrived:
@@ -119,17 +120,17 @@ def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs
             if src != src_rank:
                 acc += tl.load(own_slots + src * source_stride + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(c_ptr + local_rows.to(tl.int64)[:, None] * ldc + cols[None, :], acc.to(out_dtype), mask=mask)
+    return arrived
 
 
-@triton.jit(do_not_specialize=["rows_per_rank", "epoch", "owner_rank", "timeout_ns"])
+@triton.jit(do_not_specialize=["rows_per_rank", "owner_rank", "timeout_ns", "error_code_base"])
 def reduce_partials_kernel(
     partials_ptr, out_ptr, flags_ptr, error_ptr,
-    rows_per_rank, N, ld_out, world_size, epoch, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
+    rows_per_rank, N, ld_out, world_size, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
+    error_code_base,
     WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
-    epoch_ptr=None, DEVICE_EPOCH: tl.constexpr = False,
 ):
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    epoch = resolve_epoch(epoch, epoch_ptr, DEVICE_EPOCH)
     num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
     num_col_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = num_row_blocks * num_col_blocks
@@ -144,7 +145,7 @@ def reduce_partials_kernel(
         rows = first_row + tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        all_arrived = tl.load(error_ptr, volatile=True) == 0
+        all_arrived = tile_id >= 0
         if WAIT:
             # The GEMM flags whole GEMM row blocks; this tile may overlap two of them.
             last_row = tl.minimum(first_row + BLOCK_M, rows_per_rank) - 1
@@ -153,10 +154,10 @@ def reduce_partials_kernel(
             for src in range(world_size):
                 for flag_index in range(first_flag, last_flag + 1):
                     if all_arrived:
-                        arrived = wait_for_flag(flags_ptr + src * flags_per_source + flag_index, epoch,
-                                                 timeout_ns, USE_TIMER)
+                        word = src * flags_per_source + flag_index
+                        arrived = wait_for_flag(flags_ptr + word, error_ptr, timeout_ns, USE_TIMER)
                         if not arrived:
-                            tl.atomic_cas(error_ptr, 0, 1 + src)
+                            record_error(error_ptr, error_code_base + word)
                         all_arrived = arrived
             # Order the other threads' partial loads after the single-thread acquire.
             tl.debug_barrier()

@@ -1,7 +1,8 @@
-"""Comm/compute overlap for tensor-parallel layers: configuration, timing, and (as they land) the ops."""
+"""Comm/compute overlap for tensor-parallel layers: the ops (`ag_gemm`, `gemm_rs`), the layers, configuration."""
 
-from .config import ConfigError, OpConfig, OverlapConfig, load_config, load_preset
-from .timing import Stats, bench_interleaved
+from ._validate import OpInputError
+from .config import AgGemmConfig, ConfigError, GemmRsConfig, OverlapConfig, RoleConfig
+from .presets import load_config, load_preset
 
-__all__ = ["ConfigError", "OpConfig", "OverlapConfig", "load_config", "load_preset", "Stats",
-           "bench_interleaved"]
+__all__ = ["AgGemmConfig", "GemmRsConfig", "RoleConfig", "OverlapConfig", "ConfigError", "OpInputError",
+           "load_config", "load_preset"]

@@ -39,6 +39,10 @@ class CallGuard:
             self._last_stream = stream
         return self
 
+    def busy(self) -> bool:
+        """A call of this op is in flight (on some thread)."""
+        return self._lock.locked()
+
     def __exit__(self, *exc) -> None:
         try:
             if self._cuda:

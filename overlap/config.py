@@ -1,126 +1,161 @@
 """Typed, frozen configuration and the one YAML loader.
 
-A preset file has a `node` section and one section per op under `ops`; an op section may carry `by_m`
-buckets (first bucket with `m_max >= M` wins) that override fields for small/medium M. Every error names
-the file, the key, the bad value and what is allowed.
+A preset has a `node` section, one section per op under `ops` (each may carry `by_m` buckets: the first
+bucket with `m_max >= M` overrides fields for that M), an optional `roles` section keyed by GEMM role, an
+optional `model` and an optional `offload` section. Every error names the file, the key, the bad value and
+what is allowed.
 
-Automatic selection (`preset_path`): `<gpu-slug>_tp<W>.yaml` in the `configs` package (e.g. an
-"NVIDIA H200" at TP2 -> `h200_tp2.yaml`); a CUDA GPU without its own preset falls back to
-`cuda_default.yaml` (SM count read from the device at run time), and CPU runs use `cpu.yaml`.
+GEMM roles are the names Megatron / TransformerEngine users know: `fc1_fprop` (AllGather+GEMM of a column
+layer), `fc1_dgrad` (its GEMM+ReduceScatter in backward), `fc2_fprop` (GEMM+ReduceScatter of a row layer),
+`fc2_dgrad` (its AllGather+GEMM in backward). `fc1_*` apply to every ColumnParallelLinear, `fc2_*` to every
+RowParallelLinear. Role settings: `lead_wgrad` (fc2_dgrad) and `bulk_wgrad` (fc1_dgrad), see RoleConfig.
+
+Automatic selection (`preset_path`): `<gpu-slug>_tp<W>.yaml` in the `configs` package; a CUDA GPU without
+its own preset falls back to `cuda_default.yaml`, CPU runs use `cpu.yaml`. The YAML loader is
+`overlap.presets` (the only place YAML is parsed); presets written before the per-op classes and roles
+existed keep loading there (`presets.migrate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
-__all__ = ["OpConfig", "OpBucket", "OpPreset", "NodeConfig", "ModelConfig", "MODELS", "OverlapConfig", "ConfigError", "OPS",
-           "METHODS", "load_config", "parse_config", "to_dict", "preset_path", "load_preset", "dump_config", "gpu_slug"]
+__all__ = ["AgGemmConfig", "GemmRsConfig", "RoleConfig", "OpPreset", "NodeConfig", "ModelConfig", "MODELS",
+           "ACTIVATIONS", "ROLES", "OverlapConfig", "ConfigError", "OPS", "METHODS", "OP_CLASSES", "op_config"]
 
 OPS = ("ag_gemm", "gemm_rs")
-METHODS = {"ag_gemm": ("decomposed", "fused"), "gemm_rs": ("fused", "decomposed", "epilogue_reduce")}
+METHODS = {"ag_gemm": ("decomposed", "fused"), "gemm_rs": ("fused", "decomposed", "epilogue_reduce", "pair")}
+ROLES = ("fc1_fprop", "fc1_dgrad", "fc2_fprop", "fc2_dgrad")
 MAX_CHUNKS_PER_RANK = 64
 STREAM_PRIORITY_RANGE = (-5, 0)  # CUDA: lower is higher priority
 
 
 class ConfigError(ValueError):
-    def __init__(self, message: str, *, file: str = "<dict>", key: str = "", value=None, allowed: str = ""):
+    def __init__(self, message: str, *, file: str = "<config>", key: str = "", value=None, allowed: str = ""):
         self.file, self.key, self.value, self.allowed, self.detail = file, key, value, allowed, message
-        super().__init__(f"{file}: {key}: {message}" if key else f"{file}: {message}")
+        where = f"{file}: " if file else ""
+        super().__init__(f"{where}{key}: {message}" if key else f"{where}{message}")
 
 
-def _bad(key: str, value, allowed: str, file: str = "<dict>") -> ConfigError:
+def _bad(key: str, value, allowed: str, file: str = "<config>") -> ConfigError:
     return ConfigError(f"got {value!r}; allowed: {allowed}", file=file, key=key, value=value, allowed=allowed)
 
 
-def _int_in(key, value, lo, hi, file="<dict>") -> None:
+def _int_in(key, value, lo, hi, file="<config>") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise _bad(key, value, f"an int with {lo} <= x <= {hi}", file)
 
 
-@dataclass(frozen=True, kw_only=True)
-class OpConfig:
-    """SM partition and schedule of one overlapped op.
+def _common(cfg, key: str, file: str, num_sms: int | None) -> None:
+    if cfg.method not in METHODS[cfg.op]:
+        raise _bad(f"{key}.method", cfg.method, " | ".join(METHODS[cfg.op]), file)
+    _int_in(f"{key}.sm_margin", cfg.sm_margin, 0, (num_sms - 1) if num_sms else 1 << 16, file)
+    _int_in(f"{key}.comm_stream_priority", cfg.comm_stream_priority, *STREAM_PRIORITY_RANGE, file)
 
-    sm_margin: SMs the GEMM leaves free (the GEMM runs on num_sms - sm_margin); num_comm_sms: SMs the
-    communication side may use (0 = copy engine only); chunks_per_rank: sub-chunks per rank's shard;
-    comm_stream_priority: CUDA priority of the communication stream(s) (lower = higher priority);
-    lead_fraction (ag_gemm, decomposed): 0 = one GEMM per arriving chunk; f in (0, 1] = a lead GEMM over
-    f of the local rows, then one GEMM over the rest once every pull has landed (see AgGemm);
-    lead_wgrad (ag_gemm, decomposed): in a row layer's backward, the weight-grad GEMM over this rank's
-    rows of dy leads while the peers' rows are pulled, then the input-grad GEMM runs whole over all M
-    rows, then the weight grad of the other rows is accumulated onto the lead's (beta = 1): no split of
-    the input-grad GEMM; lead_fraction does not apply to that call;
-    bulk_wgrad (gemm_rs): in a column layer's backward, run the input-grad GEMM whole on cuBLAS and
-    overlap its reduce-scatter (copy engine) with the weight-grad GEMM instead of with itself.
-    """
-    op: str
-    method: str
+
+@dataclass(frozen=True, kw_only=True)
+class AgGemmConfig:
+    """AllGather+GEMM. method: `decomposed` (cuBLAS consumer: one GEMM per arriving chunk, or with
+    lead_fraction f > 0 a lead GEMM over f of the local rows and one GEMM over the rest) or `fused` (one
+    persistent Triton GEMM whose tiles wait for their chunk's flag). sm_margin: SMs the consumer leaves
+    free (cuBLAS carveout / fewer Triton programs); chunks_per_rank: pieces each rank's shard is pulled in;
+    comm_stream_priority: priority of the side streams (lower is higher)."""
+    method: str = "decomposed"
     sm_margin: int = 0
-    num_comm_sms: int = 0
     chunks_per_rank: int = 1
     comm_stream_priority: int = -1
     lead_fraction: float = 0.0
-    lead_wgrad: bool = False
-    bulk_wgrad: bool = False
+    op = "ag_gemm"
 
     def __post_init__(self):
         self.validate()
 
-    def with_method(self, method: str, **changes) -> "OpConfig":
-        """A copy running `method` (sweeps): fields that only apply to another method fall back to 0."""
-        if method != "decomposed":
-            changes.setdefault("lead_fraction", 0.0)
-            changes.setdefault("lead_wgrad", False)
-        return dataclasses.replace(self, method=method, **changes)
-
-    def validate(self, *, num_sms: int | None = None, file: str = "<dict>", prefix: str = "") -> None:
-        key = prefix or f"ops.{self.op}"
-        if self.op not in OPS:
-            raise _bad(f"{key}.op", self.op, " | ".join(OPS), file)
-        if self.method not in METHODS[self.op]:
-            raise _bad(f"{key}.method", self.method, " | ".join(METHODS[self.op]), file)
-        sm_hi = (num_sms - 1) if num_sms else 1 << 16
-        _int_in(f"{key}.sm_margin", self.sm_margin, 0, sm_hi, file)
-        _int_in(f"{key}.num_comm_sms", self.num_comm_sms, 0, sm_hi, file)
+    def validate(self, *, num_sms: int | None = None, file: str = "<config>", key: str = "ops.ag_gemm") -> None:
+        _common(self, key, file, num_sms)
         _int_in(f"{key}.chunks_per_rank", self.chunks_per_rank, 1, MAX_CHUNKS_PER_RANK, file)
-        _int_in(f"{key}.comm_stream_priority", self.comm_stream_priority, *STREAM_PRIORITY_RANGE, file)
         lead = self.lead_fraction
         if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= 1:
             raise _bad(f"{key}.lead_fraction", lead, "a number with 0 <= x <= 1", file)
-        if lead and (self.op, self.method) != ("ag_gemm", "decomposed"):
-            raise _bad(f"{key}.lead_fraction", lead, f"0 (it applies to ag_gemm with method decomposed; "
-                       f"this is {self.op} with method {self.method})", file)
-        if not isinstance(self.lead_wgrad, bool):
-            raise _bad(f"{key}.lead_wgrad", self.lead_wgrad, "true or false", file)
-        if self.lead_wgrad and (self.op, self.method) != ("ag_gemm", "decomposed"):
-            raise _bad(f"{key}.lead_wgrad", self.lead_wgrad, f"false (it applies to ag_gemm with method "
-                       f"decomposed; this is {self.op} with method {self.method})", file)
-        if not isinstance(self.bulk_wgrad, bool):
-            raise _bad(f"{key}.bulk_wgrad", self.bulk_wgrad, "true or false", file)
-        if self.bulk_wgrad and self.op != "gemm_rs":
-            raise _bad(f"{key}.bulk_wgrad", self.bulk_wgrad, "false (it applies to gemm_rs)", file)
+        if lead and self.method != "decomposed":
+            raise _bad(f"{key}.lead_fraction", lead, f"0 (it applies to method decomposed, this is {self.method})",
+                       file)
 
 
 @dataclass(frozen=True, kw_only=True)
-class OpBucket:
-    """Overrides for M <= m_max."""
-    m_max: int
-    config: OpConfig
+class GemmRsConfig:
+    """GEMM+ReduceScatter. method: `fused` (Triton GEMM storing each tile into its owner's slot + a
+    reduction kernel on num_comm_sms programs that waits for each row block), `epilogue_reduce` (one Triton
+    GEMM: other owners' rows scattered first, own rows reduced in its epilogue; needs (M/W) % 128 == 0),
+    `decomposed` (one cuBLAS GEMM per owner chunk, copy-engine push, reduction kernel on num_comm_sms
+    programs) or `pair` (W = 2 only: cuBLAS GEMM of the peer's rows, copy-engine push while the own rows'
+    GEMM runs, one add). sm_margin: SMs the GEMM leaves free; num_comm_sms: reduction programs."""
+    method: str = "fused"
+    sm_margin: int = 16
+    num_comm_sms: int = 16
+    comm_stream_priority: int = -1
+    op = "gemm_rs"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, *, num_sms: int | None = None, file: str = "<config>", key: str = "ops.gemm_rs") -> None:
+        _common(self, key, file, num_sms)
+        _int_in(f"{key}.num_comm_sms", self.num_comm_sms, 0, (num_sms - 1) if num_sms else 1 << 16, file)
+        if self.method in ("fused", "decomposed") and self.num_comm_sms < 1:
+            raise _bad(f"{key}.num_comm_sms", self.num_comm_sms, f">= 1 (method {self.method} runs its "
+                       f"reduction kernel on num_comm_sms programs)", file)
+        if self.method == "fused" and self.sm_margin < self.num_comm_sms:
+            raise _bad(f"{key}.sm_margin", self.sm_margin, f">= num_comm_sms ({self.num_comm_sms}): the fused "
+                       f"GEMM and its reduction kernel run at once and must both fit on the GPU", file)
+        if self.method in ("epilogue_reduce", "pair") and self.num_comm_sms:
+            raise _bad(f"{key}.num_comm_sms", self.num_comm_sms, f"0 (method {self.method} has no reduction "
+                       f"kernel)", file)
+
+
+OP_CLASSES = {"ag_gemm": AgGemmConfig, "gemm_rs": GemmRsConfig}
+
+
+def op_config(op: str, **fields):
+    """The config of `op` ("ag_gemm" | "gemm_rs") with `fields` (for sweeps and tests)."""
+    if op not in OP_CLASSES:
+        raise ConfigError(f"unknown op {op!r}; allowed: {' | '.join(OPS)}")
+    return OP_CLASSES[op](**fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleConfig:
+    """Settings of one GEMM role of a layer.
+
+    lead_wgrad (fc2_dgrad, ag_gemm decomposed): the row layer's backward runs the weight-grad GEMM of this
+    rank's rows of dy while the peers' rows are pulled, then the input-grad GEMM whole, then accumulates
+    the other rows' weight grad onto the lead's (no split of the input-grad GEMM).
+    bulk_wgrad (fc1_dgrad): the column layer's backward runs its input-grad GEMM whole on cuBLAS and hides
+    its reduce-scatter (copy engine) behind the weight-grad GEMM instead of behind itself.
+    """
+    lead_wgrad: bool = False
+    bulk_wgrad: bool = False
+
+    def validate(self, role: str, file: str = "<config>") -> None:
+        for name in ("lead_wgrad", "bulk_wgrad"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"roles.{role}.{name}", getattr(self, name), "true or false", file)
+        if self.lead_wgrad and role != "fc2_dgrad":
+            raise _bad(f"roles.{role}.lead_wgrad", True, "false (it applies to fc2_dgrad)", file)
+        if self.bulk_wgrad and role != "fc1_dgrad":
+            raise _bad(f"roles.{role}.bulk_wgrad", True, "false (it applies to fc1_dgrad)", file)
 
 
 @dataclass(frozen=True, kw_only=True)
 class OpPreset:
-    default: OpConfig
-    by_m: tuple[OpBucket, ...] = ()
+    """A default and `by_m` buckets ((m_max, value), ascending): the first bucket with m_max >= M wins."""
+    default: object
+    by_m: tuple = ()
 
-    def for_m(self, m: int) -> OpConfig:
-        for bucket in self.by_m:
-            if m <= bucket.m_max:
-                return bucket.config
+    def for_m(self, m: int):
+        for m_max, value in self.by_m:
+            if m <= m_max:
+                return value
         return self.default
 
 
@@ -157,7 +192,7 @@ class ModelConfig:
     @classmethod
     def named(cls, name: str, activation: str = "swiglu") -> "ModelConfig":
         if name not in MODELS:
-            raise _bad("model.name", name, " | ".join(MODELS))
+            raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}", file="", key="model")
         return cls(name=name, activation=activation, **MODELS[name])
 
 
@@ -166,13 +201,21 @@ class OverlapConfig:
     node: NodeConfig
     ag_gemm: OpPreset
     gemm_rs: OpPreset
+    roles: dict = dataclasses.field(default_factory=dict)   # role -> OpPreset of RoleConfig
     model: ModelConfig | None = None
-    source: str = "<dict>"
+    offload: object | None = None
+    source: str = "<config>"
 
-    def op_config(self, op: str, m: int) -> OpConfig:
+    def op_config(self, op: str, m: int):
         if op not in OPS:
             raise ConfigError(f"unknown op {op!r}; allowed: {' | '.join(OPS)}", file=self.source)
         return getattr(self, op).for_m(m)
+
+    def role(self, role: str, m: int) -> RoleConfig:
+        if role not in ROLES:
+            raise ConfigError(f"unknown role {role!r}; allowed: {' | '.join(ROLES)}", file=self.source)
+        preset = self.roles.get(role)
+        return preset.for_m(m) if preset is not None else RoleConfig()
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a preset written for another TP size."""
@@ -180,170 +223,3 @@ class OverlapConfig:
             raise _bad("node.tp_size", self.node.tp_size,
                        f"{world_size} (the group size this run uses); pick the preset for TP{world_size}",
                        self.source)
-
-
-_NODE_KEYS = {"gpu_name": str, "tp_size": (int, type(None)), "num_sms": (int, type(None)), "pool_bytes": int}
-_OP_KEYS = {f.name for f in dataclasses.fields(OpConfig)} - {"op"}
-
-
-def _check_keys(mapping, allowed, key, file) -> None:
-    if not isinstance(mapping, dict):
-        raise _bad(key or "<top>", mapping, "a mapping", file)
-    for k in mapping:
-        if k not in allowed:
-            raise ConfigError(f"unknown key {k!r}; allowed: {', '.join(sorted(allowed))}",
-                              file=file, key=f"{key}.{k}" if key else str(k), value=k,
-                              allowed=", ".join(sorted(allowed)))
-
-
-def _parse_node(raw, file) -> NodeConfig:
-    _check_keys(raw, set(_NODE_KEYS), "node", file)
-    for k, typ in _NODE_KEYS.items():
-        if k not in raw:
-            raise ConfigError("missing key", file=file, key=f"node.{k}")
-        if isinstance(raw[k], bool) or not isinstance(raw[k], typ):
-            raise _bad(f"node.{k}", raw[k], "a string" if typ is str else "an int" +
-                       (" or null" if isinstance(typ, tuple) else ""), file)
-    if raw["tp_size"] is not None:
-        _int_in("node.tp_size", raw["tp_size"], 1, 64, file)
-    if raw["num_sms"] is not None:
-        _int_in("node.num_sms", raw["num_sms"], 1, 1 << 16, file)
-    _int_in("node.pool_bytes", raw["pool_bytes"], 1, 1 << 40, file)
-    return NodeConfig(**raw)
-
-
-def _parse_op(op, raw, num_sms, file) -> OpPreset:
-    _check_keys(raw, _OP_KEYS | {"by_m"}, f"ops.{op}", file)
-    fields = {k: v for k, v in raw.items() if k != "by_m"}
-    if "method" not in fields:
-        raise ConfigError("missing key", file=file, key=f"ops.{op}.method")
-    default = _make_op(op, fields, num_sms, file, f"ops.{op}")
-    buckets, last = [], 0
-    by_m = raw.get("by_m", [])
-    if not isinstance(by_m, list):
-        raise _bad(f"ops.{op}.by_m", by_m, "a list of mappings with m_max", file)
-    for i, item in enumerate(by_m):
-        key = f"ops.{op}.by_m[{i}]"
-        _check_keys(item, _OP_KEYS | {"m_max"}, key, file)
-        if "m_max" not in item:
-            raise ConfigError("missing key", file=file, key=f"{key}.m_max")
-        _int_in(f"{key}.m_max", item["m_max"], last + 1, 1 << 40, file)
-        last = item["m_max"]
-        merged = {**fields, **{k: v for k, v in item.items() if k != "m_max"}}
-        for only_decomposed in ("lead_fraction", "lead_wgrad"):
-            if merged.get("method") != "decomposed" and only_decomposed not in item:
-                merged.pop(only_decomposed, None)  # a bucket that switches method drops decomposed-only fields
-        buckets.append(OpBucket(m_max=item["m_max"], config=_make_op(op, merged, num_sms, file, key)))
-    return OpPreset(default=default, by_m=tuple(buckets))
-
-
-def _make_op(op, fields, num_sms, file, key) -> OpConfig:
-    # Validate field by field with the file and key before the dataclass sees the values.
-    probe = OpConfig.__new__(OpConfig)
-    for name, value in {**{f.name: f.default for f in dataclasses.fields(OpConfig)}, **fields, "op": op}.items():
-        object.__setattr__(probe, name, value)
-    probe.validate(num_sms=num_sms, file=file, prefix=key)
-    return OpConfig(op=op, **fields)
-
-
-def _parse_model(raw, file) -> ModelConfig:
-    _check_keys(raw, {"name", "hidden", "ffn_hidden", "activation"}, "model", file)
-    if "name" not in raw or not isinstance(raw["name"], str):
-        raise _bad("model.name", raw.get("name"), "a string (a MODELS name, or any name with hidden and "
-                   "ffn_hidden given)", file)
-    fields = dict(MODELS.get(raw["name"], {}))
-    fields.update({k: v for k, v in raw.items() if k != "name"})
-    if "hidden" not in fields or "ffn_hidden" not in fields:
-        raise _bad("model.name", raw["name"], f"one of {', '.join(MODELS)} or give hidden and ffn_hidden", file)
-    try:
-        return ModelConfig(name=raw["name"], **fields)
-    except ConfigError as exc:
-        raise ConfigError(exc.detail, file=file, key=exc.key, value=exc.value,
-                          allowed=exc.allowed) from None
-
-
-def parse_config(raw, *, file: str = "<dict>") -> OverlapConfig:
-    _check_keys(raw, {"node", "ops", "model"}, "", file)
-    if "node" not in raw or "ops" not in raw:
-        raise ConfigError("a preset needs the sections 'node' and 'ops'", file=file)
-    node = _parse_node(raw["node"], file)
-    _check_keys(raw["ops"], set(OPS), "ops", file)
-    missing = [op for op in OPS if op not in raw["ops"]]
-    if missing:
-        raise ConfigError(f"missing op sections {missing}", file=file, key="ops")
-    ops = {op: _parse_op(op, raw["ops"][op], node.num_sms, file) for op in OPS}
-    model = _parse_model(raw["model"], file) if raw.get("model") is not None else None
-    return OverlapConfig(node=node, model=model, source=file, **ops)
-
-
-def load_config(path: str | Path) -> OverlapConfig:
-    """Parse and validate one YAML preset."""
-    import yaml
-
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("no such file", file=str(path)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", file=str(path)) from None
-    return parse_config(raw, file=str(path))
-
-
-def gpu_slug(device_name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100', 'cpu' -> 'cpu'."""
-    name = device_name.lower().replace("nvidia", " ")
-    match = re.search(r"\b([a-z]+\d+[a-z]*)\b", name)
-    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "unknown"
-
-
-def preset_path(device_name: str, world_size: int) -> Path:
-    """The preset for (device, TP size): exact file, else cuda_default.yaml (GPU) or cpu.yaml."""
-    base = resources.files("configs")
-    slug = gpu_slug(device_name)
-    if slug == "cpu":
-        return Path(str(base / "cpu.yaml"))
-    exact = base / f"{slug}_tp{world_size}.yaml"
-    if exact.is_file():
-        return Path(str(exact))
-    return Path(str(base / "cuda_default.yaml"))
-
-
-def load_preset(device_name: str, world_size: int) -> OverlapConfig:
-    cfg = load_config(preset_path(device_name, world_size))
-    cfg.check_world_size(world_size)
-    return cfg
-
-
-def _op_dict(cfg: OpConfig, base: OpConfig | None = None) -> dict:
-    out = {}
-    for f in dataclasses.fields(OpConfig):
-        if f.name == "op":
-            continue
-        value = getattr(cfg, f.name)
-        if base is None or getattr(base, f.name) != value:
-            out[f.name] = value
-    return out
-
-
-def to_dict(cfg: OverlapConfig) -> dict:
-    ops = {}
-    for op in OPS:
-        preset: OpPreset = getattr(cfg, op)
-        entry = _op_dict(preset.default)
-        if preset.by_m:
-            entry["by_m"] = [{"m_max": b.m_max, **_op_dict(b.config, preset.default)} for b in preset.by_m]
-        ops[op] = entry
-    out = {"node": dataclasses.asdict(cfg.node), "ops": ops}
-    if cfg.model is not None:
-        out["model"] = dataclasses.asdict(cfg.model)
-    return out
-
-
-def dump_config(cfg: OverlapConfig, path: str | Path, *, header: str = "") -> None:
-    """Write `cfg` as a YAML preset that `load_config` accepts."""
-    import yaml
-
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    comment = "".join(f"# {line}\n" for line in header.splitlines())
-    Path(path).write_text(comment + text)

@@ -1,43 +1,27 @@
-"""GEMM + ReduceScatter: `out_shard = reduce_scatter(a @ w)`, the reduction on `sm_margin` SMs.
+"""GEMM + ReduceScatter: `out_shard = reduce_scatter(a @ w)`.
 
-Shapes: a [M, K_local], w [K_local, N], out_shard [M/W, N]; M <= max_m, M % W == 0.
+Shapes: a [M, K_local], w [K_local, N] (row-major, or `weight.t()` of a row-major [N, K_local]),
+out_shard [M/W, N]; M <= max_m, M % W == 0. Pool region `<name>.partials` [W, max_m/W, N]: slot s of rank o
+receives source s's partial product of o's rows; its device flags [W, flags_per_source] say which GEMM row
+blocks of which source have landed (the scatter epilogue's). Flags and handshakes: protocol.py.
 
-Pool region `<name>.partials` holds, per rank and per buffer b = epoch % 2, W source slots of
-[M/W, N]: slot s of rank o receives source s's partial product for o's rows. Flags `<name>.partials`
-(int32, [W, flags_per_source], epoch-valued) say which GEMM row blocks of which source have landed.
-
-  fused:      one persistent Triton GEMM on num_sms - sm_margin programs, tiles rotated by rank; each
-              tile is stored straight into its owner's slot (NVLink stores) and counted one tile later
-              (after the program's next main loop); the row block's flag is released by its last count. A reduction kernel on `num_comm_sms`
-              programs (its own high-priority stream) waits for each row block's W flags and sums.
-  decomposed: one cuBLAS mm per owner chunk (owners in ring order, own chunk last) limited to
-              num_sms - sm_margin SMs, each chunk pushed to its owner with the copy engine and flagged;
-              the same reduction kernel (W = 2 with num_comm_sms = 0: after the GEMMs, one add of our
-              rows and the peer's on the compute stream).
-  epilogue_reduce: one persistent Triton GEMM on num_sms - sm_margin programs that scatters the other
-              owners' rows first (as `fused`) and then computes its own rows last, adding the other
-              sources' partials to its accumulator in the epilogue: no reduction kernel, no second pass
-              over the partials, no reserved SMs. Needs M/W % 128 == 0; other M run as `fused`.
-`bulk(a, w, work)` is the schedule a column layer's backward uses with `bulk_wgrad`: the whole GEMM on
-cuBLAS, the copy-engine push of `decomposed`, the caller's independent `work` (the weight-grad GEMM), then
-the reduction kernel on every SM (W = 2: one add of our rows and the peer's slot, after a bounded wait for
-its flag). Same slots, flags and epochs.
-Double buffering replaces an end barrier: a source writes slot b of step e only after its own step e-1
-reduction finished, which waited for the owner's step e-1 partials, which the owner produced after its
-step e-2 reduction (the last reader of slot b) had finished (for epilogue_reduce the reduction is the
-end of the source's own step-(e-1) GEMM).
-
-`cuda_graphs=True` makes every call capturable in a CUDA graph and replayable any number of times: the
-epoch lives in device memory (bumped at the start of each call; the GEMM's flag stores, the reduction's
-waits and the flag kernels read it), there is one buffer (a graph's pointers are fixed), and instead of the
-double buffer each owner signals reduced[owner] = e on every source when its reduction is done; a source
-waits for reduced >= e-1 of every peer before its GEMM writes into their slots again. Those W words follow
-the partials flags: index W * flags_per_source + owner. The W = 2 copy-engine schedules (`bulk`, the
-`decomposed` pair) flag a pushed slot in W more words after those, index W * flags_per_source + W + source,
-written by a stream memory operation (no SM: the push ends while a GEMM holds them all): the epoch, or
-replayed the toggle 1 that the owner resets to 0 after its wait (as AllGather's ready flag).
-
-On CPU (host pool) the same protocol runs with torch.mm, stores into peers' shared memory and host waits.
+Schedules (config.method; the same stream operations eager or replayed):
+  fused:           wait free[o] (every owner reduced this rank's slot of the last call), one persistent
+                   Triton GEMM on num_sms - sm_margin programs storing each tile into its owner's slot and
+                   releasing the row block's device flag; on a side stream a reduction kernel on num_comm_sms
+                   programs waits for each row block's W flags and sums them into out; then the flags are reset
+                   and free[me] raised on every source.
+  epilogue_reduce: the same GEMM scattering the other owners' rows first and reducing its own rows in its
+                   epilogue (no reduction kernel); needs (M/W) % 128 == 0 and a GPU.
+  decomposed:      one cuBLAS GEMM per owner chunk (ring order, own chunk last) on num_sms - sm_margin SMs,
+                   each pushed to its owner by the copy engine (wait free[o], copy, raise pushed[me] on o); a
+                   side stream waits pushed[s] of every source and runs the reduction kernel (no waits inside).
+  pair:            W = 2: cuBLAS GEMM of the peer's rows, copy-engine push while the own rows' GEMM runs, then
+                   wait pushed[peer] and add.
+`bulk(a, w, work)` (a column layer's backward with bulk_wgrad): the whole GEMM on cuBLAS, the pushes of
+`decomposed`, the caller's `work` (the weight-grad GEMM) meanwhile, then the reduction on the compute stream.
+`reduce_scatter(partials)` is the decomposed schedule with no GEMM: the measured comm path.
+Every wait of the push path is a memory operation: the copy engine starts while a GEMM holds every SM.
 """
 
 from __future__ import annotations
@@ -47,304 +31,268 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from symm_mem import DeviceEpoch, SignalTimeout, SymmetricPool
+from . import protocol
+from ._gemm_launch import Scatter, launch_gemm, launch_reduce
+from ._op import OpBase
+from ._validate import OpInputError, check_tensor, check_weight
+from .config import GemmRsConfig
+from .schedule import COMPUTE, CallContext, Program
+from .triton_gemm import choose_blocks, num_sms, sm_carveout
 
-from ._gemm_rs_ce import CopyEngineSchedules
-from ._guard import CallGuard
-from ._validate import (OpInputError, check_at_most, check_divisible, check_not_capturing, check_tensor,
-                        check_weight)
-from .config import OpConfig
-from .triton_gemm import sm_carveout
+__all__ = ["GemmRs", "gemm_rs", "FLAG_BLOCK_M"]
 
-__all__ = ["GemmRs", "gemm_rs"]
-
-FLAG_BLOCK_M = 128  # row-block granularity of the flags (the fused GEMM's BLOCK_M)
-
-
-def flag_words(max_m: int, world_size: int) -> int:
-    """Flag words of one GemmRs region: row-block flags per source, `reduced` per owner, and the W = 2
-    schedules' pushed-slot flag per source (layout in the module docstring)."""
-    return world_size * (_cdiv(max_m // world_size, FLAG_BLOCK_M) + 1) + 2 * world_size
+FLAG_BLOCK_M = 128  # row-block granularity of the device flags (the scatter GEMM's BLOCK_M)
+COMM, REDUCE = "comm", "reduce"
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class GemmRs(CopyEngineSchedules):
+class GemmRs(OpBase):
     """Op context built once per (group, pool, max_m, k_local, n, dtype, config); call it many times.
 
-    The output is valid on the caller's current stream when the call returns (CUDA), or at once (CPU).
-    A device-side wait that expired is reported by `check_errors()` (it synchronises; call it at step
-    boundaries, not inside the hot loop).
+    The output is valid on the caller's current stream when the call returns (CUDA), or at once (CPU). Any
+    call may be captured in a CUDA graph and replayed. A device-side wait that expired is raised by the next
+    call or by `check_errors()` (which synchronises; call it at step boundaries).
     """
 
-    def __init__(self, *, group: dist.ProcessGroup, pool: SymmetricPool, max_m: int, k_local: int, n: int,
-                 dtype: torch.dtype, config: OpConfig, name: str = "gemm_rs", timeout_s: float | None = None,
-                 cuda_graphs: bool = False):
-        if config.op != "gemm_rs":
-            raise OpInputError(f"config.op is {config.op!r}; GemmRs needs a gemm_rs config")
-        for arg, value in (("max_m", max_m), ("k_local", k_local), ("n", n)):
-            if not isinstance(value, int) or value <= 0:
-                raise OpInputError(f"{arg} must be a positive int, got {value!r}")
-        self.group, self.pool, self.config, self.name = group, pool, config, name
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        if (self.rank, self.world_size) != (pool.rank, pool.world_size):
-            raise OpInputError("pool was built on another group than group=")
-        check_divisible("max_m", max_m, self.world_size, "the group size")
-        self.max_m, self.k_local, self.n, self.dtype, self.device = max_m, k_local, n, dtype, pool.device
-        self.timeout_s = pool.timeout_s if timeout_s is None else timeout_s
-        if cuda_graphs and self.device.type != "cuda":
-            raise OpInputError(f"{name}: cuda_graphs=True needs a CUDA pool (this one is on {self.device})")
-        self.cuda_graphs = bool(cuda_graphs)
-        self.num_buffers = 1 if cuda_graphs else 2
+    kind = "gemm_rs"
+
+    def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k_local: int, n: int, dtype: torch.dtype,
+                 config: GemmRsConfig, name: str = "gemm_rs"):
+        super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
+                         static={"max_m": max_m, "k_local": k_local, "n": n, "dtype": str(dtype)})
+        self.k_local, self.n, self.dtype = k_local, n, dtype
+        if self.device.type == "cuda":
+            config.validate(num_sms=num_sms(self.device))
+        elif config.method == "epilogue_reduce":
+            raise OpInputError(f"{name}: method epilogue_reduce needs a GPU (its own-row waits run inside the GEMM "
+                               f"that also produces the peers' rows); on CPU use fused, decomposed or pair")
+        if config.method == "pair" and self.world_size != 2:
+            raise OpInputError(f"{name}: method pair is the W = 2 schedule; this group has {self.world_size} "
+                               f"ranks (use decomposed or fused)")
         max_rows = max_m // self.world_size
         self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
-        self._reduced_flag0 = self.world_size * self.flags_per_source
-        self._pair_flag0 = self._reduced_flag0 + self.world_size  # W = 2 copy-engine schedules, per source
-        self._slot_elems = self.world_size * max_rows * n
-        self.partials = pool.reserve(f"{name}.partials", (self.num_buffers, self._slot_elems), dtype,
-                                     num_signals=flag_words(max_m, self.world_size), exclusive=True)
-        self._epoch = 0
-        self._epoch_counter = None
-        self._guard = CallGuard(name, self.device)
-        if self.device.type == "cuda":
-            self._setup_cuda()
-
-    def _setup_cuda(self) -> None:
-        from .triton_gemm import num_sms
-        self.num_sms = num_sms(self.device)
-        self.config.validate(num_sms=self.num_sms)
-        self._reduce_stream = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
-        self._comm_stream = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
-        self._errors = torch.zeros(2, dtype=torch.int32, device=self.device)
-        self._tile_counters = torch.zeros(_cdiv(self.max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32,
-                                          device=self.device)
-        base = self.pool.ptr_table(f"{self.name}.partials")
-        self._dst_ptrs = [base + b * self._slot_elems * self.dtype.itemsize for b in range(self.num_buffers)]
-        if self.cuda_graphs:
-            self._epoch_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._flag_ptrs = self.pool.ptr_table(f"{self.name}.partials", signals=True)
-        # decomposed: cuBLAS output of the peers' chunks before the copy-engine push
-        self._staging = torch.empty(self.max_m if self.config.method == "decomposed" else 0, self.n,
-                                    dtype=self.dtype, device=self.device)
-        self._trace = None
+        self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, self.flags_per_source)
+        self.partials = pool.reserve(self.flags.region, (self.world_size * max_rows * n,), dtype,
+                                     num_signals=self.flags.num_signals,
+                                     num_device_flags=self.flags.num_device_flags, exclusive=True)
+        self.row_flags = pool.device_flags(self.flags.region)
+        protocol.initialise(pool, self.flags)
+        needs_staging = config.method in ("decomposed", "pair")
+        self._staging = torch.empty(max_m if needs_staging else 0, n, dtype=dtype, device=self.device)
+        self._bulk_staging = None
+        self._tile_counters = torch.zeros(_cdiv(max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
+        self._agree()
 
     # ----- public --------------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """out_shard [M/W, N] for a [M, K_local], w [K_local, N].
-
-        w is row-major, or the transpose view `weight.t()` of a row-major [N, K_local] (read in place).
-        """
-        self._validate(a, w)
+        """out_shard [M/W, N] for a [M, K_local], w [K_local, N]."""
+        self._check_inputs(a, w)
         m = a.shape[0]
-        with self._guard:
-            self._epoch += 1
-            out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-            if self.device.type == "cpu":
-                self._run_host(a, w, out)
-            elif self.config.method == "epilogue_reduce" and (m // self.world_size) % FLAG_BLOCK_M == 0:
-                self._run_epilogue_reduce(a, w, out)
-            elif self.config.method in ("fused", "epilogue_reduce"):
-                self._run_fused(a, w, out)
-            elif self.world_size == 2 and not self.config.num_comm_sms:
-                self._run_decomposed_pair(a, w, out)
-            else:
-                self._run_decomposed(a, w, out)
+        if self.config.method == "epilogue_reduce" and (m // self.world_size) % FLAG_BLOCK_M:
+            raise OpInputError(f"{self.name}: method epilogue_reduce needs M/W % {FLAG_BLOCK_M} == 0 (its own row "
+                               f"blocks may not straddle owners); M = {m}, W = {self.world_size}. Use a by_m "
+                               f"bucket with another method for this M")
+        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
+        self._begin(m)
+        self._execute((m, self.config.method), CallContext({"a": a, "w": w, "out": out}))
         return out
 
-    def check_errors(self) -> None:
-        """Raise SignalTimeout (on this rank) if a reduction wait expired; synchronises the device."""
-        if self.device.type != "cuda":
-            return
-        self.pool.check_errors()
-        code = int(self._errors[0].item())
-        if code:
-            self._errors.zero_()
-            self.pool.raise_if_peer_lost(f"{self.name}: partials of source rank {code - 1}")
-            self.pool.abort(1)  # tell every peer, so that no rank waits for a step that will not come
-            raise SignalTimeout(region=f"{self.name}.partials", index=code - 1, epoch=self._epoch,
-                                observed=-1, timeout_s=self.timeout_s, peer=code - 1, op=self.name)
+    def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
+        """(out_shard, work()) with the reduce-scatter's pushes overlapped with `work` (no SM for the pushes)."""
+        self._check_inputs(a, w)
+        m = a.shape[0]
+        if self._bulk_staging is None:
+            self._bulk_staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
+        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
+        ctx = CallContext({"a": a, "w": w, "out": out, "work": work, "result": None})
+        self._begin(m)
+        self._execute((m, "bulk"), ctx)
+        return out, ctx.values["result"]
 
-    def enable_trace(self, on: bool = True) -> None:
-        """Record CUDA events on the compute and reduction streams at each call (see `last_trace_ms`)."""
-        if self.device.type == "cuda":
-            self._trace = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on else None
-
-    def last_trace_ms(self) -> dict[str, float]:
-        """Spans of the last traced call (synchronises): `compute_ms` from the call's start to the end of its
-        GEMM work on the compute stream, `reduce_ms` the reduction stream (waits included), `total_ms`."""
-        start, gemm_end, reduce_start, end = self._trace
-        end.synchronize()
-        reduce_ms = reduce_start.elapsed_time(end)
-        return {"compute_ms": start.elapsed_time(gemm_end), "reduce_ms": reduce_ms, "comm_ms": reduce_ms,
-                "total_ms": start.elapsed_time(end)}
-
-    def _mark(self, index: int, stream) -> None:
-        if self._trace:
-            self._trace[index].record(stream)
-
-    @property
-    def epoch(self) -> int:
-        """Calls issued so far (the epoch the last call wrote into its flags)."""
-        return self._epoch
-
-    def close(self) -> None:
-        """Drop pool views and op buffers (the pool itself is owned by the caller)."""
-        self.partials = None
-        for attr in ("_staging", "_dst_ptrs", "_flag_ptrs", "_tile_counters"):
-            if hasattr(self, attr):
-                setattr(self, attr, None)
-
-    # ----- validation ------------------------------------------------------------------------------------
-    def _validate(self, a, w) -> None:
-        if self.partials is None or self.pool.closed:
-            raise OpInputError(f"{self.name} is closed (or its pool is)")
-        check_not_capturing(self.name, self.device, self.cuda_graphs)
-        check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
-        check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
-        check_divisible("M", a.shape[0], self.world_size, "the group size")
-        check_at_most("M", a.shape[0], self.max_m, "max_m of this op")
-
-    def _slots(self, rank: int, rows: int) -> torch.Tensor:
-        """[W, rows, N] view of `rank`'s buffer of this step (contiguous prefix of the slot area)."""
-        flat = self.pool.peer(f"{self.name}.partials", rank)[self._epoch % self.num_buffers]
-        return flat[:self.world_size * rows * self.n].view(self.world_size, rows, self.n)
+    def reduce_scatter(self, partials: torch.Tensor) -> torch.Tensor:
+        """out [M/W, N] = sum over ranks of their partials [M, N]'s rows of this rank: the comm of this op
+        alone (copy-engine pushes and the reduction kernel), for the k-factor and the benchmarks."""
+        self._check_live()
+        check_tensor("partials", partials, dtype=self.dtype, device=self.device, shape=(None, self.n))
+        m = partials.shape[0]
+        self._check_m(m)
+        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
+        self._begin(m)
+        self._execute((m, "comm_only"), CallContext({"partials": partials, "out": out}))
+        return out
 
     def owners(self) -> list[int]:
         """Ring order from rank + 1; the own chunk last (its reduction input needs no transfer)."""
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size + 1)]
 
-    # ----- CPU -----------------------------------------------------------------------------------------
-    def _run_host(self, a, w, out) -> None:
-        rows = a.shape[0] // self.world_size
-        region = f"{self.name}.partials"
-        for owner in self.owners():
-            partial = torch.mm(a[owner * rows:(owner + 1) * rows], w)
-            self._slots(owner, rows)[self.rank].copy_(partial)
-            self.pool.signal(region, self.rank * self.flags_per_source, self._epoch, rank=owner)
-        for src in range(self.world_size):
-            self.pool.wait(region, src * self.flags_per_source, self._epoch, timeout_s=self.timeout_s,
-                           peer=src, op=self.name)
-        out.copy_(self._slots(self.rank, rows).float().sum(dim=0))
+    def _check_inputs(self, a, w) -> None:
+        self._check_live()
+        check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
+        check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
+        self._check_m(a.shape[0])
 
-    # ----- CUDA ----------------------------------------------------------------------------------------
-    def _step_epoch(self, offset: int = 0):
-        """This call's epoch (+ offset) as the flag operations take it: host int, or device counter."""
-        if self.cuda_graphs:
-            return DeviceEpoch(self._epoch_counter, offset)
-        return self._epoch + offset
+    def _slots(self, rank: int, rows: int) -> torch.Tensor:
+        """[W, rows, N] view of `rank`'s slots (the contiguous prefix of its region)."""
+        flat = self.pool.peer(self.flags.region, rank)
+        return flat[:self.world_size * rows * self.n].view(self.world_size, rows, self.n)
 
-    def _begin_cuda(self, compute) -> None:
-        """Start of a CUDA call on `compute`: bump the device epoch and, with one buffer, wait until every
-        owner has reduced what this rank wrote into its slot last call."""
-        self._mark(0, compute)
-        if not self.cuda_graphs:
-            return
-        self._epoch_counter.add_(1)
-        for owner in range(self.world_size):
-            if owner != self.rank:
-                self.pool.wait(f"{self.name}.partials", self._reduced_flag0 + owner, self._step_epoch(-1),
-                               timeout_s=self.timeout_s, peer=owner, op=self.name)
-
-    def _reduce(self, rows: int, out: torch.Tensor, programs: int | None = None) -> None:
-        from kernels.flags import epoch_args
-        from kernels.gemm import reduce_partials_kernel
-        programs = programs or max(1, self.config.num_comm_sms or self.config.sm_margin or 8)
-        epoch, counter, device_epoch = epoch_args(self._step_epoch())
-        reduce_partials_kernel[(programs,)](
-            self._slots(self.rank, rows), out, self.pool.signals(f"{self.name}.partials"), self._errors,
-            rows, self.n, out.stride(0), self.world_size, epoch, self.flags_per_source,
-            FLAG_BLOCK_M, self.rank, int(self.timeout_s * 1e9),
-            WAIT=True, USE_TIMER=True, BLOCK_M=32, BLOCK_N=256, num_warps=4,
-            epoch_ptr=counter, DEVICE_EPOCH=device_epoch)
-        self._signal_reduced()
-
-    def _signal_reduced(self) -> None:
-        if self.cuda_graphs:  # our slots are free again: tell every source
-            for src in range(self.world_size):
-                if src != self.rank:
-                    self.pool.signal(f"{self.name}.partials", self._reduced_flag0 + self.rank,
-                                     self._step_epoch(), rank=src)
-
-    def _launch_gemm(self, a, w, out, epilogue: int) -> None:
-        """The persistent Triton GEMM with a scatter (EPILOGUE_SCATTER) or scatter-then-reduce
-        (EPILOGUE_SCATTER_REDUCE) epilogue, on the current stream, into this step's buffers."""
-        from kernels.flags import epoch_args
-        from kernels.gemm import EPILOGUE_SCATTER, persistent_gemm_kernel
-        from .triton_gemm import b_operand, choose_blocks, descriptor_ok, ensure_allocator
-
-        ensure_allocator()
-        m = a.shape[0]
+    # ----- programs ------------------------------------------------------------------------------------
+    def _build(self, key) -> Program:
+        m, schedule = key
+        program = Program(self.pool, op=self.name)
         rows = m // self.world_size
-        programs = self.num_sms - self.config.sm_margin
-        blocks = dataclasses.replace(choose_blocks(m, self.n, self.k_local, sm_count=programs),
-                                     block_m=FLAG_BLOCK_M)
-        b, ldb, b_transposed = b_operand(w)
-        epoch, counter, device_epoch = epoch_args(self._step_epoch())
-        scatter = epilogue == EPILOGUE_SCATTER
-        persistent_gemm_kernel[(programs,)](
-            a, b, out, m, self.n, self.k_local, a.stride(0), ldb, out.stride(0),
-            ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M if scatter else 0,
-            self._dst_ptrs[self._epoch % self.num_buffers], self._flag_ptrs, self._tile_counters,
-            rows, self.rank, epoch, self.flags_per_source,
-            BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-            EPILOGUE=epilogue, USE_DESCRIPTORS=descriptor_ok(a, b), B_TRANSPOSED=b_transposed,
-            # warp specialisation stays off with the scatter epilogues: their barrier + release atomics
-            # inside a specialised partition have not been run on a GPU
-            WARP_SPECIALIZE=False, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-            error_ptr=self._errors, timeout_ns=int(self.timeout_s * 1e9), epoch_ptr=counter,
-            DEVICE_EPOCH=device_epoch)
+        build = {"fused": self._fused, "epilogue_reduce": self._epilogue_reduce, "decomposed": self._decomposed,
+                 "pair": self._pair, "bulk": self._bulk, "comm_only": self._comm_only}[schedule]
+        build(program, m, rows)
+        return program
 
-    def _run_epilogue_reduce(self, a, w, out) -> None:
-        from kernels.gemm import EPILOGUE_SCATTER_REDUCE
+    def _peers(self) -> list[int]:
+        return self.owners()[:-1]
 
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
-        self._launch_gemm(a, w, out, EPILOGUE_SCATTER_REDUCE)
-        for index in (1, 2, 3):  # one stream: the reduction is inside the GEMM
-            self._mark(index, compute)
-        self._signal_reduced()
+    def _take_free(self, program: Program, lane: str) -> None:
+        for owner in self._peers():
+            program.take(lane, self.flags.free(owner), peer=owner)
 
-    def _run_fused(self, a, w, out) -> None:
-        from kernels.gemm import EPILOGUE_SCATTER
+    def _give_free(self, program: Program, lane: str) -> None:
+        for source in self._peers():
+            program.give(lane, self.flags.free(self.rank), source)
 
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
-        self._reduce_stream.wait_stream(compute)
-        self._launch_gemm(a, w, out, EPILOGUE_SCATTER)
-        self._mark(1, compute)
-        with torch.cuda.stream(self._reduce_stream):
-            self._mark(2, self._reduce_stream)
-            self._reduce(a.shape[0] // self.world_size, out)
-        compute.wait_stream(self._reduce_stream)
-        self._mark(3, compute)
+    def _scatter(self, rows: int) -> Scatter:
+        return Scatter(dst_ptrs=self.pool.ptr_table(self.flags.region),
+                       flag_ptrs=self.pool.ptr_table(self.flags.region, device_flags=True),
+                       tile_counters=self._tile_counters, rows_per_rank=rows, src_rank=self.rank,
+                       flags_per_source=self.flags_per_source, error_words=self.pool.error_words(),
+                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
-    def _run_decomposed(self, a, w, out) -> None:
-        from kernels.flags import launch_signal_range
+    def _gemm_blocks(self, m: int, programs: int):
+        return dataclasses.replace(choose_blocks(m, self.n, self.k_local, device_type=self.device.type,
+                                                 warp_specialize=False, sm_count=programs), block_m=FLAG_BLOCK_M)
 
-        rows = a.shape[0] // self.world_size
-        compute = torch.cuda.current_stream(self.device)
-        self._begin_cuda(compute)
-        self._reduce_stream.wait_stream(compute)
-        with sm_carveout(self.config.sm_margin):
-            for owner in self.owners():
-                chunk = a[owner * rows:(owner + 1) * rows]
-                if owner == self.rank:
-                    torch.mm(chunk, w, out=self._slots(owner, rows)[self.rank])
-                    launch_signal_range(self.pool.peer_signals(f"{self.name}.partials", owner),
-                                        self.rank * self.flags_per_source, self.flags_per_source,
-                                        self._step_epoch())
-                    continue
-                staged = torch.mm(chunk, w, out=self._staging[owner * rows:(owner + 1) * rows])
-                self._push_rows(staged, owner, compute, pair=False)
-        self._mark(1, compute)
-        with torch.cuda.stream(self._reduce_stream):
-            self._mark(2, self._reduce_stream)
-            self._reduce(rows, out)
-        compute.wait_stream(self._reduce_stream)
-        compute.wait_stream(self._comm_stream)
-        self._mark(3, compute)
+    def _used_row_flags(self, rows: int) -> torch.Tensor:
+        """The device flags a call of `rows` rows per rank sets on this owner, [W, used] (for the host driver)."""
+        used = ((self.rank + 1) * rows - 1) // FLAG_BLOCK_M - (self.rank * rows) // FLAG_BLOCK_M + 1
+        return self.row_flags.view(self.world_size, self.flags_per_source)[:, :used]
+
+    def _fused(self, program: Program, m: int, rows: int) -> None:
+        programs = num_sms(self.device) - self.config.sm_margin
+        blocks, scatter = self._gemm_blocks(m, programs), self._scatter(rows)
+        self._take_free(program, COMPUTE)
+        offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
+        program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx.a, w=ctx.w, out=self._slots(self.rank, rows)[0],
+                                                     num_programs=programs, blocks=blocks, epilogue=1,
+                                                     tile_row_offset=offset, scatter=scatter))
+        if self.device.type == "cpu":
+            program.await_device(REDUCE, self._used_row_flags(rows))
+        program.run(REDUCE, lambda ctx: self._reduce(ctx.out, rows, wait=True))
+        program.clear(REDUCE, self.row_flags)
+        self._give_free(program, REDUCE)
+
+    def _epilogue_reduce(self, program: Program, m: int, rows: int) -> None:
+        programs = num_sms(self.device) - self.config.sm_margin
+        blocks, scatter = self._gemm_blocks(m, programs), self._scatter(rows)
+        self._take_free(program, COMPUTE)
+        program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx.a, w=ctx.w, out=ctx.out, num_programs=programs,
+                                                     blocks=blocks, epilogue=2, scatter=scatter))
+        program.clear(COMPUTE, self.row_flags)
+        self._give_free(program, COMPUTE)
+
+    def _reduce(self, out: torch.Tensor, rows: int, *, wait: bool) -> None:
+        launch_reduce(partials=self._slots(self.rank, rows), out=out, flags=self.row_flags,
+                      error_words=self.pool.error_words(),
+                      error_code_base=self.pool.device_error_code(self.flags.region, 0), rows_per_rank=rows,
+                      world_size=self.world_size, flags_per_source=self.flags_per_source, gemm_block_m=FLAG_BLOCK_M,
+                      owner_rank=self.rank, num_programs=max(1, self.config.num_comm_sms), wait=wait,
+                      timeout_s=self.timeout_s)
+
+    def _push(self, program: Program, owner: int, rows: int, source) -> None:
+        """Copy-engine push of this rank's partial of `owner`'s rows into owner's slot, then pushed[me]."""
+        program.take(COMM, self.flags.free(owner), peer=owner)
+        program.copy(COMM, self._slots(owner, rows)[self.rank], source)
+        program.give(COMM, self.flags.pushed(self.rank), owner)
+
+    def _take_pushed(self, program: Program, lane: str) -> None:
+        for source in self._peers():
+            program.take(lane, self.flags.pushed(source), peer=source)
+
+    def _decomposed(self, program: Program, m: int, rows: int) -> None:
+        margin = self.config.sm_margin
+        for owner in self.owners():
+            lo = owner * rows
+            if owner == self.rank:
+                program.run(COMPUTE, _mm_into(lo, rows, lambda ctx, o=owner: self._slots(o, rows)[self.rank], margin))
+                program.record(COMPUTE, "own")
+                continue
+            staged = self._staging[lo:lo + rows]
+            program.run(COMPUTE, _mm_into(lo, rows, lambda ctx, s=staged: s, margin))
+            program.record(COMPUTE, f"staged{owner}")
+            program.after(COMM, f"staged{owner}")
+            self._push(program, owner, rows, staged)
+        self._take_pushed(program, REDUCE)
+        program.after(REDUCE, "own")
+        program.run(REDUCE, lambda ctx: self._reduce(ctx.out, rows, wait=False))
+        self._give_free(program, REDUCE)
+
+    def _pair(self, program: Program, m: int, rows: int) -> None:
+        peer, margin = 1 - self.rank, self.config.sm_margin
+        staged = self._staging[:rows]
+        program.run(COMPUTE, _mm_into(peer * rows, rows, lambda ctx: staged, margin))
+        program.record(COMPUTE, "staged")
+        program.after(COMM, "staged")
+        self._push(program, peer, rows, staged)
+        program.run(COMPUTE, _mm_into(self.rank * rows, rows, lambda ctx: ctx.out, margin))
+        program.take(COMPUTE, self.flags.pushed(peer), peer=peer)
+        slot = self._slots(self.rank, rows)[peer]
+        program.run(COMPUTE, lambda ctx: ctx.out.add_(slot))
+        self._give_free(program, COMPUTE)
+
+    def _bulk(self, program: Program, m: int, rows: int) -> None:
+        staged = self._bulk_staging[:m]
+        program.run(COMPUTE, lambda ctx: torch.mm(ctx.a, ctx.w, out=staged))
+        program.record(COMPUTE, "staged")
+        program.after(COMM, "staged")
+        for owner in self._peers():
+            self._push(program, owner, rows, self._bulk_staging[owner * rows:(owner + 1) * rows])
+        program.run(COMPUTE, lambda ctx: ctx.values.__setitem__("result", ctx.work()))
+        self._take_pushed(program, COMPUTE)
+        own, slots = self._bulk_staging[self.rank * rows:(self.rank + 1) * rows], self._slots(self.rank, rows)
+        peers = self._peers()
+        program.run(COMPUTE, lambda ctx: _sum_into(ctx.out, own, [slots[s] for s in peers]))
+        self._give_free(program, COMPUTE)
+
+    def _comm_only(self, program: Program, m: int, rows: int) -> None:
+        own = self._slots(self.rank, rows)[self.rank]
+        program.copy(COMPUTE, own, lambda ctx: ctx.partials[self.rank * rows:(self.rank + 1) * rows])
+        program.record(COMPUTE, "own")
+        for owner in self._peers():
+            self._push(program, owner, rows, lambda ctx, o=owner: ctx.partials[o * rows:(o + 1) * rows])
+        self._take_pushed(program, REDUCE)
+        program.after(REDUCE, "own")
+        program.run(REDUCE, lambda ctx: self._reduce(ctx.out, rows, wait=False))
+        self._give_free(program, REDUCE)
+
+    def _release(self) -> None:
+        self.partials = self.row_flags = self._staging = self._bulk_staging = None
+
+
+def _mm_into(lo: int, rows: int, dst, margin: int):
+    """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS limited to num_sms - margin SMs)."""
+    def mm(ctx) -> None:
+        with sm_carveout(margin):
+            torch.mm(ctx.a[lo:lo + rows], ctx.w, out=dst(ctx))
+    return mm
+
+
+def _sum_into(out: torch.Tensor, own: torch.Tensor, others: list[torch.Tensor]) -> None:
+    if len(others) == 1:
+        torch.add(own, others[0], out=out)
+        return
+    total = own.float()
+    for other in others:
+        total += other
+    out.copy_(total)
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, op: GemmRs) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""Persistent symmetric memory: one allocation per rank, exchanged once, named regions and epoch flags."""
+"""Persistent symmetric memory: one allocation and one control page per rank, exchanged once, named regions,
+control flags that streams wait on without an SM, bounded by a watchdog."""
 
+from ._waits import ArgumentMismatch
 from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
-                     SignalTimeout)
-from kernels.epoch import DeviceEpoch
-
+                     PoolTimeoutError, SignalTimeout)
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
-__all__ = ["SymmetricPool", "DeviceEpoch", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
-           "SignalTimeout", "PeerLostError", "PeerAbortError", "live_pool_count"]
+__all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
+           "PoolTimeoutError", "SignalTimeout", "PeerLostError", "PeerAbortError", "ArgumentMismatch",
+           "live_pool_count"]

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 
 class Backend:
-    """Subclasses fill `self._buffers` (one uint8 tensor per group rank) and `handles_open`, and implement
-    `barrier(timeout_s)` and `close()`."""
+    """Subclasses fill `self._buffers` (one uint8 tensor per group rank: the arena and the device flag words)
+    and `handles_open`, and implement `close()`."""
 
     name = "?"
 

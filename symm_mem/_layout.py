@@ -1,5 +1,26 @@
-"""The layout every rank's pool allocation shares: alignment, reserved signal words, region records, and
-which backend serves a device."""
+"""The layout every rank's pool shares: alignment, the control page's words, region records, and which
+backend serves a device.
+
+A pool has two kinds of flag words:
+
+* **control words** live in a small host page per rank (an anonymous memfd that every rank of the node
+  maps; on CUDA also registered with the driver, so a stream can wait on it and write it with memory
+  operations that need no SM). Every flag that a copy-engine copy or another flag waits for is a control
+  word. Because they are host memory, the pool's watchdog thread reads them and releases a stuck wait with
+  a plain store, and every rank can write any rank's abort word without a CUDA call.
+* **device words** live after the data arena of the symmetric allocation; kernels poll them (a persistent
+  GEMM's scatter epilogue releases one per row block, the reduction waits for them).
+
+Control page of one rank (int32 words):
+
+    [0] ERROR_CODE   first failure seen by this rank: the word that a wait expired on (CODE_* below), or 0
+    [1] ERROR_VALUE  the value that wait expected
+    [2] ABORT        set by the rank that gives up, in every rank's page:
+                     (aborting rank + 1) | reason << 8 | (lost rank + 1) << 16
+    [3..15]          reserved
+    [16, 16 + n)     control flags of the regions (n = num_control_words)
+    [16 + n, 16 + 2n) the board: board[i] is 1 while this rank's stream waits on control flag i
+"""
 
 from __future__ import annotations
 
@@ -9,14 +30,32 @@ import torch
 
 from .errors import PoolError
 
-__all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_WORD", "FIRST_FLAG_WORD", "PoolStats", "Region",
-           "align", "resolve_backend"]
+__all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "FIRST_FLAG_WORD",
+           "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
+           "encode_abort", "decode_abort"]
 
 ALIGN_BYTES = 256
-ERROR_WORD = 0        # device waits: [code, expected epoch] of the first wait that expired
-ABORT_WORD = 2        # (aborting rank + 1) | reason << 8, written into every rank by `abort()`
-FIRST_FLAG_WORD = 16  # words 0..15 are reserved for error reporting
+ERROR_CODE_WORD = 0
+ERROR_VALUE_WORD = 1
+ABORT_WORD = 2
+FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
+DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")
+
+
+def control_page_words(num_control_words: int) -> int:
+    """Words of one rank's control page: the reserved words, the flags and their board."""
+    return FIRST_FLAG_WORD + 2 * num_control_words
+
+
+def encode_abort(rank: int, reason: int, lost: int | None = None) -> int:
+    return (rank + 1) | (reason << 8) | ((lost + 1 if lost is not None else 0) << 16)
+
+
+def decode_abort(word: int) -> tuple[int, int, int | None]:
+    """(aborting rank, reason, lost rank or None) of a nonzero abort word."""
+    lost = (word >> 16) & 0xFF
+    return (word & 0xFF) - 1, (word >> 8) & 0xFF, lost - 1 if lost else None
 
 
 @dataclass(frozen=True)
@@ -26,8 +65,10 @@ class Region:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    first_flag_word: int
-    num_signals: int
+    first_control_word: int   # in the control page
+    num_control: int
+    first_device_word: int    # in the device flag area
+    num_device_flags: int
 
 
 @dataclass(frozen=True)
@@ -38,8 +79,10 @@ class PoolStats:
     bytes_total: int
     bytes_reserved: int
     num_regions: int
-    signal_words_reserved: int
+    control_words_reserved: int
+    device_words_reserved: int
     handles_open: int
+    host_registrations: int
 
 
 def align(n: int, a: int = ALIGN_BYTES) -> int:

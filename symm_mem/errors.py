@@ -1,62 +1,62 @@
-"""Exceptions raised by the pools (symmetric memory and IPC)."""
+"""Exceptions raised by the symmetric pools (the bases come from `ipc.errors`)."""
 
-__all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "SignalTimeout", "PeerLostError",
-           "PeerAbortError", "ABORT_REASONS"]
+from ipc.errors import PoolClosedError, PoolError
 
-
-class PoolError(RuntimeError):
-    """Misuse of a pool: wrong arguments, wrong backend for the device, double use."""
+__all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError", "SignalTimeout",
+           "PeerLostError", "PeerAbortError", "ABORT_REASONS"]
 
 
 class PoolCapacityError(PoolError):
-    """A region does not fit into what is left of the pool."""
+    """A region does not fit into what is left of the pool; `knob` names the constructor argument to raise."""
 
-    def __init__(self, region: str, bytes_asked: int, bytes_left: int, bytes_total: int):
-        self.region, self.bytes_asked, self.bytes_left = region, bytes_asked, bytes_left
-        super().__init__(
-            f"region {region!r} needs {bytes_asked} bytes but the pool has {bytes_left} of "
-            f"{bytes_total} bytes left; create the pool with a larger size_bytes"
-        )
+    def __init__(self, region: str, asked: int, left: int, total: int, *, unit: str = "bytes",
+                 knob: str = "size_bytes"):
+        self.region, self.asked, self.left, self.total, self.knob = region, asked, left, total, knob
+        super().__init__(f"region {region!r} needs {asked} {unit} but the pool has {left} of {total} {unit} "
+                         f"left; create the pool with a larger {knob} (see overlap.layers.pool_requirements)")
 
 
-class PoolClosedError(PoolError):
-    """The pool (or IPC pool) was used after close()."""
+class PoolTimeoutError(PoolError, TimeoutError):
+    """A collective step of a pool (creation, barrier) did not complete within timeout_s; names who is missing."""
+
+    def __init__(self, what: str, missing: list[int], timeout_s: float):
+        self.what, self.missing, self.timeout_s = what, list(missing), timeout_s
+        super().__init__(f"{what}: ranks {self.missing} of the group did not arrive within {timeout_s:.3g} s")
 
 
 class SignalTimeout(TimeoutError):
-    """A bounded wait for an epoch flag expired.
+    """A bounded wait for a flag expired: names the region/flag, the value awaited, the value seen and,
+    where known, the peer rank expected to write it and the op."""
 
-    Carries which region/flag was waited on, the epoch expected, the value seen and, where known, the
-    peer rank expected to write it.
-    """
-
-    def __init__(self, *, region: str, index: int, epoch: int, observed: int, timeout_s: float,
+    def __init__(self, *, region: str, index: int, expected: int, observed: int, timeout_s: float,
                  peer: int | None = None, op: str | None = None):
-        self.region, self.index, self.epoch, self.observed = region, index, epoch, observed
+        self.region, self.index, self.expected, self.observed = region, index, expected, observed
         self.timeout_s, self.peer, self.op = timeout_s, peer, op
         who = f" from peer rank {peer}" if peer is not None else ""
         what = f"{op}: " if op else ""
-        super().__init__(
-            f"{what}timed out after {timeout_s:.3g} s waiting{who} for flag {region}[{index}] >= {epoch} "
-            f"(last value {observed})"
-        )
+        super().__init__(f"{what}timed out after {timeout_s:.3g} s waiting{who} for flag {region}[{index}] "
+                         f">= {expected} (last value {observed})")
 
 
-ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted"}
+ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted",
+                 4: "a call's arguments differed between ranks"}
 
 
 class PeerLostError(RuntimeError):
     """A peer rank's process is gone (killed or crashed) while this rank depended on it."""
 
-    def __init__(self, rank: int, pid: int, *, waiting_for: str = ""):
+    def __init__(self, rank: int, pid: int | None, *, waiting_for: str = "", reported_by: int | None = None):
         self.rank, self.pid = rank, pid
         what = f" while waiting for {waiting_for}" if waiting_for else ""
-        super().__init__(f"lost rank {rank} (pid {pid}): its process exited{what}")
+        pid_text = f" (pid {pid})" if pid is not None else ""
+        by = f" (reported by rank {reported_by})" if reported_by is not None else ""
+        super().__init__(f"lost rank {rank}{pid_text}: its process exited{what}{by}")
 
 
 class PeerAbortError(RuntimeError):
-    """Another rank of the group gave up (timeout, lost peer) and told every rank to stop."""
+    """Another rank of the group gave up (timeout, bad arguments) and told every rank to stop."""
 
-    def __init__(self, rank: int, reason: int):
+    def __init__(self, rank: int, reason: int, detail: str = ""):
         self.rank, self.reason = rank, reason
-        super().__init__(f"rank {rank} aborted the group: {ABORT_REASONS.get(reason, f'reason {reason}')}")
+        text = ABORT_REASONS.get(reason, f"reason {reason}")
+        super().__init__(f"rank {rank} aborted the group: {text}{': ' + detail if detail else ''}")

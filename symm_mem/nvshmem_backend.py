@@ -66,19 +66,6 @@ class NvshmemBackend(Backend):
         ]
         self.handles_open = self.world_size - 1
 
-    def barrier(self, timeout_s: float) -> None:
-        import nvshmem.core as nvshmem
-        from nvshmem.core import Teams
-
-        del timeout_s  # nvshmem's barrier has no timeout: the host barrier first bounds it
-        # A host barrier of the group (bounded by the process group's timeout) before NVSHMEM's own, so a
-        # missing peer fails there instead of hanging the device barrier.
-        stream = _state["stream"]
-        torch.cuda.current_stream(self.device).synchronize()
-        dist.barrier(group=self.group)
-        nvshmem.barrier(Teams.TEAM_WORLD, stream=stream)
-        stream.sync()
-
     def close(self) -> None:
         import nvshmem.core as nvshmem
 

@@ -27,9 +27,6 @@ class TorchBackend(Backend):
     def buffer_ptrs(self) -> list[int]:
         return [int(p) for p in self._handle.buffer_ptrs]
 
-    def barrier(self, timeout_s: float) -> None:
-        self._handle.barrier(channel=0, timeout_ms=int(timeout_s * 1000))
-
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         self._buffers = []

@@ -1,0 +1,153 @@
+"""Stream memory operations: 32-bit waits and writes that a CUDA stream executes without an SM.
+
+A wait that gates a copy-engine copy or a signal must not be a kernel: a one-SM spin kernel cannot start
+while a persistent GEMM holds every SM, and the copy engine then idles behind it. `cuStreamBatchMemOp`
+enqueues waits and writes that the GPU's front end executes (~2 us of host time for a batch).
+
+Batches are built once (a ctypes array of `CUstreamBatchMemOpParams`) and enqueued many times, so a call
+costs one foreign-function call. The driver is reached through `libcuda.so.1` with ctypes
+(`cuStreamBatchMemOp_v2`, the version enabled on every platform); nothing here is imported on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import NamedTuple, Sequence
+
+__all__ = ["MemOp", "MemOpBatch", "MemOpError", "wait_eq", "wait_geq", "write", "host_register", "host_unregister",
+           "memcpy_async"]
+
+_OP_WAIT_VALUE_32 = 1
+_OP_WRITE_VALUE_32 = 2
+_WAIT_GEQ = 0
+_WAIT_EQ = 1
+_PARAMS_BYTES = 48  # sizeof(CUstreamBatchMemOpParams): a union padded to 6 x uint64
+_MAX_BATCH = 255    # the driver refuses 256 or more operations in one call
+_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
+
+
+class MemOpError(RuntimeError):
+    """The CUDA driver refused a stream memory operation (or the driver is not there)."""
+
+
+class MemOp(NamedTuple):
+    """`wait` until *address == value, `wait_geq` until (int32)(*address - value) >= 0, or `write` value
+    to *address (32-bit words, device addresses)."""
+    kind: str
+    address: int
+    value: int
+
+
+def wait_eq(address: int, value: int) -> MemOp:
+    return MemOp("wait", address, value)
+
+
+def wait_geq(address: int, value: int) -> MemOp:
+    return MemOp("wait_geq", address, value)
+
+
+def write(address: int, value: int) -> MemOp:
+    return MemOp("write", address, value)
+
+
+class _WaitWrite(ctypes.Structure):
+    # CUstreamMemOpWaitValueParams / ...WriteValueParams share this layout (offsets 0, 8, 16, 24, 32)
+    _fields_ = [("operation", ctypes.c_uint32), ("address", ctypes.c_uint64), ("value", ctypes.c_uint64),
+                ("flags", ctypes.c_uint32), ("alias", ctypes.c_uint64)]
+
+
+class _Params(ctypes.Union):
+    _fields_ = [("op", _WaitWrite), ("pad", ctypes.c_uint64 * 6)]
+
+
+assert ctypes.sizeof(_Params) == _PARAMS_BYTES
+
+
+class _Driver:
+    """The few libcuda entry points this module needs, resolved once per process."""
+
+    _lock = threading.Lock()
+    _instance: "_Driver | None" = None
+
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise MemOpError(f"libcuda.so.1 cannot be loaded ({exc}); stream memory operations need the "
+                             f"CUDA driver") from None
+        self.batch = lib.cuStreamBatchMemOp_v2
+        self.batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+        self.batch.restype = ctypes.c_int
+        self.memcpy = lib.cuMemcpyAsync
+        self.memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.memcpy.restype = ctypes.c_int
+        self.register = lib.cuMemHostRegister_v2
+        self.register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        self.register.restype = ctypes.c_int
+        self.unregister = lib.cuMemHostUnregister
+        self.unregister.argtypes = [ctypes.c_void_p]
+        self.unregister.restype = ctypes.c_int
+        self.device_pointer = lib.cuMemHostGetDevicePointer_v2
+        self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self.device_pointer.restype = ctypes.c_int
+
+    @classmethod
+    def get(cls) -> "_Driver":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _Driver()
+            return cls._instance
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise MemOpError(f"{what} failed with CUresult {code}")
+
+
+class MemOpBatch:
+    """Waits and writes enqueued together, in order, by one `cuStreamBatchMemOp` (built once).
+
+    Every write is fenced (the default flags): earlier work of the stream is visible before the value.
+    """
+
+    def __init__(self, ops: Sequence[MemOp]):
+        if not 0 < len(ops) <= _MAX_BATCH:
+            raise MemOpError(f"a batch holds 1..{_MAX_BATCH} operations, got {len(ops)}")
+        self.ops = tuple(ops)
+        self._array = (_Params * len(ops))()
+        for slot, op in zip(self._array, ops):
+            if op.kind not in ("wait", "wait_geq", "write"):
+                raise MemOpError(f"unknown memory operation {op.kind!r}")
+            slot.op.operation = _OP_WRITE_VALUE_32 if op.kind == "write" else _OP_WAIT_VALUE_32
+            slot.op.address = op.address
+            slot.op.value = op.value & 0xFFFFFFFF
+            slot.op.flags = {"wait": _WAIT_EQ, "wait_geq": _WAIT_GEQ, "write": 0}[op.kind]
+        self._pointer = ctypes.addressof(self._array)
+        self._count = len(ops)
+        self._driver = _Driver.get()
+
+    def enqueue(self, stream_handle: int) -> None:
+        """Enqueue on the CUDA stream with this raw handle (`torch.cuda.Stream.cuda_stream`)."""
+        code = self._driver.batch(stream_handle, self._count, self._pointer, 0)
+        if code:
+            raise MemOpError(f"cuStreamBatchMemOp of {self._count} operations ({self.ops[0]}, ...) failed "
+                             f"with CUresult {code}")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
+    """`cuMemcpyAsync` between device (or mapped) addresses: the copy engine, no torch dispatch."""
+    _check(_Driver.get().memcpy(dst, src, nbytes, stream_handle), f"cuMemcpyAsync of {nbytes} bytes")
+
+
+def host_register(address: int, nbytes: int) -> int:
+    """Page-lock and map host memory for the device; returns its device address."""
+    driver = _Driver.get()
+    _check(driver.register(address, nbytes, _HOST_REGISTER_PORTABLE_MAPPED), "cuMemHostRegister")
+    device_address = ctypes.c_uint64()
+    _check(driver.device_pointer(ctypes.byref(device_address), address, 0), "cuMemHostGetDevicePointer")
+    return device_address.value
+
+
+def host_unregister(address: int) -> None:
+    _check(_Driver.get().unregister(address), "cuMemHostUnregister")
