@@ -1,6 +1,6 @@
 """Sustained timing of training steps: blocks of back-to-back steps of one variant, with SM clock and power.
 
-The interleaved medians (overlap.timing) put a barrier and an L2 flush between steps. A training loop does
+The interleaved medians (launch.timing) put a barrier and an L2 flush between steps. A training loop does
 not pause, and on a power-capped GPU the variant that does the same work in less time draws more power and
 runs at a lower clock (results/NOTES.md, sixth session). Here every variant runs blocks of the same number
 of back-to-back steps (`seconds` at the fastest variant's interleaved median), two rounds in the order
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap.timing import Timer, barrier, progress
+from launch.timing import Timer, barrier, progress
 
 __all__ = ["GpuSampler", "sustained_blocks"]
 

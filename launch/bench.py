@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from overlap.config import load_config, load_preset
-from overlap.report import device_slug, format_table, write_results
-from overlap.shapes import M_VALUES, ShapePoint, ag_points, rs_points
+from launch.report import device_slug, format_table, write_results
+from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points
 
 from . import _dist
 

@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from overlap.report import device_slug, format_table, write_results
-from overlap.shapes import M_VALUES, ag_points, rs_points
-from overlap.timing import bench_interleaved, progress
+from launch.report import device_slug, format_table, write_results
+from launch.shapes import M_VALUES, ag_points, rs_points
+from launch.timing import bench_interleaved, progress
 from overlap.triton_gemm import GemmBlocks, choose_blocks, num_sms, triton_mm
 
 CANDIDATES = {

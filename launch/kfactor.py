@@ -6,7 +6,7 @@
         [--max-k 1.15] [--gate all|best] [--write-config configs/h200_tp2.yaml] [--out-dir results]
 
 Ops: `ag_gemm` and `gemm_rs` are swept over the grid (one row per shape x config, definitions of solo and
-overlapped in overlap/k_factor.py); `regimes` measures the seed's two regimes on the AG shapes: our
+overlapped in launch/k_factor.py); `regimes` measures the seed's two regimes on the AG shapes: our
 copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each next to the shape's GEMM
 ("gemm", compute-bound) and next to an RMSNorm over the gathered [M, H] repeated to last about as long
 as the CE gather ("membound").
@@ -44,11 +44,11 @@ from overlap import envs
 from overlap.ag_gemm import AgGemm
 from overlap.config import METHODS, OverlapConfig, dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
-from overlap.k_factor import LATE_START_MS, inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
+from launch.k_factor import LATE_START_MS, inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
-from overlap.report import device_slug, format_table, write_results
-from overlap.shapes import M_VALUES, ShapePoint, ag_points, rs_points
-from overlap.timing import bench_interleaved, progress
+from launch.report import device_slug, format_table, write_results
+from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points
+from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist

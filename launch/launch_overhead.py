@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from overlap.report import device_slug, format_table, write_results
+from launch.report import device_slug, format_table, write_results
 
 N = 2000
 

@@ -1,5 +1,5 @@
 """AG+GEMM and GEMM+RS benchmarks: ours (each method) next to NCCL-then-GEMM, PyTorch async-TP, GEMM
-alone and communication alone, timed in one interleaved run per shape point (overlap.timing).
+alone and communication alone, timed in one interleaved run per shape point (launch.timing).
 
 One row per (point, method[, sm_margin]); every row carries the point's baselines, so
 E = T_ideal / T and the speedups can be read off each row. Correctness is checked before timing.
@@ -26,8 +26,8 @@ from overlap.ag_gemm import AgGemm
 from overlap.config import OpConfig
 from overlap.gemm_rs import GemmRs
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
-from overlap.shapes import ShapePoint
-from overlap.timing import bench_interleaved, progress
+from launch.shapes import ShapePoint
+from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from ._dist import DistContext

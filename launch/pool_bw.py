@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import envs
-from overlap.timing import bench_interleaved, progress
+from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from ._dist import DistContext

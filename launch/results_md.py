@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from overlap.report import format_table
+from launch.report import format_table
 
 SECTIONS = [  # (file prefix, title, columns)
     ("pool_bw", "Pool peer-read bandwidth (copy-engine pull) vs AllGather",

@@ -8,11 +8,11 @@ For every (model, M): builds the MLP from the model dims (--model, else the pres
 llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
 GPU name and TP size); checks output and gradients against the `overlap=False` module once; then times
 training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on CUDA, PyTorch's async-TP
-fused ops, interleaved (overlap.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
+fused ops, interleaved (launch.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
 its spans inside a step (CUDA streams; CPU: host clock on the caller's and the comm thread) over the op's
 solo comm / GEMM times. Prints a table on rank 0 and writes
 results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
-with gloo and the host pool. --cuda-graphs (CUDA) builds ours with cuda_graphs=True and times each
+with gloo and the host pool. --cuda-graphs (CUDA) times each
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
 columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
 one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 
 from overlap import envs
-from overlap.config import MODELS, ModelConfig, load_config, load_preset
+from overlap.config import MODELS, ModelConfig
+from overlap.presets import load_config, load_preset
 from overlap.layers import TPMLP, pool_requirements
-from overlap.report import device_slug, format_table, write_results
-from overlap.timing import barrier, bench_interleaved, progress
+from launch.report import device_slug, format_table, write_results
+from launch.k_factor import KFactor
+from launch.timing import barrier, bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
@@ -168,9 +170,11 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
         op.enable_trace(False)
     medians = _max_over_ranks([statistics.median(v) for key in keys for v in spans[key]], ctx)
     out = {}
-    for i, key in enumerate(keys):
-        out[f"k_comm_{key}"] = medians[2 * i] / solo[f"comm_{key}"]
-        out[f"k_comp_{key}"] = medians[2 * i + 1] / solo[f"gemm_{key}"]
+    for i, key in enumerate(keys):  # the one k definition (launch/k_factor.py)
+        kf = KFactor.from_times(t_comm_solo=solo[f"comm_{key}"], t_comp_solo=solo[f"gemm_{key}"],
+                                t_comm_overlap=medians[2 * i], t_comp_overlap=medians[2 * i + 1],
+                                t_total=medians[2 * i + 1])
+        out[f"k_comm_{key}"], out[f"k_comp_{key}"] = kf.k_comm, kf.k_comp
     return out
 
 
@@ -232,8 +236,7 @@ def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
 def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
     dtype = DTYPES[args.dtype]
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
-    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}",
-                                   cuda_graphs=args.cuda_graphs, **common)
+    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
     mlps = {"overlap": ours}
     for name in baselines:
         mlps[name if name != "nccl" else "baseline"] = TPMLP.from_model_config(
@@ -326,14 +329,14 @@ def main(argv=None) -> int:
                         raise SystemExit(f"{model.name}: {what}={value} is not divisible by the TP size "
                                          f"{ctx.world_size}")
         needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype],
-                                   cuda_graphs=args.cuda_graphs)
+                                   chunks_per_rank=cfg.op_config("ag_gemm", m).chunks_per_rank)
                  for mo in models for m in tokens]
-        pool_bytes, signal_words = sum(n[0] for n in needs), sum(n[1] for n in needs) + 64
+        pool_bytes, signal_words, device_words = (sum(column) for column in zip(*needs))
         progress(f"tp_mlp: {len(models) * len(tokens)} point(s) on {ctx.world_size} x {ctx.device_name}, "
                  f"preset {cfg.source}, pool {pool_bytes / 2**20:.1f} MiB", rank=ctx.rank)
         rows = []
         with SymmetricPool(pool_bytes, group=ctx.group, device=ctx.device, num_signal_words=signal_words,
-                           timeout_s=envs.timeout_s()) as pool:
+                           num_device_words=device_words, timeout_s=envs.timeout_s()) as pool:
             for model in models:
                 for m in tokens:
                     row = run_point(ctx, model, m, cfg, pool, args, baselines)

@@ -51,6 +51,8 @@ class OpBase:
         self._closed = False
         self._guard = CallGuard(name, self.device)
         self._streams: dict[str, torch.cuda.Stream] = {}
+        self._trace = False
+        self._last_key = None
 
     def _agree(self) -> None:
         """After the region is reserved and its flags initialised: every rank built the same op."""
@@ -86,7 +88,9 @@ class OpBase:
             program = self._build(key)
             driver = CudaDriver(program, self._side_streams(program.lanes)) if self.device.type == "cuda" \
                 else HostDriver(program)
+            driver.enable_trace(self._trace)
             self._drivers[key] = driver
+        self._last_key = key
         return driver
 
     def _side_streams(self, lanes) -> dict:
@@ -106,6 +110,22 @@ class OpBase:
             self.pool.end_call()
         if self.device.type == "cpu":  # a peer that gave up during this call: raise on this call
             self.pool.raise_if_failed()
+
+    # ----- tracing (k-factors) --------------------------------------------------------------------------
+    def enable_trace(self, on: bool = True) -> None:
+        """Time each later call's lanes: CUDA events on the compute and side streams, or host clocks on the
+        CPU threads (see `last_trace_ms`)."""
+        self._trace = on
+        for driver in self._drivers.values():
+            driver.enable_trace(on)
+
+    def last_trace_ms(self) -> dict[str, float]:
+        """Spans of the last traced call, ms (synchronises): `compute_ms` the whole call on the compute stream
+        (waits included), `<lane>_ms` each side lane (`comm_ms` the pulls or pushes, `reduce_ms`)."""
+        driver = self._drivers.get(self._last_key)
+        if driver is None or driver.trace is None:
+            raise OpInputError(f"{self.name}: no traced call yet (enable_trace() first)")
+        return {f"{lane}_ms": ms for lane, ms in driver.trace_ms().items()}
 
     # ----- lifecycle ------------------------------------------------------------------------------------
     @property

@@ -3,24 +3,25 @@
 Four ops (namespace `tp_overlap`), each taking an int `layer_id` that names a `LayerOps` in a process-local
 registry (op contexts hold pools and streams, which cannot be op arguments):
 
-    column_forward(x [M/W, H], w [H, L], id)            -> y [M, L], gathered [M, H], stamp (int64 CPU scalar)
-    column_backward(dy [M, L], gathered, stamp, w, id)  -> dx [M/W, H] = RS(dy @ w^T), dw [H, L] = gathered^T @ dy
-                                                           (with gemm_rs.bulk_wgrad the RS overlaps the dw GEMM)
-    row_forward(x [M, L], w [L, H], id)                  -> y [M/W, H] = RS(x @ w)
-    row_backward(dy [M/W, H], x, w, id)                  -> dx [M, L] = AG(dy) @ w^T, dw [L, H] = x^T @ AG(dy)
-                                                           (with ag_gemm.lead_wgrad the AG overlaps the dw
-                                                           GEMM of this rank's rows)
+    column_forward(x [M/W, H], w [H, L], id)          -> y [M, L], saved [M, H] or [0, H], stamp (int64 CPU scalar)
+    column_backward(dy [M, L], saved, stamp, w, id)   -> dx [M/W, H] = RS(dy @ w^T), dw [H, L] = gathered^T @ dy
+                                                         (role fc1_dgrad, bulk_wgrad: the RS overlaps the dw GEMM)
+    row_forward(x [M, L], w [L, H], id)                -> y [M/W, H] = RS(x @ w)
+    row_backward(dy [M/W, H], x, w, id)                -> dx [M, L] = AG(dy) @ w^T, dw [L, H] = x^T @ AG(dy)
+                                                         (role fc2_dgrad, lead_wgrad: the AG overlaps the dw
+                                                         GEMM of this rank's rows)
 
 `H` is the model width (sequence-sharded side), `L` the rank-local width. Each layer owns one AllGather+GEMM
 and one GEMM+ReduceScatter: column = AG in forward, RS in backward; row = RS in forward, AG in backward.
 The ops are opaque to torch.compile (fake impls give shapes), so `torch.compile(..., fullgraph=True)` works,
 and their outputs are valid on the caller's current stream when they return (CUDA), or at once (CPU).
 
-Saved gathered input (column layers): `save_gathered="view"` keeps the AgGemm pool view (no copy). It
-stays valid until the op's second-next call, i.e. two forwards may be pending before their backwards (the
-double buffer; one with `cuda_graphs=True`, which has a single buffer); `stamp` carries the forward's epoch so a backward that finds its input overwritten raises
-instead of producing wrong gradients. `save_gathered="copy"` clones it (one [M, H] copy per forward) for
-schedules with more pending forwards (pipeline micro-batches, recompute).
+The gathered input a column layer's weight grad needs: `save_gathered="view"` keeps it in the AgGemm's pool
+region (no copy) and passes an empty `saved` tensor through autograd, so no output of an op aliases pool
+memory (what CUDA-graph trees, `torch.compile(mode="reduce-overhead")`, require); it stays valid until the
+op's next forward call, and `stamp` (the forward's call number) makes a backward that finds it overwritten
+raise instead of producing wrong gradients. `save_gathered="copy"` clones it (one [M, H] copy per forward)
+for schedules with several forwards pending (pipeline micro-batches, recompute).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _NEXT_ID = itertools.count(1)
 class LayerOps:
     """The two communicating GEMMs of one layer on one backend; subclasses implement `ag_gemm`/`gemm_rs`.
 
-    ag_gemm(x [M/W, H], w [H, L]) -> (out [M, L], gathered x [M, H], epoch);  gemm_rs(a [M, L], w [L, H]).
+    ag_gemm(x [M/W, H], w [H, L]) -> (out [M, L], saved [M, H] or [0, H], stamp); gemm_rs(a [M, L], w [L, H]).
     """
     world_size: int
     name: str = "layer"  # the owning layer's name, for messages (set by the layer)
@@ -55,6 +56,14 @@ class LayerOps:
     def gemm_rs(self, a, w):
         raise NotImplementedError
 
+    def gathered(self, saved: torch.Tensor, stamp: int, m: int) -> torch.Tensor:
+        """The gathered input [m, H] of the forward that returned (saved, stamp)."""
+        return saved
+
+    def saved_rows(self, m: int) -> int:
+        """Rows of the `saved` tensor column_forward returns for M = m (its fake impl needs them)."""
+        return m
+
     def gemm_rs_bulk(self, a, w, work):
         """(gemm_rs(a, w), work()): backends that can overlap the reduce-scatter with `work` do."""
         return self.gemm_rs(a, w), work()
@@ -64,50 +73,71 @@ class LayerOps:
         grad_x, dy_full, _ = self.ag_gemm(dy, w, keep=False)
         return grad_x, torch.mm(x.t(), dy_full)
 
-    def check_saved(self, epoch: int) -> None:
-        """Raise if the gathered input saved at `epoch` has been overwritten (pool-backed backends)."""
-
     def close(self) -> None:
         pass
 
 
 class OverlapLayerOps(LayerOps):
-    """Our AgGemm + GemmRs contexts (pool regions `<ag_name>.a`, `<rs_name>.partials`)."""
+    """Our AgGemm + GemmRs contexts (pool regions `<ag_name>.a`, `<rs_name>.partials`) and the layer's role
+    settings (`bulk_wgrad` of a column layer's fc1_dgrad, `lead_wgrad` of a row layer's fc2_dgrad)."""
 
     def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
-                 ag_name: str, rs_name: str, save_gathered: str = "view", cuda_graphs: bool = False):
+                 ag_name: str, rs_name: str, save_gathered: str = "view", bulk_wgrad: bool = False,
+                 lead_wgrad: bool = False):
         from .ag_gemm import AgGemm
         from .gemm_rs import GemmRs
 
         if save_gathered not in SAVE_GATHERED:
             raise OpInputError(f"save_gathered={save_gathered!r}; allowed: {' | '.join(SAVE_GATHERED)}")
+        ag_config = config.op_config("ag_gemm", max_m)
+        if lead_wgrad and ag_config.method != "decomposed":
+            raise OpInputError(f"roles.fc2_dgrad.lead_wgrad needs ops.ag_gemm.method decomposed (the lead runs in "
+                               f"place of its lead GEMM); this preset has {ag_config.method}")
         self.world_size = dist.get_world_size(group)
-        self.save_gathered = save_gathered
+        self.save_gathered, self.bulk_wgrad, self.lead_wgrad = save_gathered, bulk_wgrad, lead_wgrad
         self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
-                         config=config.op_config("ag_gemm", max_m), name=ag_name, cuda_graphs=cuda_graphs)
-        self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
-                         config=config.op_config("gemm_rs", max_m), name=rs_name, cuda_graphs=cuda_graphs)
+                         config=ag_config, name=ag_name)
+        try:
+            self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
+                             config=config.op_config("gemm_rs", max_m), name=rs_name)
+        except BaseException:
+            self.ag.close()
+            raise
 
     def ag_gemm(self, x, w, *, keep: bool):
         out, gathered = self.ag(x, w, return_gathered=True)
-        if keep:
-            gathered = gathered.clone() if self.save_gathered == "copy" else _own_version_alias(gathered)
-        return out, gathered, self.ag.epoch
+        if keep and self.save_gathered == "copy":
+            return out, gathered.clone(), self.ag.calls
+        return out, gathered.new_empty(0, gathered.shape[1]) if keep else gathered, self.ag.calls
+
+    def saved_rows(self, m: int) -> int:
+        return m if self.save_gathered == "copy" else 0
+
+    def gathered(self, saved: torch.Tensor, stamp: int, m: int) -> torch.Tensor:
+        if self.save_gathered == "copy":
+            return saved
+        later = self.ag.calls - stamp
+        if later:
+            raise OpInputError(
+                f"{self.name}: the gathered input saved by a forward was overwritten by {later} later forward(s) "
+                f"before its backward ran (the pool keeps one); build the layer with save_gathered='copy' for "
+                f"schedules with several forwards pending")
+        return self.ag.gathered[:m]
 
     def gemm_rs(self, a, w):
         return self.rs(a, w)
 
     def gemm_rs_bulk(self, a, w, work):
-        if self.rs.config.bulk_wgrad:
+        if self.bulk_wgrad:
             return self.rs.bulk(a, w, work)
         return super().gemm_rs_bulk(a, w, work)
 
     def ag_gemm_wgrad(self, dy, w, x):
-        if not self.ag.config.lead_wgrad:
+        if not self.lead_wgrad:
             return super().ag_gemm_wgrad(dy, w, x)
-        # lead_wgrad: the weight grad of this rank's rows of dy overlaps the pulls, the input-grad GEMM
-        # runs whole (cuBLAS's fast kernel for all M rows), the other rows' weight grad is accumulated
-        # onto the lead's in the GEMM epilogue (beta = 1, in place: no extra pass over dw)
+        # lead_wgrad: the weight grad of this rank's rows of dy overlaps the pulls, the input-grad GEMM runs
+        # whole (cuBLAS's fast kernel for all M rows), the other rows' weight grad is accumulated onto the
+        # lead's in the GEMM epilogue (beta = 1, in place: no extra pass over dw)
         rows = dy.shape[0]
         lo, m = self.ag.rank * rows, rows * self.world_size
         grad_w = torch.empty(x.shape[1], dy.shape[1], dtype=dy.dtype, device=dy.device)
@@ -118,32 +148,12 @@ class OverlapLayerOps(LayerOps):
                 grad_w.addmm_(x[first:end].t(), dy_full[first:end])
         return grad_x, grad_w
 
-    def check_saved(self, epoch: int) -> None:
-        later = self.ag.epoch - epoch
-        if self.save_gathered == "view" and later >= self.ag.num_buffers:
-            raise OpInputError(
-                f"{self.name}: the gathered input saved by a forward was overwritten by {later} later "
-                f"forwards before its backward ran (the pool keeps {self.ag.num_buffers}); build the layer "
-                f"with save_gathered='copy' for schedules with more forwards pending")
-
     def check_errors(self) -> None:
         self.ag.check_errors()
-        self.rs.check_errors()
 
     def close(self) -> None:
         self.ag.close()
         self.rs.close()
-
-
-def _own_version_alias(view: torch.Tensor) -> torch.Tensor:
-    """The same memory as `view` with a version counter of its own.
-
-    Every view of the pool shares the arena's version counter, so any later write anywhere in the pool
-    would make autograd reject the saved view ("modified by an inplace operation"); this rank's region is
-    only rewritten by this op's calls, which `check_saved` tracks by epoch instead.
-    """
-    alias = torch.empty(0, dtype=view.dtype, device=view.device)
-    return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class NcclLayerOps(LayerOps):
@@ -207,22 +217,23 @@ def get_layer_ops(layer_id: int) -> LayerOps:
 @torch.library.custom_op("tp_overlap::column_forward", mutates_args=())
 def column_forward(x: torch.Tensor, w: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                             torch.Tensor]:
-    y, gathered, epoch = get_layer_ops(layer_id).ag_gemm(x, w, keep=True)
-    return y, gathered, torch.tensor(epoch, dtype=torch.int64)
+    y, saved, stamp = get_layer_ops(layer_id).ag_gemm(x, w, keep=True)
+    return y, saved, torch.tensor(stamp, dtype=torch.int64)
 
 
 @column_forward.register_fake
 def _(x, w, layer_id):
-    m = x.shape[0] * get_layer_ops(layer_id).world_size
-    return (x.new_empty(m, w.shape[1]), x.new_empty(m, x.shape[1]),
+    ops = get_layer_ops(layer_id)
+    m = x.shape[0] * ops.world_size
+    return (x.new_empty(m, w.shape[1]), x.new_empty(ops.saved_rows(m), x.shape[1]),
             torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("tp_overlap::column_backward", mutates_args=())
-def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.Tensor, w: torch.Tensor,
+def column_backward(grad_y: torch.Tensor, saved: torch.Tensor, stamp: torch.Tensor, w: torch.Tensor,
                     layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     ops = get_layer_ops(layer_id)
-    ops.check_saved(int(stamp))
+    gathered = ops.gathered(saved, int(stamp), grad_y.shape[0])
     grad_y = grad_y.contiguous()
     # w.t() is a view: every backend reads it in place. The weight grad uses the forward's gathered
     # input (no second AllGather) and is independent of grad_x: with bulk_wgrad it hides the RS.
@@ -230,7 +241,7 @@ def column_backward(grad_y: torch.Tensor, gathered: torch.Tensor, stamp: torch.T
 
 
 @column_backward.register_fake
-def _(grad_y, gathered, stamp, w, layer_id):
+def _(grad_y, saved, stamp, w, layer_id):
     m_shard = grad_y.shape[0] // get_layer_ops(layer_id).world_size
     return grad_y.new_empty(m_shard, w.shape[0]), w.new_empty(w.shape)
 
@@ -261,14 +272,14 @@ def _(grad_y, x, w, layer_id):
 
 def _column_setup(ctx, inputs, output):
     _, w, layer_id = inputs
-    _, gathered, stamp = output
-    ctx.save_for_backward(gathered, stamp, w)
+    _, saved, stamp = output
+    ctx.save_for_backward(saved, stamp, w)
     ctx.layer_id = layer_id
 
 
-def _column_grad(ctx, grad_y, _grad_gathered, _grad_stamp):
-    gathered, stamp, w = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.tp_overlap.column_backward(grad_y, gathered, stamp, w, ctx.layer_id)
+def _column_grad(ctx, grad_y, _grad_saved, _grad_stamp):
+    saved, stamp, w = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.tp_overlap.column_backward(grad_y, saved, stamp, w, ctx.layer_id)
     return grad_x, grad_w, None
 
 

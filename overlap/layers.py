@@ -11,7 +11,7 @@ transpose of nn.Linear's [out, in]):
 `overlap=True` runs our AgGemm / GemmRs (pool regions built once here, from the preset's per-op config);
 `overlap=False` builds the same module on plain collectives + torch.mm (`baseline="nccl"`, the
 reference of every benchmark) or on PyTorch's async-TP fused ops (`baseline="torch_symm"`, CUDA only).
-Forward and backward of a layer use separate op contexts (separate regions and epoch counters). All ops
+Forward and backward of a layer use separate op contexts (separate regions and flags). All ops
 are issued on the caller's current stream; outputs and gradients are valid on it when they return.
 
 `MLPReference` is the single-process oracle with the full weights; `shard_fc1` / `shard_fc2` /
@@ -21,6 +21,7 @@ are issued on the caller's current stream; outputs and gradients are valid on it
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,11 @@ from torch import nn
 
 from . import custom_ops
 from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
-from .config import ACTIVATIONS, ModelConfig, OverlapConfig, load_preset
+from .config import ACTIVATIONS, ModelConfig, OverlapConfig
+from .presets import load_preset
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPMLP", "MLPReference", "BASELINES",
-           "shard_fc1", "shard_fc2", "shard_rows", "pool_requirements"]
+           "shard_fc1", "shard_fc2", "shard_rows", "pool_requirements", "PoolRequirements"]
 
 BASELINES = ("nccl", "torch_symm")
 POOL_ALIGN_BYTES = 256  # SymmetricPool's region alignment
@@ -42,21 +44,37 @@ def _align(n: int) -> int:
     return -(-n // POOL_ALIGN_BYTES) * POOL_ALIGN_BYTES
 
 
-def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype,
-                      num_layers: int = 2, cuda_graphs: bool = False) -> tuple[int, int]:
-    """(bytes, signal words) that `num_layers` overlapped layers of width `hidden` reserve in a pool.
+class PoolRequirements(NamedTuple):
+    """What a pool needs for the overlapped layers: pass the three fields to SymmetricPool as they are."""
+    size_bytes: int
+    num_signal_words: int
+    num_device_words: int
 
-    Each layer holds one AgGemm region [B, max_m, hidden] and one GemmRs region [B, max_m, hidden]
-    (B = 2 buffers, 1 with cuda_graphs=True; independent of the FFN width).
+
+def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype, num_layers: int = 2,
+                      chunks_per_rank: int = 1) -> PoolRequirements:
+    """Exactly what `num_layers` overlapped layers of width `hidden` reserve in a pool:
+
+        req = pool_requirements(hidden=4096, max_m=16384, world_size=W, dtype=torch.bfloat16)
+        pool = SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words,
+                             num_device_words=req.num_device_words, group=tp_group)
+
+    Each layer holds one AgGemm region [max_m, hidden] and one GemmRs region [W, max_m/W, hidden]
+    (independent of the FFN width) with their flags; `chunks_per_rank` is the preset's ag_gemm value (the
+    fused AllGather consumer keeps a device flag per chunk).
     """
-    from . import ag_gemm, gemm_rs
-    region = _align((1 if cuda_graphs else 2) * max_m * hidden * dtype.itemsize)
-    words = ag_gemm.flag_words(world_size) + gemm_rs.flag_words(max_m, world_size)
-    return num_layers * 2 * region, num_layers * words
+    from . import protocol
+    from .gemm_rs import FLAG_BLOCK_M
+    check_divisible("max_m", max_m, world_size, "the group size")
+    region = _align(max_m * hidden * dtype.itemsize)
+    fps = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
+    ag, rs = protocol.AgFlags("", world_size, chunks_per_rank), protocol.RsFlags("", world_size, fps)
+    per_layer = (2 * region, ag.num_signals + rs.num_signals, ag.num_device_flags + rs.num_device_flags)
+    return PoolRequirements(*(num_layers * x for x in per_layer))
 
 
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
-              save_gathered, kind, cuda_graphs) -> custom_ops.LayerOps:
+              save_gathered, kind) -> custom_ops.LayerOps:
     if overlap:
         if pool is None:
             raise OpInputError(f"{name}: overlap=True needs pool= (a SymmetricPool on group)")
@@ -67,7 +85,8 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
         return custom_ops.OverlapLayerOps(
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
             ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered,
-            cuda_graphs=cuda_graphs)
+            bulk_wgrad=kind == "column" and config.role("fc1_dgrad", max_m).bulk_wgrad,
+            lead_wgrad=kind == "row" and config.role("fc2_dgrad", max_m).lead_wgrad)
     if baseline == "nccl":
         return custom_ops.NcclLayerOps(group=group)
     if baseline == "torch_symm":
@@ -82,10 +101,9 @@ class _ParallelLinear(nn.Module):
     config is the preset's for max_m); dtype; pool (SymmetricPool on `group`, required when overlap=True;
     the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
     config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
-    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); cuda_graphs
-    (overlap=True on CUDA: build the ops so that forward/backward can be captured in a CUDA graph and
-    replayed; one pool buffer per op instead of two, see AgGemm); device (default the pool's, else the
-    current CUDA device, else CPU); name (prefix of regions and messages).
+    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); device
+    (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
+    Forward and backward can be captured in a CUDA graph and replayed (every op is capturable).
     Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
     as N(0, 1/in_features) from the default generator: copy the real shard in (TPMLP.load_full_weights).
     """
@@ -95,7 +113,7 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
                  dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
                  overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view",
-                 cuda_graphs: bool = False, device: torch.device | str | None = None, name: str | None = None):
+                 device: torch.device | str | None = None, name: str | None = None):
         super().__init__()
         if group is None:
             raise OpInputError("group= is required (pass the TP process group explicitly)")
@@ -123,8 +141,7 @@ class _ParallelLinear(nn.Module):
         self.hidden, self.local = hidden, local
         self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
                              dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
-                             name=self.name, save_gathered=save_gathered, kind=self.kind,
-                             cuda_graphs=cuda_graphs)
+                             name=self.name, save_gathered=save_gathered, kind=self.kind)
         self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
         # A layer dropped without close() must not pin its op contexts (streams, pool views) forever.

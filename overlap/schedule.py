@@ -23,6 +23,7 @@ CUDA graph recorded from the same steps.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -129,6 +130,7 @@ class CudaDriver:
         self.events = {name: torch.cuda.Event(external=external_events) for name in program.events()}
         self.start = torch.cuda.Event()
         self.lane_end = {lane: torch.cuda.Event() for lane in program.lanes}
+        self.trace: dict[str, list] | None = None  # lane -> [start event, end event] (timing), when tracing
         self.items: list[tuple[str, Callable]] = []
         pending: list = []
         pending_lane = None
@@ -170,8 +172,21 @@ class CudaDriver:
         fn = step.args[0]
         return lambda ctx, stream: fn(ctx)
 
+    def enable_trace(self, on: bool) -> None:
+        """Record timing events at the start and end of every lane (compute: the whole call) of each run."""
+        lanes = [COMPUTE] + self.program.lanes
+        self.trace = {lane: [torch.cuda.Event(enable_timing=True) for _ in range(2)] for lane in lanes} if on else None
+
+    def trace_ms(self) -> dict[str, float]:
+        """{lane: ms from its first to its last operation} of the last traced run (synchronises)."""
+        self.trace[COMPUTE][1].synchronize()
+        return {lane: start.elapsed_time(end) for lane, (start, end) in self.trace.items()}
+
     def run(self, ctx: CallContext, compute: torch.cuda.Stream | None = None, *, join: bool = True) -> None:
         compute = compute or torch.cuda.current_stream()
+        trace = self.trace
+        if trace:
+            trace[COMPUTE][0].record(compute)
         started: list[str] = []
         forked = False
         for lane, enqueue in self.items:
@@ -185,10 +200,17 @@ class CudaDriver:
             if lane not in started:
                 stream.wait_event(self.start)
                 started.append(lane)
+                if trace:
+                    trace[lane][0].record(stream)
             with torch.cuda.stream(stream):
                 enqueue(ctx, stream)
+        if trace:
+            for lane in started:
+                trace[lane][1].record(self.streams[lane])
         if join:
             self.join(compute, started)
+        if trace:
+            trace[COMPUTE][1].record(compute)
 
     def join(self, compute, lanes) -> None:
         for lane in lanes:
@@ -203,16 +225,27 @@ class HostDriver:
     def __init__(self, program: Program):
         self.program = program
         self.pool = program.pool
+        self.trace: dict[str, list] | None = None  # lane -> [start, end] host clock (s), when tracing
+
+    def enable_trace(self, on: bool) -> None:
+        self.trace = {} if on else None
+
+    def trace_ms(self) -> dict[str, float]:
+        return {lane: (end - start) * 1e3 for lane, (start, end) in self.trace.items()}
 
     def run(self, ctx: CallContext) -> None:
         events = {name: threading.Event() for name in self.program.events()}
         failure: list[BaseException] = []
         lanes = {lane: [s for s in self.program.steps if s.lane == lane] for lane in self.program.lanes}
 
-        def run_lane(steps):
+        def run_lane(steps, lane=None):
+            if self.trace is not None and lane is not None:
+                self.trace[lane] = [time.perf_counter(), 0.0]
             try:
                 for step in steps:
                     self._execute(step, ctx, events, failure)
+                if self.trace is not None and lane is not None:
+                    self.trace[lane][1] = time.perf_counter()
             except BaseException as exc:  # noqa: BLE001 - surfaced on the calling thread
                 failure.append(exc)
                 for event in events.values():
@@ -221,11 +254,13 @@ class HostDriver:
         compute = [s for s in self.program.steps if s.lane == COMPUTE]
         first_side = next((i for i, s in enumerate(self.program.steps) if s.lane != COMPUTE), len(self.program.steps))
         prologue = [s for s in self.program.steps[:first_side] if s.lane == COMPUTE]
+        if self.trace is not None:
+            self.trace[COMPUTE] = [time.perf_counter(), 0.0]
         run_lane(prologue)  # side lanes start after the compute steps issued before them
         if failure:
             raise failure[0]
-        threads = [threading.Thread(target=run_lane, args=(steps,), name=f"{self.program.op}-{lane}", daemon=True)
-                   for lane, steps in lanes.items()]
+        threads = [threading.Thread(target=run_lane, args=(steps, lane), name=f"{self.program.op}-{lane}",
+                                    daemon=True) for lane, steps in lanes.items()]
         for thread in threads:
             thread.start()
         try:
@@ -233,6 +268,8 @@ class HostDriver:
         finally:
             for thread in threads:
                 thread.join()
+        if self.trace is not None:
+            self.trace[COMPUTE][1] = time.perf_counter()
         if failure:
             raise failure[0]
 

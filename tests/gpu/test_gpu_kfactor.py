@@ -24,9 +24,9 @@ def _sweep(rank, world):
     from overlap.ag_gemm import AgGemm
     from overlap.config import OpConfig
     from overlap.gemm_rs import GemmRs
-    from overlap.k_factor import inject_comm_delay, measure
+    from launch.k_factor import inject_comm_delay, measure
     from overlap.reference import gemm_rs_reference
-    from overlap.shapes import ag_points, rs_points
+    from launch.shapes import ag_points, rs_points
     from symm_mem import SymmetricPool
 
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16

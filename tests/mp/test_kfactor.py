@@ -16,7 +16,7 @@ import torch.distributed as dist
 from launch._tune import best_configs, gate_failures, tuned_config
 from launch.kfactor import configs_for, parse_sweep
 from overlap.config import OpConfig, load_config, dump_config, parse_config
-from overlap.k_factor import KFactor, RsCommOnly, measure, measure_pair
+from launch.k_factor import KFactor, RsCommOnly, measure, measure_pair
 from tests.multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

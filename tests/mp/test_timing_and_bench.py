@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from overlap.report import format_table, write_results
-from overlap.timing import bench_interleaved
+from launch.report import format_table, write_results
+from launch.timing import bench_interleaved
 from tests.multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

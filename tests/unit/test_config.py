@@ -155,7 +155,7 @@ def test_model_section_parses_validates_and_round_trips(tmp_path):
 
 def test_results_record_the_commit_the_script_gave_over_the_checkouts_head(monkeypatch):
     # the GPU machine's copied .git reported a stale HEAD: an explicit commit must win
-    from overlap.report import git_commit
+    from launch.report import git_commit
     monkeypatch.setenv("OVERLAP_GIT_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
     monkeypatch.delenv("OVERLAP_GIT_COMMIT")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import envs
+from overlap import envs
 
 __all__ = ["Stats", "Timer", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
 

@@ -46,15 +46,15 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._comm_delay import inject_comm_delay
-from .ag_gemm import AgGemm
-from .gemm_rs import GemmRs
-from ._rs_comm_only import RsCommOnly, _rs_comm_cache, _rs_comm_for
-from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
-from .triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
+from overlap.ag_gemm import AgGemm
+from overlap.gemm_rs import GemmRs
+from overlap.triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
-__all__ = ["KFactor", "LATE_START_MS", "OpPair", "RsCommOnly", "measure", "measure_pair", "op_pair", "trace_op",
-           "step_timeline", "inject_comm_delay"]
+from ._comm_delay import inject_comm_delay
+from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
+
+__all__ = ["KFactor", "LATE_START_MS", "OpPair", "measure", "measure_pair", "op_pair", "trace_op", "step_timeline",
+           "inject_comm_delay", "k_from_trace"]
 
 HOLD_CYCLES = 1_000_000      # CUDA: at least ~0.5 ms spin before the step so that the host enqueues both sides
 HOLD_OVER_ENQUEUE = 3.0      # ... and 3x the measured host time to enqueue both (an eager AG call takes ~0.5 ms)
@@ -275,15 +275,15 @@ def op_pair(op, inputs) -> OpPair:
     """
     a, w = inputs
     dev, cfg = op.device, op.config
-    fused = cfg.method == "fused" and dev.type == "cuda"
+    fused = cfg.method == "fused"
     if isinstance(op, AgGemm):
         gathered = op.all_gather(a).clone()
         out = torch.empty(gathered.shape[0], w.shape[1], dtype=w.dtype, device=dev)
         if fused:
-            programs = num_sms(dev) - max(cfg.sm_margin, 1)  # the fused consumer keeps one SM free
+            programs = num_sms(dev) - cfg.sm_margin
             # the fused consumer's own blocks: its K loop waits on flags, so no warp specialisation
-            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], warp_specialize=False,
-                                   sm_count=programs)
+            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], device_type=dev.type,
+                                   warp_specialize=False, sm_count=programs)
             comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
         else:
             plan = [(lo, lo + count) for lo, count, _ in op.consumer_gemms(gathered.shape[0])]
@@ -293,13 +293,12 @@ def op_pair(op, inputs) -> OpPair:
                 with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
                     for lo, hi in plan:
                         torch.mm(gathered[lo:hi], w, out=out[lo:hi])
-        trace = getattr(op, "last_trace_events", None)   # requested hook (see the k-factor issue note)
-        return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), trace)
+        return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), None)
     if isinstance(op, GemmRs):
         partials = torch.mm(a, w)
         out = torch.empty_like(partials)
         rows = a.shape[0] // op.world_size
-        if fused or (cfg.method == "epilogue_reduce" and dev.type == "cuda"):
+        if cfg.method in ("fused", "epilogue_reduce"):
             programs = num_sms(dev) - cfg.sm_margin
             comp = lambda: triton_mm(a, w, out, num_programs=programs)  # noqa: E731
         else:
@@ -310,26 +309,29 @@ def op_pair(op, inputs) -> OpPair:
                     for owner in owners:
                         sl = slice(owner * rows, (owner + 1) * rows)
                         torch.mm(a[sl], w, out=out[sl])
-        if hasattr(op, "reduce_scatter"):   # requested hook: the op's own comm path without the GEMM
-            comm, lanes = (lambda: op.reduce_scatter(partials)), getattr(op, "last_trace_events", None)
-        else:
-            rs = _rs_comm_for(op)
-            shard = torch.empty(rows, op.n, dtype=op.dtype, device=dev)
-            programs_rs = max(1, cfg.num_comm_sms or cfg.sm_margin or 8)   # as GemmRs._reduce
-            comm, lanes = (lambda: rs(partials, shard, programs=programs_rs)), (lambda: rs.marks)
-        return OpPair(comm, comp, lambda: op(a, w), lanes)
+        # the op's own comm path without the GEMM: the decomposed schedule's pushes and reduction (for the
+        # scatter methods the GEMM epilogue's stores cannot run without the GEMM: the push stands in for them)
+        return OpPair(lambda: op.reduce_scatter(partials), comp, lambda: op(a, w), None)
     raise TypeError(f"op_pair: unsupported op {type(op).__name__}; pass AgGemm or GemmRs, or use measure_pair")
+
+
+def k_from_trace(spans: dict[str, float], *, t_comm_solo: float, t_comp_solo: float, **extra) -> "KFactor":
+    """The k-factor of an op's own call from its lane spans (`op.last_trace_ms()`): the comm side is its
+    longest side lane, the compute side the whole call on the compute stream (waits included)."""
+    side = [ms for lane, ms in spans.items() if lane != "compute_ms"]
+    return KFactor.from_times(t_comm_solo=t_comm_solo, t_comp_solo=t_comp_solo,
+                              t_comm_overlap=max(side) if side else float("nan"),
+                              t_comp_overlap=spans["compute_ms"], t_total=spans["compute_ms"], mode="op", **extra)
 
 
 def trace_op(op, inputs, *, reps: int = 10) -> dict[str, float]:
     """Median (over reps) of the max over ranks of each span of `op.last_trace_ms()` (CUDA, collective)."""
-    if op.device.type != "cuda" or not hasattr(op, "enable_trace"):
-        raise ValueError(f"{type(op).__name__} on {op.device}: mode 'op' times CUDA streams; use mode='pair'")
     op.enable_trace(True)
     samples: list[dict] = []
     try:
         for _ in range(reps):
-            torch.cuda.synchronize(op.device)
+            if op.device.type == "cuda":
+                torch.cuda.synchronize(op.device)
             dist.barrier(group=op.group)
             op(*inputs)
             samples.append(op.last_trace_ms())
@@ -341,10 +343,7 @@ def trace_op(op, inputs, *, reps: int = 10) -> dict[str, float]:
 
 
 def _check_op_errors(op) -> None:
-    if op.device.type == "cuda":
-        op.check_errors()
-        for rs in _rs_comm_cache.get(op.pool, {}).values():
-            rs.check_errors()
+    op.check_errors()
 
 
 def measure(op, inputs, *, reps: int = 20, warmup: int = 3, mode: str = "pair",
@@ -366,10 +365,7 @@ def measure(op, inputs, *, reps: int = 20, warmup: int = 3, mode: str = "pair",
         return kf
     spans = trace_op(op, inputs, reps=reps)
     _check_op_errors(op)
-    total = spans.get("total_ms", spans["compute_ms"])
-    return KFactor.from_times(t_comm_solo=kf.t_comm_solo, t_comp_solo=kf.t_comp_solo,
-                              t_comm_overlap=spans["comm_ms"], t_comp_overlap=spans["compute_ms"],
-                              t_total=total, t_op=kf.t_op, mode="op", reps=reps)
+    return k_from_trace(spans, t_comm_solo=kf.t_comm_solo, t_comp_solo=kf.t_comp_solo, t_op=kf.t_op, reps=reps)
 
 
 def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Callable[[], dict] | None = None,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import envs
+from overlap import envs
 
 __all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug"]
 
@@ -46,7 +46,7 @@ def command_line() -> str:
 
 
 def device_slug(device_name: str) -> str:
-    from .config import gpu_slug
+    from overlap.presets import gpu_slug
     return gpu_slug(device_name)
 
 
