@@ -6,16 +6,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from overlap.config import OpBucket, OpPreset, OverlapConfig
+from overlap.config import OpPreset, OverlapConfig
 
-__all__ = ["CONFIG_KEYS", "best_configs", "tuned_config", "gate_failures"]
+__all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures"]
 
 CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
+OP_KEYS = {"ag_gemm": ("method", "sm_margin", "chunks_per_rank", "lead_fraction"),
+           "gemm_rs": ("method", "sm_margin", "num_comm_sms")}
+
+
+def config_row(cfg) -> dict:
+    """The sweep columns of a config (a field the op does not have is None)."""
+    return {key: getattr(cfg, key, None) for key in CONFIG_KEYS}
 
 
 def _config_of(row) -> tuple:
     # rows written before lead_fraction existed ran without a lead
-    return tuple(row.get(key, 0.0) if key == "lead_fraction" else row[key] for key in CONFIG_KEYS)
+    return tuple(row.get(key, 0.0) if key == "lead_fraction" else row.get(key) for key in OP_KEYS[row["op"]])
 
 
 def best_configs(rows: list[dict]) -> dict[str, list[tuple[int, dict]]]:
@@ -35,7 +42,7 @@ def best_configs(rows: list[dict]) -> dict[str, list[tuple[int, dict]]]:
                 ratio = r["t_op_ms"] / fastest[(r["layer"], r["K"], r["N"])]
                 scores.setdefault(_config_of(r), []).append(math.log(ratio))
             best = min(scores, key=lambda c: sum(scores[c]) / len(scores[c]))
-            out.setdefault(op, []).append((m, dict(zip(CONFIG_KEYS, best))))
+            out.setdefault(op, []).append((m, dict(zip(OP_KEYS[op], best))))
     return out
 
 
@@ -51,11 +58,11 @@ def tuned_config(base: OverlapConfig, best: dict, *, device_name: str, world: in
                 for m, fields in choices]
         default, buckets = cfgs[-1][1], []
         for m, cfg in cfgs[:-1]:
-            if buckets and buckets[-1].config == cfg:
-                buckets[-1] = OpBucket(m_max=m, config=cfg)
+            if buckets and buckets[-1][1] == cfg:
+                buckets[-1] = (m, cfg)
             else:
-                buckets.append(OpBucket(m_max=m, config=cfg))
-        if buckets and buckets[-1].config == default:
+                buckets.append((m, cfg))
+        if buckets and buckets[-1][1] == default:
             buckets.pop()
         presets[op] = OpPreset(default=default, by_m=tuple(buckets))
     node = dataclasses.replace(base.node, gpu_name=device_name, tp_size=world,
@@ -75,6 +82,7 @@ def gate_failures(rows: list[dict], max_k: float, best: dict | None = None) -> l
         bad = [f"{name}={r[name]:.3f}" for name in ("k_comm", "k_comp")
                if not math.isfinite(r[name]) or r[name] > max_k]
         if bad:
-            out.append(f"{r['op']} {r['layer']} M={r['M']} K={r['K']} N={r['N']} ({r['method']}, sm_margin="
-                       f"{r['sm_margin']}, chunks_per_rank={r['chunks_per_rank']}): {', '.join(bad)} > max_k {max_k}")
+            fields = ", ".join(f"{k}={r.get(k)}" for k in OP_KEYS[r["op"]])
+            out.append(f"{r['op']} {r['layer']} M={r['M']} K={r['K']} N={r['N']} ({fields}): {', '.join(bad)} "
+                       f"> max_k {max_k}")
     return out

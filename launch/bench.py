@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from overlap.config import load_config, load_preset
+from overlap.presets import load_config, load_preset
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points
 
@@ -70,15 +70,14 @@ def _configs(args, ctx, op: str):
         methods = args.methods.split(",")
     else:
         methods = ["decomposed", "fused"] if ctx.device.type == "cuda" else ["decomposed"]
-        if op == "gemm_rs" and ctx.device.type == "cuda":
-            methods.append("epilogue_reduce")
+        if op == "gemm_rs":
+            methods += ["pair"] + (["epilogue_reduce"] if ctx.device.type == "cuda" else [])
     out = []
     for method in methods:
         if op == "gemm_rs" and method == "fused":
-            out += [base.with_method(method, sm_margin=s, num_comm_sms=max(s, 8))
-                    for s in args.sm_margins]
-        elif method == "epilogue_reduce":  # no reduction kernel: every SM to the GEMM
-            out.append(base.with_method(method, sm_margin=0, num_comm_sms=0))
+            out += [base.with_method(method, sm_margin=s, num_comm_sms=s) for s in args.sm_margins if s > 0]
+        elif op == "gemm_rs" and method == "pair" and ctx.world_size != 2:
+            continue  # the W = 2 schedule
         else:
             out.append(base.with_method(method))
     return out

@@ -42,9 +42,11 @@ import torch.distributed as dist
 
 from overlap import envs
 from overlap.ag_gemm import AgGemm
-from overlap.config import METHODS, OverlapConfig, dump_config, load_config, load_preset, to_dict
+from overlap.config import METHODS, ConfigError, OverlapConfig
+from overlap.presets import dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
-from launch.k_factor import LATE_START_MS, inject_comm_delay, measure, measure_pair, op_pair, step_timeline, trace_op
+from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
+                             step_timeline, trace_op)
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points
@@ -52,7 +54,7 @@ from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
-from ._tune import CONFIG_KEYS, best_configs, gate_failures, tuned_config
+from ._tune import best_configs, config_row, gate_failures, tuned_config
 
 OPS = ("ag_gemm", "gemm_rs", "regimes")
 SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}
@@ -153,11 +155,17 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
             continue   # a method of the other op (e.g. epilogue_reduce in a sweep over both ops)
         if fields.get("lead_fraction") and (op, fields.get("method", base.method)) != ("ag_gemm", "decomposed"):
             continue   # a lead GEMM exists only for the decomposed AG consumer
-        if op == "gemm_rs":
-            fields["chunks_per_rank"] = base.chunks_per_rank   # not used by GemmRs
-            fields.setdefault("num_comm_sms", fields.get("sm_margin", base.sm_margin))
-        cfg = base.with_method(fields.pop("method", base.method), **fields)
-        cfg.validate(num_sms=num_sms)
+        fields = {k: v for k, v in fields.items() if hasattr(base, k)}  # e.g. chunks_per_rank: AG only
+        method = fields.pop("method", base.method)
+        if op == "gemm_rs" and method == "fused" and "sm_margin" in fields:
+            if fields["sm_margin"] < 1:
+                continue   # fused runs its reduction on reserved SMs
+            fields.setdefault("num_comm_sms", fields["sm_margin"])
+        try:
+            cfg = base.with_method(method, **fields)
+            cfg.validate(num_sms=num_sms)
+        except ConfigError:
+            continue   # a combination the method cannot run (e.g. pair at W != 2 is dropped by the op)
         if cfg not in out:
             out.append(cfg)
     if not out:
@@ -213,15 +221,16 @@ def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, 
             kf = measure(op, inputs, reps=env["reps"], warmup=env["warmup"], overlap_flag=env["flag"],
                          wrap_comm=env["wrap"])
             row = {"op": op_name, "layer": point.layer, "M": m, "K": k, "N": n,
-                   **{key: getattr(cfg, key) for key in CONFIG_KEYS}, **kf.as_row()}
-            if dev.type == "cuda" and hasattr(op, "enable_trace"):   # the op's own call, per-stream spans
-                spans = trace_op(op, inputs, reps=min(env["reps"], 10))
-                row.update(k_comm_op=spans["comm_ms"] / kf.t_comm_solo, k_comp_op=spans["compute_ms"] / kf.t_comp_solo)
+                   **config_row(cfg), **kf.as_row()}
+            # the op's own call: its lane spans (the same definition as launch.bench and launch.tp_mlp)
+            own = k_from_trace(trace_op(op, inputs, reps=min(env["reps"], 10)), t_comm_solo=kf.t_comm_solo,
+                               t_comp_solo=kf.t_comp_solo)
+            row.update(k_comm_op=own.k_comm, k_comp_op=own.k_comp)
             rows.append(row)
             late = "" if (kf.start_late_ms or 0) <= LATE_START_MS else \
                 f" (a side started {kf.start_late_ms:.3f} ms late: launch-bound, not contention)"
             env["bar"].step(f"{op_name} {point.layer} M={m} {cfg.method} sm_margin={cfg.sm_margin} "
-                            f"chunks={cfg.chunks_per_rank}: k_comm {kf.k_comm:.3f} k_comp {kf.k_comp:.3f}{late}")
+                            f"chunks={getattr(cfg, 'chunks_per_rank', '-')}: k_comm {kf.k_comm:.3f} k_comp {kf.k_comp:.3f}{late}")
         if capture:
             best = min(range(len(ops)), key=lambda i: rows[i]["t_op_ms"])
             pair = op_pair(ops[best], inputs)
@@ -229,7 +238,7 @@ def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, 
             lanes = step_timeline(pair.comm, pair.comp, device=dev, group=ctx.group, lanes=pair.lanes,
                                   profile_path=path)
             timeline = (f"{op_name} {point.layer} M={m} K={k} N={n} ({configs[best].method}, sm_margin="
-                        f"{configs[best].sm_margin}, chunks_per_rank={configs[best].chunks_per_rank})", lanes)
+                        f"{configs[best].sm_margin}, chunks_per_rank={getattr(configs[best], 'chunks_per_rank', '-')})", lanes)
         for op in ops:
             op.close()
         pool.barrier()

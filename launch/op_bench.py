@@ -16,16 +16,14 @@ host cost. PyTorch's async-TP ops are left out there (not captured), and so are 
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
 
 from overlap import envs
 from overlap.ag_gemm import AgGemm
-from overlap.config import OpConfig
 from overlap.gemm_rs import GemmRs
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
+from launch.k_factor import k_from_trace, trace_op
 from launch.shapes import ShapePoint
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
@@ -123,7 +121,7 @@ def _t_gemm(stats) -> float:
 
 
 # ----- AG + GEMM -------------------------------------------------------------------------------------
-def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
+def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup: int,
                    reps: int, cuda_graphs: bool = False) -> list[dict]:
     world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
     m, k, n = point.m, point.k, point.n
@@ -134,7 +132,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     rows = []
     with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {c.method + str(i): AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype,
-                                        config=c, name=f"ag{i}", cuda_graphs=cuda_graphs)
+                                        config=c, name=f"ag{i}")
                for i, c in enumerate(configs)}
         ref_out, a_full = ag_gemm_reference(a_shard, w, group=ctx.group)
         problem = None
@@ -165,7 +163,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
         t_comm = min(stats["comm_nccl"].median_ms, stats["comm_ce"].median_ms)
         for (key, op), cfg in zip(ops.items(), configs):
             k_comm, k_comp = (None, None) if cuda_graphs else _k_factors(
-                ctx, op, a_shard, w, stats["comm_ce"].median_ms,
+                ctx, op, (a_shard, w), stats["comm_ce"].median_ms,
                 stats["gemm_cublas"].median_ms if cfg.method == "decomposed" else t_gemm)
             row = {"layer": point.layer, "op": "ag_gemm", "M": m, "K": k, "N": n, "method": cfg.method,
                    "cuda_graphs": cuda_graphs,
@@ -179,27 +177,15 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     return rows
 
 
-def _k_factors(ctx, op: AgGemm, a_shard, w, t_comm_solo: float, t_comp_solo: float):
-    """k from stream spans of traced calls: comm stream (pulls) and compute stream (the consumer)."""
-    if ctx.device.type != "cuda":
-        return None, None
-    op.enable_trace(True)
-    comm, comp = [], []
-    for _ in range(TRACE_REPS):
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        op(a_shard, w)
-        spans = op.last_trace_ms()
-        comm.append(spans["comm_ms"])
-        comp.append(spans["compute_ms"])
-    op.enable_trace(False)
-    spans = torch.tensor([statistics.median(comm), statistics.median(comp)], device=ctx.device)
-    dist.all_reduce(spans, op=dist.ReduceOp.MAX, group=ctx.group)
-    return spans[0].item() / t_comm_solo, spans[1].item() / t_comp_solo
+def _k_factors(ctx, op, args, t_comm_solo: float, t_comp_solo: float) -> tuple[float, float]:
+    """k of the op's own call (the one definition, launch/k_factor.py): its traced lane spans over the comm
+    path alone and the GEMM alone."""
+    kf = k_from_trace(trace_op(op, args, reps=TRACE_REPS), t_comm_solo=t_comm_solo, t_comp_solo=t_comp_solo)
+    return kf.k_comm, kf.k_comp
 
 
 # ----- GEMM + RS -------------------------------------------------------------------------------------
-def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig], *, warmup: int,
+def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup: int,
                    reps: int, cuda_graphs: bool = False) -> list[dict]:
     world, dev, dtype = ctx.world_size, ctx.device, torch.bfloat16
     m, k, n = point.m, point.k, point.n
@@ -210,7 +196,7 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
     rows = []
     with SymmetricPool(pool_bytes, group=ctx.group, device=dev, timeout_s=envs.timeout_s()) as pool:
         ops = {f"{c.method}{i}": GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=k, n=n, dtype=dtype,
-                                       config=c, name=f"rs{i}", cuda_graphs=cuda_graphs)
+                                       config=c, name=f"rs{i}")
                for i, c in enumerate(configs)}
         ref = gemm_rs_reference(a, w, group=ctx.group)
         problem = None
@@ -234,48 +220,29 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list[OpConfig],
             _keep_if_runs(variants, "torch", ctx)
         variants.update(_gemm_variants(ctx, a, w, out_c, out_t))
         variants["comm_nccl"] = lambda: dist.reduce_scatter_tensor(rs_out, partial, group=ctx.group)
+        first = next(iter(ops.values()))
+        variants["comm_ce"] = lambda: first.reduce_scatter(partial)
         if cuda_graphs:
             variants = _graphed(ctx, variants, point)
         stats = bench_interleaved(variants, group=ctx.group, device=dev, warmup=warmup, reps=reps)
         t_gemm = _t_gemm(stats)
         t_comm = stats["comm_nccl"].median_ms
         for (key, op), cfg in zip(ops.items(), configs):
-            spans = None if cuda_graphs else _rs_spans(ctx, op, a, w)
+            k_comm, k_comp = (None, None) if cuda_graphs else _k_factors(
+                ctx, op, (a, w), stats["comm_ce"].median_ms,
+                stats["gemm_cublas"].median_ms if cfg.method in ("decomposed", "pair") else t_gemm)
             row = {"layer": point.layer, "op": "gemm_rs", "M": m, "K": k, "N": n, "method": cfg.method,
                    "cuda_graphs": cuda_graphs,
                    "sm_margin": cfg.sm_margin, "num_comm_sms": cfg.num_comm_sms,
                    **_baseline_columns(stats, stats[f"ours_{key}"].median_ms, t_gemm, t_comm),
-                   # GEMM+RS k here: the op's GEMM span over the GEMM alone on ALL SMs (so it includes the
-                   # cost of the sm_margin), and the exposed tail after the GEMM; launch.kfactor measures
-                   # k against the same SM budget.
-                   "k_comm": None, "k_comp": spans["compute_ms"] / t_gemm if spans else None,
-                   "t_tail_ms": spans["total_ms"] - spans["compute_ms"] if spans else None}
+                   "k_comm": k_comm, "k_comp": k_comp}
             rows.append(row)
             op.close()
         pool.barrier()
     return rows
 
 
-def _rs_spans(ctx, op: GemmRs, a, w) -> dict | None:
-    """Median (max over ranks) per-stream spans of traced GemmRs calls; None on CPU."""
-    if ctx.device.type != "cuda":
-        return None
-    op.enable_trace(True)
-    samples = []
-    for _ in range(TRACE_REPS):
-        torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        op(a, w)
-        samples.append(op.last_trace_ms())
-    op.enable_trace(False)
-    op.check_errors()
-    keys = sorted(samples[0])
-    med = torch.tensor([statistics.median(s[k] for s in samples) for k in keys], device=ctx.device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
-    return dict(zip(keys, med.tolist()))
-
-
-def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list[OpConfig], *, warmup: int,
+def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list, *, warmup: int,
         reps: int, cuda_graphs: bool = False) -> list[dict]:
     if cuda_graphs and ctx.device.type != "cuda":
         raise SystemExit("--cuda-graphs needs CUDA devices")

@@ -71,6 +71,12 @@ class AgGemmConfig:
     def __post_init__(self):
         self.validate()
 
+    def with_method(self, method: str, **changes) -> "AgGemmConfig":
+        """A copy running `method` (sweeps): lead_fraction falls back to 0 for `fused`."""
+        if method != "decomposed":
+            changes.setdefault("lead_fraction", 0.0)
+        return dataclasses.replace(self, method=method, **changes)
+
     def validate(self, *, num_sms: int | None = None, file: str = "<config>", key: str = "ops.ag_gemm") -> None:
         _common(self, key, file, num_sms)
         _int_in(f"{key}.chunks_per_rank", self.chunks_per_rank, 1, MAX_CHUNKS_PER_RANK, file)
@@ -98,6 +104,19 @@ class GemmRsConfig:
 
     def __post_init__(self):
         self.validate()
+
+    def with_method(self, method: str, **changes) -> "GemmRsConfig":
+        """A copy running `method` (sweeps), the fields that method needs filled in: fused keeps or takes 16
+        reduction programs and at least as many reserved SMs, decomposed 8 reduction programs, epilogue_reduce
+        and pair none."""
+        if method == "fused":
+            comm = changes.setdefault("num_comm_sms", self.num_comm_sms or 16)
+            changes.setdefault("sm_margin", max(self.sm_margin, comm))
+        elif method == "decomposed":
+            changes.setdefault("num_comm_sms", self.num_comm_sms or 8)
+        else:
+            changes.setdefault("num_comm_sms", 0)
+        return dataclasses.replace(self, method=method, **changes)
 
     def validate(self, *, num_sms: int | None = None, file: str = "<config>", key: str = "ops.gemm_rs") -> None:
         _common(self, key, file, num_sms)

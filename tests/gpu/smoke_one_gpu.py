@@ -30,7 +30,7 @@ def _rel(out, ref) -> float:
 def _checks(rank, world):
     from ipc import IpcPool
     from overlap.ag_gemm import AgGemm
-    from overlap.config import OpConfig
+    from overlap.config import AgGemmConfig, GemmRsConfig
     from overlap.gemm_rs import GemmRs
     from overlap.triton_gemm import triton_mm
     from symm_mem import PeerAbortError, SignalTimeout, SymmetricPool
@@ -138,7 +138,8 @@ def _checks(rank, world):
         def mlp_check(ag_method=ag_method, rs_method=rs_method):
             import dataclasses
 
-            from overlap.config import OpPreset, load_preset
+            from overlap.config import OpPreset
+            from overlap.presets import load_preset
             from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
             hidden, ffn, m = 264, 344, 2 * 300
             cfg = load_preset("NVIDIA H200", 2)
@@ -257,7 +258,7 @@ def _checks(rank, world):
                   lambda op, static: op(static, w), e))
 
     def mlp_graph():
-        from overlap.config import load_preset
+        from overlap.presets import load_preset
         from overlap.layers import TPMLP, MLPReference, pool_requirements
         hidden, ffn, m = 264, 344, 2 * 300
         nbytes, words = pool_requirements(hidden=hidden, max_m=m, world_size=world, dtype=torch.bfloat16,

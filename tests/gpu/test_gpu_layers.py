@@ -17,7 +17,7 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap.config import load_preset
+from overlap.presets import load_preset
 from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks

@@ -110,7 +110,7 @@ def _cycles(rank, world, backend, n):
     free_before = None
     samples = []
     from overlap.ag_gemm import AgGemm
-    from overlap.config import OpConfig
+    from overlap.config import AgGemmConfig, GemmRsConfig
     from overlap.gemm_rs import GemmRs
     for i in range(-WARMUP_CYCLES, n):
         if i == 0:  # the first pools initialise the backend once (allocator, IPC state): not a leak

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.ag_gemm import AgGemm
-from overlap.config import OpConfig
+from overlap.config import AgGemmConfig, GemmRsConfig
 from overlap.gemm_rs import GemmRs
 from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool
 from tests.multiproc import run_ranks

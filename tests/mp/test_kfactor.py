@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from launch._tune import best_configs, gate_failures, tuned_config
 from launch.kfactor import configs_for, parse_sweep
-from overlap.config import OpConfig, load_config, dump_config, parse_config
-from launch.k_factor import KFactor, RsCommOnly, measure, measure_pair
+from overlap.config import AgGemmConfig, GemmRsConfig
+from overlap.presets import load_config, dump_config, parse_config
+from launch.k_factor import KFactor, measure, measure_pair
 from tests.multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,23 +92,23 @@ def _ops(rank, world):
     out = {}
     with SymmetricPool(8 << 20, group=group) as pool:
         ag = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=dtype,
-                    config=OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=2, comm_stream_priority=0))
+                    config=AgGemmConfig(method="decomposed", chunks_per_rank=2, comm_stream_priority=0))
         a_shard, w = torch.randn(m // world, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
         out["ag"] = measure(ag, (a_shard, w), reps=3, warmup=1)
         rs = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=dtype,
-                    config=OpConfig(op="gemm_rs", method="decomposed", comm_stream_priority=0))
+                    config=GemmRsConfig(method="decomposed", comm_stream_priority=0))
         a = torch.randn(m, k, generator=gen).to(dtype)
         out["rs"] = measure(rs, (a, w), reps=3, warmup=1)
         # the RS comm path alone delivers the reduce-scatter of the partials, bit-exact in fp32
-        comm = RsCommOnly(pool, max_m=m, n=n, dtype=torch.float32, name="t.rs")
-        partials = torch.randn(m, n, generator=gen)
-        shard = torch.empty(m // world, n)
-        ref = torch.empty_like(shard)
-        for _ in range(3):  # epochs advance, slots alternate
-            comm(partials, shard)
+        comm = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.float32, name="t.rs",
+                      config=GemmRsConfig(method="decomposed", comm_stream_priority=0))
+        ref = torch.empty(m // world, n)
+        for _ in range(3):  # the handshakes come back to their start every call
+            partials = torch.randn(m, n, generator=gen)
+            shard = comm.reduce_scatter(partials)
             dist.reduce_scatter_tensor(ref, partials, group=group)
             out.setdefault("rs_exact", []).append(torch.equal(shard, ref))
-        out["ag_works_after"] = torch.equal(ag(a_shard, w), ag(a_shard, w))  # the op's epochs were not disturbed
+        out["ag_works_after"] = torch.equal(ag(a_shard, w), ag(a_shard, w))  # the op's flags were not disturbed
         pool.barrier()
     return out
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlap.ag_gemm import AgGemm
-from overlap.config import OpConfig
+from overlap.config import AgGemmConfig, GemmRsConfig
 from overlap.gemm_rs import GemmRs
 from overlap.triton_gemm import GemmBlocks, triton_mm
 from symm_mem import SymmetricPool
@@ -30,10 +30,10 @@ def _ops_property(rank, world, max_examples):
         gen = torch.Generator().manual_seed(seed + rank)
         with SymmetricPool(1 << 20, group=group) as pool:
             ag = AgGemm(group=group, pool=pool, max_m=m, k=k, n_local=n, dtype=torch.float32,
-                        config=OpConfig(op="ag_gemm", method="decomposed", chunks_per_rank=chunks,
+                        config=AgGemmConfig(method="decomposed", chunks_per_rank=chunks,
                                         comm_stream_priority=0))
             rs = GemmRs(group=group, pool=pool, max_m=m, k_local=k, n=n, dtype=torch.float32,
-                        config=OpConfig(op="gemm_rs", method="decomposed", comm_stream_priority=0))
+                        config=GemmRsConfig(method="decomposed", comm_stream_priority=0))
             a_shard, a = torch.randn(rows, k, generator=gen), torch.randn(m, k, generator=gen)
             w = torch.randn(k, n, generator=torch.Generator().manual_seed(seed))
             parts = [None] * world

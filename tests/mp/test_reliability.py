@@ -13,14 +13,14 @@ import torch.distributed as dist
 from ipc import IpcPool, host_empty, host_free, live_ipc_pool_count
 from overlap._validate import OpInputError
 from overlap.ag_gemm import AgGemm
-from overlap.config import OpConfig
+from overlap.config import AgGemmConfig, GemmRsConfig
 from overlap.gemm_rs import GemmRs
 from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool, live_pool_count
 from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
-AG = OpConfig(op="ag_gemm", method="decomposed", comm_stream_priority=0)
-RS = OpConfig(op="gemm_rs", method="decomposed", comm_stream_priority=0)
+AG = AgGemmConfig(method="decomposed", comm_stream_priority=0)
+RS = GemmRsConfig(method="decomposed", comm_stream_priority=0)
 
 
 def _shm(pids=None):

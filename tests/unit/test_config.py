@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overlap.config import (ConfigError, OpConfig, dump_config, gpu_slug, load_config, load_preset,
-                            parse_config, preset_path)
+from overlap.config import ConfigError, AgGemmConfig, GemmRsConfig
+from overlap.presets import dump_config, gpu_slug, load_config, load_preset, parse_config, preset_path
 
 PRESETS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
@@ -125,13 +125,13 @@ def test_buckets_select_by_m_and_round_trip(tmp_path):
 
 
 def test_op_config_is_frozen_keyword_only_and_validated():
-    cfg = OpConfig(op="gemm_rs", method="fused", sm_margin=8)
+    cfg = GemmRsConfig(method="fused", sm_margin=8)
     with pytest.raises(Exception):
         cfg.sm_margin = 4
     with pytest.raises(TypeError):
         OpConfig("gemm_rs", "fused")
     with pytest.raises(ConfigError, match="sm_margin"):
-        OpConfig(op="gemm_rs", method="fused", sm_margin=-3)
+        GemmRsConfig(method="fused", sm_margin=-3)
     with pytest.raises(ConfigError, match="sm_margin: got 132; allowed: an int with 0 <= x <= 131"):
         cfg.__class__(op="gemm_rs", method="fused", sm_margin=132).validate(num_sms=132)
 
@@ -189,9 +189,9 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
 def test_lead_fraction_and_bulk_wgrad_are_validated(fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         OpConfig(**fields)
-    assert OpConfig(op="ag_gemm", method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
-    assert OpConfig(op="gemm_rs", method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
-    assert OpConfig(op="ag_gemm", method="decomposed", lead_wgrad=True).lead_wgrad
+    assert AgGemmConfig(method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
+    assert GemmRsConfig(method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
+    assert AgGemmConfig(method="decomposed", lead_wgrad=True).lead_wgrad
 
 
 def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it():
@@ -205,7 +205,7 @@ def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it(
     assert cfg.op_config("ag_gemm", 4096).lead_wgrad
     base = cfg.ag_gemm.default
     assert base.with_method("fused").lead_fraction == 0 and not base.with_method("fused").lead_wgrad
-    assert base.with_method("decomposed", sm_margin=4) == OpConfig(op="ag_gemm", method="decomposed",
+    assert base.with_method("decomposed", sm_margin=4) == AgGemmConfig(method="decomposed",
                                                                   lead_fraction=0.5, sm_margin=4,
                                                                   **{k: getattr(base, k) for k in
                                                                      ("num_comm_sms", "chunks_per_rank",
