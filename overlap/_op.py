@@ -99,13 +99,15 @@ class OpBase:
                 self._streams[lane] = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
         return self._streams
 
-    def _execute(self, key, ctx) -> None:
-        """Run the program of `key` for one call (the guard serialises calls of this op)."""
-        driver = self._driver(key)
+    def _execute(self, key, ctx, *, m: int | None = None) -> None:
+        """Run the program of `key` for one call; with `m`, first the call's entry checks (`_begin`). The guard
+        refuses a second thread before anything is posted or enqueued."""
         self.pool.begin_call()
         try:
             with self._guard:
-                driver.run(ctx)
+                if m is not None:
+                    self._begin(m)
+                self._driver(key).run(ctx)
         finally:
             self.pool.end_call()
         if self.device.type == "cpu":  # a peer that gave up during this call: raise on this call

@@ -123,12 +123,12 @@ class AgGemm(OpBase):
         if self._claimed is not None and self._claimed != rows:
             raise OpInputError(f"{self.name}: input_slot was taken for {self._claimed * self.world_size} rows, "
                                f"this call has M = {m}")
-        self._begin(m)
         slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
         zero_copy = ctx.values["a_shard"].data_ptr() == slot.data_ptr()
-        claimed, self._claimed = self._claimed is not None, None
+        claimed = self._claimed is not None
         lead = ctx.values.get("lead") is not None
-        self._execute((m, consumer, lead, zero_copy, claimed), ctx)
+        self._execute((m, consumer, lead, zero_copy, claimed), ctx, m=m)
+        self._claimed = None
 
     def _build(self, key) -> Program:
         program = Program(self.pool, op=self.name)

@@ -96,8 +96,7 @@ class GemmRs(OpBase):
                                f"blocks may not straddle owners); M = {m}, W = {self.world_size}. Use a by_m "
                                f"bucket with another method for this M")
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        self._begin(m)
-        self._execute((m, self.config.method), CallContext({"a": a, "w": w, "out": out}))
+        self._execute((m, self.config.method), CallContext({"a": a, "w": w, "out": out}), m=m)
         return out
 
     def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
@@ -108,8 +107,7 @@ class GemmRs(OpBase):
             self._bulk_staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
         ctx = CallContext({"a": a, "w": w, "out": out, "work": work, "result": None})
-        self._begin(m)
-        self._execute((m, "bulk"), ctx)
+        self._execute((m, "bulk"), ctx, m=m)
         return out, ctx.values["result"]
 
     def reduce_scatter(self, partials: torch.Tensor) -> torch.Tensor:
@@ -120,8 +118,7 @@ class GemmRs(OpBase):
         m = partials.shape[0]
         self._check_m(m)
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        self._begin(m)
-        self._execute((m, "comm_only"), CallContext({"partials": partials, "out": out}))
+        self._execute((m, "comm_only"), CallContext({"partials": partials, "out": out}), m=m)
         return out
 
     def owners(self) -> list[int]:

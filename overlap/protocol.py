@@ -114,8 +114,9 @@ def check_call(pool, flags, call: int, m: int, *, op: str) -> None:
         late = [r for r, page in enumerate(pages) if page[first] != call]
         pool.record_timeout(flags.region, first, call)
         return SignalTimeout(region=flags.region, index=first, expected=call, observed=int(pages[late[0]][first]),
-                             timeout_s=pool.timeout_s, peer=late[0], op=f"{op} (call {call} not issued by rank "
-                             f"{late[0]}: every rank must call the op the same number of times)")
+                             timeout_s=pool.timeout_s, peer=late[0], op=op,
+                             detail=f"rank {late[0]} has not issued call {call} of this op (it is stuck in an "
+                                    f"earlier call, or calls the op fewer times than this rank)")
 
     pool.host_wait(everyone_posted, waiting_for=f"{op}: call {call} on every rank", on_timeout=timed_out)
     ms = [int(page[first + 1]) for page in pages]

@@ -120,21 +120,13 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
               blocks: GemmBlocks | None = None, tile_row_offset: int = 0) -> torch.Tensor:
     """out[M, N] = a[M, K] @ b[K, N] on the current stream with `num_programs` persistent programs
     (b row-major, or the transpose view of a row-major [N, K])."""
-    from kernels.gemm import EPILOGUE_LOCAL, persistent_gemm_kernel
+    from ._gemm_launch import launch_gemm
 
     m, k = a.shape
     n = b.shape[1]
     if out.shape != (m, n) or b.shape[0] != k:
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
-    if a.is_cuda:
-        ensure_allocator()
     programs = num_programs or num_sms(a.device)
     blocks = blocks or choose_blocks(m, n, k, device_type=a.device.type, sm_count=programs)
-    b_rows, ldb, b_transposed = b_operand(b)
-    persistent_gemm_kernel[(programs,)](
-        a, b_rows, out, m, n, k, a.stride(0), ldb, out.stride(0), tile_row_offset,
-        None, None, None, 0, 0, 1, 0,
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptor_ok(a, b_rows, out), B_TRANSPOSED=b_transposed,
-        WARP_SPECIALIZE=blocks.warp_specialize, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    launch_gemm(a=a, w=b, out=out, num_programs=programs, blocks=blocks, tile_row_offset=tile_row_offset)
     return out

@@ -29,13 +29,13 @@ class SignalTimeout(TimeoutError):
     where known, the peer rank expected to write it and the op."""
 
     def __init__(self, *, region: str, index: int, expected: int, observed: int, timeout_s: float,
-                 peer: int | None = None, op: str | None = None):
+                 peer: int | None = None, op: str | None = None, detail: str = ""):
         self.region, self.index, self.expected, self.observed = region, index, expected, observed
         self.timeout_s, self.peer, self.op = timeout_s, peer, op
         who = f" from peer rank {peer}" if peer is not None else ""
         what = f"{op}: " if op else ""
         super().__init__(f"{what}timed out after {timeout_s:.3g} s waiting{who} for flag {region}[{index}] "
-                         f">= {expected} (last value {observed})")
+                         f">= {expected} (last value {observed}){': ' + detail if detail else ''}")
 
 
 ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted",

@@ -36,20 +36,25 @@ def _skip_signal(rank, world, bad_rank, timeout_s):
     pool = SymmetricPool(1 << 20, group=group, timeout_s=timeout_s)
     op = AgGemm(group=group, pool=pool, max_m=8 * world, k=8, n_local=4, dtype=torch.float32, config=AG)
     if rank == bad_rank:
-        # From step 3 on this rank never signals (its data is written, the flag write is lost). A single
-        # lost flag followed by a later one is indistinguishable from a peer one step ahead (flags are
-        # ">= epoch"), so the fault injected is a signalling path that stops working.
-        publish = op._publish
-        op._publish = lambda a_shard, a: publish(a_shard, a) if op._epoch < 3 else None
+        # From call 3 on this rank's "ready" writes are lost (its data is written, the flag never arrives):
+        # a signalling path that stops working
+        from overlap import schedule
+        deliver = schedule.HostDriver._execute
+
+        def lossy(driver, step, *args):
+            if step.kind == "give" and step.args[0].index < world and op.calls >= 3:
+                return None
+            return deliver(driver, step, *args)
+        schedule.HostDriver._execute = lossy
     t0 = time.monotonic()
     try:
         for _ in range(8):
             op(torch.randn(8, 8), torch.randn(8, 4))
     except (SignalTimeout, PeerAbortError) as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0, op._epoch, pool.peer_pids
+        return type(exc).__name__, str(exc), time.monotonic() - t0, op.calls, pool.peer_pids
     finally:
         pool.close()
-    return "no error", "", time.monotonic() - t0, op._epoch, pool.peer_pids
+    return "no error", "", time.monotonic() - t0, op.calls, pool.peer_pids
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -153,14 +158,14 @@ def _two_ops_two_pools(rank, world):
         # a second thread calling an op while it is in flight is refused with a clear error
         slow = threading.Event()
         release = threading.Event()
-        original = ag1._run_host
+        original = ag1._driver
 
         def held(*args):
             slow.set()
             release.wait(60)
             return original(*args)
 
-        ag1._run_host = held
+        ag1._driver = held
         worker = threading.Thread(target=lambda: ag1(torch.randn(8, 8), torch.randn(8, 4)))
         worker.start()
         assert slow.wait(60), "the worker thread's call did not start"

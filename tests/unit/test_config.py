@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from overlap.config import ConfigError, AgGemmConfig, GemmRsConfig
-from overlap.presets import dump_config, gpu_slug, load_config, load_preset, parse_config, preset_path
+from overlap.presets import dump_config, gpu_slug, load_config, load_preset, migrate, parse_config, preset_path
 
 PRESETS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
@@ -61,7 +61,7 @@ def _set(raw, dotted, value):
     ("ops.ag_gemm.method", "magic", "decomposed | fused"),
     ("ops.ag_gemm.chunks_per_rank", 0, "1 <= x <= 64"),
     ("ops.ag_gemm.comm_stream_priority", 3, "-5 <= x <= 0"),
-    ("ops.ag_gemm.num_comm_sms", "8", "an int"),
+    ("ops.gemm_rs.num_comm_sms", "8", "an int"),
     ("ops.ag_gemm.sm_margin", True, "an int"),
     ("node.tp_size", "two", "an int or null"),
     ("node.pool_bytes", 0, "1 <= x"),
@@ -124,16 +124,34 @@ def test_buckets_select_by_m_and_round_trip(tmp_path):
         parse_config(raw, file="mem")
 
 
-def test_op_config_is_frozen_keyword_only_and_validated():
-    cfg = GemmRsConfig(method="fused", sm_margin=8)
+def test_op_configs_are_frozen_keyword_only_and_validated():
+    cfg = GemmRsConfig(method="fused", sm_margin=8, num_comm_sms=8)
     with pytest.raises(Exception):
         cfg.sm_margin = 4
     with pytest.raises(TypeError):
-        OpConfig("gemm_rs", "fused")
+        GemmRsConfig("fused")
     with pytest.raises(ConfigError, match="sm_margin"):
         GemmRsConfig(method="fused", sm_margin=-3)
     with pytest.raises(ConfigError, match="sm_margin: got 132; allowed: an int with 0 <= x <= 131"):
-        cfg.__class__(op="gemm_rs", method="fused", sm_margin=132).validate(num_sms=132)
+        GemmRsConfig(method="fused", sm_margin=132).validate(num_sms=132)
+    with pytest.raises(TypeError):   # per-op classes hold only their own fields
+        AgGemmConfig(method="decomposed", num_comm_sms=8)
+    with pytest.raises(TypeError):
+        GemmRsConfig(method="decomposed", chunks_per_rank=2)
+
+
+@pytest.mark.parametrize("cls,fields,needle", [
+    ("rs", {"method": "fused", "sm_margin": 4, "num_comm_sms": 8}, "sm_margin: got 4; allowed: >= num_comm_sms"),
+    ("rs", {"method": "fused", "num_comm_sms": 0}, "num_comm_sms: got 0; allowed: >= 1"),
+    ("rs", {"method": "decomposed", "num_comm_sms": 0}, "runs its reduction kernel on num_comm_sms"),
+    ("rs", {"method": "pair", "num_comm_sms": 4}, "0 (method pair has no reduction kernel)"),
+    ("rs", {"method": "epilogue_reduce", "num_comm_sms": 4}, "0 (method epilogue_reduce has no"),
+    ("ag", {"method": "fused", "lead_fraction": 0.5}, "it applies to method decomposed"),
+    ("ag", {"method": "decomposed", "lead_fraction": 1.5}, "a number with 0 <= x <= 1"),
+])
+def test_a_method_says_what_runs_and_refuses_fields_it_cannot_honour(cls, fields, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        (GemmRsConfig if cls == "rs" else AgGemmConfig)(**fields)
 
 
 def test_model_section_parses_validates_and_round_trips(tmp_path):
@@ -175,38 +193,62 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
         op_bench.run(CpuContext(), "ag_gemm", [], [], warmup=1, reps=1, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("fields,needle", [
-    ({"op": "ag_gemm", "method": "decomposed", "lead_fraction": 1.5}, "a number with 0 <= x <= 1"),
-    ({"op": "ag_gemm", "method": "decomposed", "lead_fraction": True}, "a number with 0 <= x <= 1"),
-    ({"op": "ag_gemm", "method": "fused", "lead_fraction": 0.5}, "applies to ag_gemm with method decomposed"),
-    ({"op": "gemm_rs", "method": "fused", "lead_fraction": 0.5}, "applies to ag_gemm with method decomposed"),
-    ({"op": "ag_gemm", "method": "decomposed", "bulk_wgrad": True}, "false (it applies to gemm_rs)"),
-    ({"op": "gemm_rs", "method": "fused", "bulk_wgrad": 1}, "true or false"),
-    ({"op": "ag_gemm", "method": "decomposed", "lead_wgrad": "yes"}, "true or false"),
-    ({"op": "ag_gemm", "method": "fused", "lead_wgrad": True}, "applies to ag_gemm with method decomposed"),
-    ({"op": "gemm_rs", "method": "decomposed", "lead_wgrad": True}, "applies to ag_gemm with method decomposed"),
+@pytest.mark.parametrize("role,fields,needle", [
+    ("fc1_dgrad", {"lead_wgrad": True}, "false (it applies to fc2_dgrad)"),
+    ("fc2_dgrad", {"bulk_wgrad": True}, "false (it applies to fc1_dgrad)"),
+    ("fc2_dgrad", {"lead_wgrad": "yes"}, "true or false"),
 ])
-def test_lead_fraction_and_bulk_wgrad_are_validated(fields, needle):
-    with pytest.raises(ConfigError, match=re.escape(needle)):
-        OpConfig(**fields)
-    assert AgGemmConfig(method="decomposed", lead_fraction=0.5).lead_fraction == 0.5
-    assert GemmRsConfig(method="epilogue_reduce", bulk_wgrad=True).bulk_wgrad
-    assert AgGemmConfig(method="decomposed", lead_wgrad=True).lead_wgrad
+def test_role_settings_are_keyed_by_gemm_role_and_validated(role, fields, needle):
+    raw = _base()
+    raw["roles"] = {role: fields}
+    with pytest.raises(ConfigError, match=re.escape(f"roles.{role}.") + ".*" + re.escape(needle)):
+        parse_config(raw, file="mem")
+    raw["roles"] = {"fc3_fprop": {}}
+    with pytest.raises(ConfigError, match="roles.fc3_fprop: unknown key"):
+        parse_config(raw, file="mem")
+
+
+def test_roles_select_by_m_and_round_trip(tmp_path):
+    cfg = load_config(preset_path("NVIDIA H200", 2))
+    assert cfg.role("fc2_dgrad", 16384).lead_wgrad and not cfg.role("fc2_dgrad", 4096).lead_wgrad
+    assert cfg.role("fc1_dgrad", 1024).bulk_wgrad and not cfg.role("fc1_fprop", 1024).bulk_wgrad
+    out = tmp_path / "again.yaml"
+    dump_config(cfg, out)
+    again = load_config(out)
+    assert again.roles == cfg.roles and again.ag_gemm == cfg.ag_gemm and again.gemm_rs == cfg.gemm_rs
+
+
+def test_a_preset_of_the_earlier_layout_is_migrated():
+    """Role settings inside the ops move to roles; a TP2 `decomposed` GEMM+RS without reduction SMs was the
+    pair schedule; fields an op never read are dropped."""
+    old = {"node": {"gpu_name": "NVIDIA H200", "tp_size": 2, "num_sms": 132, "pool_bytes": 1 << 30},
+           "ops": {"ag_gemm": {"method": "decomposed", "sm_margin": 0, "num_comm_sms": 0, "chunks_per_rank": 1,
+                               "lead_fraction": 0.5, "lead_wgrad": True,
+                               "by_m": [{"m_max": 4096, "lead_fraction": 0, "lead_wgrad": False}]},
+                   "gemm_rs": {"method": "decomposed", "sm_margin": 0, "num_comm_sms": 0, "chunks_per_rank": 1,
+                               "bulk_wgrad": True}}}
+    cfg = parse_config(migrate(old), file="old.yaml")
+    assert cfg.gemm_rs.default.method == "pair"
+    assert cfg.role("fc2_dgrad", 16384).lead_wgrad and not cfg.role("fc2_dgrad", 4096).lead_wgrad
+    assert cfg.role("fc1_dgrad", 16384).bulk_wgrad
+    assert cfg.op_config("ag_gemm", 4096).lead_fraction == 0 and cfg.op_config("ag_gemm", 16384).lead_fraction == 0.5
+    old["node"]["tp_size"] = 4
+    assert parse_config(old, file="old4.yaml").gemm_rs.default == GemmRsConfig(method="decomposed", sm_margin=0,
+                                                                               num_comm_sms=8)
 
 
 def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it():
     raw = _base()
-    raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5, lead_wgrad=True)
+    raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5)
     raw["ops"]["ag_gemm"]["by_m"] = [{"m_max": 1024, "method": "fused"}, {"m_max": 4096, "sm_margin": 8}]
     cfg = parse_config(raw, file="mem")
     assert cfg.op_config("ag_gemm", 1024).lead_fraction == 0 and cfg.op_config("ag_gemm", 1024).method == "fused"
-    assert not cfg.op_config("ag_gemm", 1024).lead_wgrad
     assert cfg.op_config("ag_gemm", 4096).lead_fraction == 0.5  # inherited: still decomposed
-    assert cfg.op_config("ag_gemm", 4096).lead_wgrad
     base = cfg.ag_gemm.default
-    assert base.with_method("fused").lead_fraction == 0 and not base.with_method("fused").lead_wgrad
-    assert base.with_method("decomposed", sm_margin=4) == AgGemmConfig(method="decomposed",
-                                                                  lead_fraction=0.5, sm_margin=4,
-                                                                  **{k: getattr(base, k) for k in
-                                                                     ("num_comm_sms", "chunks_per_rank",
-                                                                      "comm_stream_priority", "lead_wgrad")})
+    assert base.with_method("fused").lead_fraction == 0
+    assert base.with_method("decomposed", sm_margin=4) == AgGemmConfig(
+        method="decomposed", lead_fraction=0.5, sm_margin=4, chunks_per_rank=base.chunks_per_rank,
+        comm_stream_priority=base.comm_stream_priority)
+    rs = GemmRsConfig(method="pair", sm_margin=0, num_comm_sms=0)
+    assert rs.with_method("fused") == GemmRsConfig(method="fused", sm_margin=16, num_comm_sms=16)
+    assert rs.with_method("decomposed").num_comm_sms == 8 and rs.with_method("epilogue_reduce").num_comm_sms == 0

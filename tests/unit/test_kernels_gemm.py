@@ -1,5 +1,8 @@
 """CPU (Triton interpreter) tests for kernels/gemm.py: local and scatter epilogues, the AllGather-consumer chunk
-waits (WAIT_CHUNKS), the reduction and the bounded waits (the interpreter polls once: USE_TIMER=False)."""
+waits (WAIT_CHUNKS), the reduction and the bounded waits (the interpreter polls once: USE_TIMER=False).
+
+Flags are toggles (protocol.py): a writer stores SET (1), a waiter waits for SET; the error words are the
+pool's control page [code, value, abort]: an expired wait stores its code (a base + the flag's index)."""
 
 import os
 
@@ -55,7 +58,7 @@ def launch_local_gemm(a, b, c, num_programs, tile_row_offset, use_descriptors=Tr
     n = c.shape[1]
     persistent_gemm_kernel[(num_programs,)](
         a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), tile_row_offset,
-        None, None, None, 0, 0, 1, 0,
+        None, None, None, 0, 0, 0,
         EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
         WARP_SPECIALIZE=False, **GEMM_BLOCKS)
 
@@ -111,14 +114,14 @@ class ScatterWorld:
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=DEVICE)
 
 
-def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, epoch, num_programs, use_descriptors=True,
+def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, num_programs, use_descriptors=True,
                      **chunk_wait_args):
     m, k = a.shape
     n = b.shape[1]
     persistent_gemm_kernel[(num_programs,)](
         a, b, world.partials[src_rank], m, n, k, a.stride(0), b.stride(0), n, src_rank * 3,
         world.dst_ptrs, world.flag_ptrs, world.tile_counters[src_rank],
-        rows_per_rank, src_rank, epoch, world.flags[0].shape[1],
+        rows_per_rank, src_rank, world.flags[0].shape[1],
         EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
         **GEMM_BLOCKS, **chunk_wait_args)
 
@@ -130,9 +133,10 @@ def expected_flag_indices(owner, rows_per_rank, block_m):
 
 
 @pytest.mark.parametrize("world_size,rows_per_rank_by_epoch", [(2, [45, 45]), (3, [40, 23])])
-def test_scatter_epilogue_stores_rows_at_owners_and_sets_epoch_flags(world_size, rows_per_rank_by_epoch):
-    # rows_per_rank is never a multiple of BLOCK_M, so tiles straddle owners; the second epoch
-    # changes M to check that flags and counters stay consistent across shape changes.
+def test_scatter_epilogue_stores_rows_at_owners_and_sets_their_flags(world_size, rows_per_rank_by_epoch):
+    # rows_per_rank is never a multiple of BLOCK_M, so tiles straddle owners; the second launch changes M
+    # to check that flags and counters stay consistent across shape changes (the owners reset their flags
+    # between launches, as the protocol's memory operations do).
     generator = torch.Generator().manual_seed(world_size)
     n, k = 40, 48
     block_m = GEMM_BLOCKS["BLOCK_M"]
@@ -140,16 +144,17 @@ def test_scatter_epilogue_stores_rows_at_owners_and_sets_epoch_flags(world_size,
     max_row_blocks = max(cdiv(world_size * r, block_m) for r in rows_per_rank_by_epoch)
     world = ScatterWorld(world_size, max(rows_per_rank_by_epoch), n, flags_per_source, max_row_blocks)
 
-    for epoch, rows_per_rank in enumerate(rows_per_rank_by_epoch, start=1):
-        for partials in world.partials:
+    for rows_per_rank in rows_per_rank_by_epoch:
+        for partials, flags in zip(world.partials, world.flags):
             partials.fill_(float("nan"))
+            flags.zero_()
         m = world_size * rows_per_rank
         products = []
         for src in range(world_size):
             a = random_matrix(m, k, torch.bfloat16, generator)
             b = random_matrix(k, n, torch.bfloat16, generator)
             products.append(a.float() @ b.float())
-            run_scatter_gemm(world, a, b, src, rows_per_rank, epoch, num_programs=1 + src)
+            run_scatter_gemm(world, a, b, src, rows_per_rank, num_programs=1 + src)
 
         for owner in range(world_size):
             # The buffer is sized for the largest epoch; this epoch's layout is [world, rows_per_rank, n].
@@ -159,30 +164,10 @@ def test_scatter_epilogue_stores_rows_at_owners_and_sets_epoch_flags(world_size,
                 expected = products[src][owner * rows_per_rank:(owner + 1) * rows_per_rank]
                 assert relative_error(owner_view[src], expected) <= GEMM_REL_TOLERANCE, (owner, src)
             used = expected_flag_indices(owner, rows_per_rank, block_m)
-            assert (world.flags[owner][:, :used] == epoch).all(), world.flags[owner]
-            assert (world.flags[owner][:, used:] < epoch).all(), "a flag outside the owner's rows was set"
+            assert (world.flags[owner][:, :used] == 1).all(), world.flags[owner]
+            assert (world.flags[owner][:, used:] == 0).all(), "a flag outside the owner's rows was set"
         for counters in world.tile_counters:
             assert (counters == 0).all(), "tile counters must return to zero for the next launch"
-
-
-def test_scatter_epilogue_with_device_epoch_writes_the_counter_value():
-    # cuda_graphs=True launches: the flag value comes from device memory, the launch arguments stay fixed
-    generator = torch.Generator().manual_seed(8)
-    world_size, rows_per_rank, n, k = 2, 40, 24, 32
-    world = ScatterWorld(world_size, rows_per_rank, n, scatter_flags_per_source(rows_per_rank, 32),
-                         cdiv(world_size * rows_per_rank, 32))
-    counter = torch.tensor([11], dtype=torch.int32, device=DEVICE)
-    for step in (11, 12):
-        counter.fill_(step)
-        a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
-        b = random_matrix(k, n, torch.bfloat16, generator)
-        run_scatter_gemm(world, a, b, src_rank=0, rows_per_rank=rows_per_rank, epoch=0, num_programs=3,
-                         epoch_ptr=counter, DEVICE_EPOCH=True)
-        for owner in range(world_size):
-            used = expected_flag_indices(owner, rows_per_rank, 32)
-            assert (world.flags[owner][0, :used] == step).all(), (step, world.flags[owner])
-            assert relative_error(world.partials[owner][0], (a.float() @ b.float())[
-                owner * rows_per_rank:(owner + 1) * rows_per_rank]) <= GEMM_REL_TOLERANCE
 
 
 def test_scatter_epilogue_pointer_fallback():
@@ -192,21 +177,24 @@ def test_scatter_epilogue_pointer_fallback():
                          cdiv(world_size * rows_per_rank, 32))
     a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
     b = random_matrix(k, n, torch.bfloat16, generator)
-    run_scatter_gemm(world, a, b, src_rank=1, rows_per_rank=rows_per_rank, epoch=4, num_programs=2,
+    run_scatter_gemm(world, a, b, src_rank=1, rows_per_rank=rows_per_rank, num_programs=2,
                      use_descriptors=False)
     product = a.float() @ b.float()
     for owner in range(world_size):
         expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
         assert relative_error(world.partials[owner][1], expected) <= GEMM_REL_TOLERANCE
         used = expected_flag_indices(owner, rows_per_rank, 32)
-        assert (world.flags[owner][1, :used] == 4).all() and (world.flags[owner][0] == 0).all()
+        assert (world.flags[owner][1, :used] == 1).all() and (world.flags[owner][0] == 0).all()
 
 
-def run_reduction(partials, out, flags, error, epoch, wait, timeout_ns=TIMEOUT_NS, owner_rank=1, gemm_block_m=32):
+CODE_BASE = 100  # the error code of flag 0 (the pool passes its device word's code)
+
+
+def run_reduction(partials, out, flags, error, wait, timeout_ns=TIMEOUT_NS, owner_rank=1, gemm_block_m=32):
     world_size, rows_per_rank, n = partials.shape
     reduce_partials_kernel[(3,)](
-        partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, epoch, flags.shape[1],
-        gemm_block_m, owner_rank, timeout_ns, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
+        partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, flags.shape[1],
+        gemm_block_m, owner_rank, timeout_ns, CODE_BASE, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
 
 
 def sequential_fp32_sum(partials):
@@ -216,51 +204,34 @@ def sequential_fp32_sum(partials):
     return total
 
 
+def control_page():
+    return torch.zeros(3, dtype=torch.int32, device=DEVICE)  # [code, value, abort]
+
+
 @pytest.mark.parametrize("world_size,wait", [(2, False), (3, False), (3, True)])
 def test_reduction_sums_partials_in_fp32(world_size, wait):
     generator = torch.Generator().manual_seed(20 + world_size)
     rows_per_rank, n = 37, 40
     partials = torch.randn(world_size, rows_per_rank, n, generator=generator).to(torch.bfloat16).to(DEVICE)
     out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    epoch = 3
-    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), epoch, dtype=torch.int32,
-                       device=DEVICE)
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    run_reduction(partials, out, flags, error, epoch, wait)
-    assert error.item() == 0
+    flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
+    error = control_page()
+    run_reduction(partials, out, flags, error, wait)
+    assert error.tolist() == [0, 0, 0]
     torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    assert (flags == 1).all(), "the reduction must not reset flags: the launcher does, after the kernel"
 
 
-def test_reduction_wait_times_out_with_error_code_of_missing_source():
+@pytest.mark.parametrize("stale_value", [0, 2])
+def test_reduction_wait_times_out_with_error_code_of_the_missing_flag(stale_value):
     world_size, rows_per_rank, n = 3, 37, 40
     partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
     out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    epoch = 5
-    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), epoch, dtype=torch.int32,
-                       device=DEVICE)
-    flags[1, 1] = epoch - 1  # source 1 has not finished one row block of this epoch
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    run_reduction(partials, out, flags, error, epoch, wait=True, timeout_ns=100_000)
-    assert error.item() == 1 + 1
-
-
-def test_reduction_waits_for_the_device_epoch():
-    world_size, rows_per_rank, n = 2, 20, 16
-    partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
-    flags = torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), 6, dtype=torch.int32,
-                       device=DEVICE)
-    counter = torch.tensor([6], dtype=torch.int32, device=DEVICE)
-    for step, want_error in ((6, 0), (7, 1)):  # step 7: no source has written its flags yet
-        counter.fill_(step)
-        out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        reduce_partials_kernel[(2,)](
-            partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, 0, flags.shape[1],
-            32, 0, 100_000, WAIT=True, BLOCK_M=16, BLOCK_N=16, epoch_ptr=counter, DEVICE_EPOCH=True)
-        assert error.item() == want_error, step
-        if not want_error:
-            torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2,
-                                       atol=1e-2)
+    flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
+    flags[1, 1] = stale_value  # source 1 has not finished one row block (or left a value other than SET)
+    error = control_page()
+    run_reduction(partials, out, flags, error, wait=True, timeout_ns=100_000)
+    assert error[0].item() == CODE_BASE + 1 * flags.shape[1] + 1 and error[1].item() == 1
 
 
 def test_timer_is_used_exactly_when_not_interpreting():
@@ -310,16 +281,16 @@ def test_tile_walk_is_rotated_row_major_by_group(num_row_blocks, num_col_blocks,
     assert rotated[0] == 0
 
 
-def launch_ag_gemm(a, b, c, chunk_flags, error, *, rows_per_rank, chunks_per_rank, chunk_epoch, rank,
-                   num_programs, use_descriptors=True):
+def launch_ag_gemm(a, b, c, chunk_flags, error, *, rows_per_rank, chunks_per_rank, rank, num_programs,
+                   use_descriptors=True):
     m, k = a.shape
     n = c.shape[1]
     persistent_gemm_kernel[(num_programs,)](
         a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0),
         ag_tile_row_offset(rank, rows_per_rank, GEMM_BLOCKS["BLOCK_M"]),
-        None, None, None, rows_per_rank, 0, 1, 0,
+        None, None, None, rows_per_rank, 0, 0,
         EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-        chunk_flags_ptr=chunk_flags, chunks_per_rank=chunks_per_rank, chunk_epoch=chunk_epoch, error_ptr=error,
+        chunk_flags_ptr=chunk_flags, chunks_per_rank=chunks_per_rank, error_ptr=error, error_code_base=CODE_BASE,
         timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True, **GEMM_BLOCKS)
 
 
@@ -346,26 +317,22 @@ def test_ag_consumer_with_ready_chunks_matches_fp32_reference(world_size, rows_p
                                                               num_programs):
     n, k = 40, 48  # tails for 32-wide blocks, and descriptor-friendly strides
     a, b, c = ag_inputs(world_size, rows_per_rank, n, k, seed=100 * world_size + rows_per_rank + chunks_per_rank)
-    epoch = 7
-    # Ready means >= epoch: some flags are already ahead (a faster producer of the next step is not possible,
-    # but the wait must not demand equality).
-    chunk_flags = torch.tensor([epoch + (i % 2) for i in range(world_size * chunks_per_rank)], dtype=torch.int32,
-                               device=DEVICE)
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    chunk_flags = torch.ones(world_size * chunks_per_rank, dtype=torch.int32, device=DEVICE)
+    error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
-                   chunk_epoch=epoch, rank=rank, num_programs=num_programs)
-    assert error.item() == 0
+                   rank=rank, num_programs=num_programs)
+    assert error.tolist() == [0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
 def test_ag_consumer_pointer_fallback_with_unaligned_shapes():
     world_size, rows_per_rank, chunks_per_rank = 3, 17, 2
     a, b, c = ag_inputs(world_size, rows_per_rank, n=37, k=45, seed=3)
-    chunk_flags = torch.full((world_size * chunks_per_rank,), 2, dtype=torch.int32, device=DEVICE)
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    chunk_flags = torch.ones(world_size * chunks_per_rank, dtype=torch.int32, device=DEVICE)
+    error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
-                   chunk_epoch=2, rank=1, num_programs=3, use_descriptors=False)
-    assert error.item() == 0
+                   rank=1, num_programs=3, use_descriptors=False)
+    assert error.tolist() == [0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
@@ -374,12 +341,12 @@ def test_ag_consumer_never_waits_for_empty_chunks():
     # may leave its flag alone.
     world_size, rows_per_rank, chunks_per_rank = 3, 9, 4
     a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=21)
-    chunk_flags = torch.full((world_size * chunks_per_rank,), 3, dtype=torch.int32, device=DEVICE)
+    chunk_flags = torch.ones(world_size * chunks_per_rank, dtype=torch.int32, device=DEVICE)
     chunk_flags[chunks_per_rank - 1::chunks_per_rank] = 0
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
-                   chunk_epoch=3, rank=2, num_programs=2)
-    assert error.item() == 0
+                   rank=2, num_programs=2)
+    assert error.tolist() == [0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
@@ -390,24 +357,28 @@ def test_ag_consumer_never_waits_for_empty_chunks():
 ])
 def test_ag_consumer_stale_chunk_records_its_error_code(world_size, rows_per_rank, chunks_per_rank, stale_chunk):
     a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=stale_chunk)
-    epoch = 4
-    chunk_flags = torch.full((world_size * chunks_per_rank,), epoch, dtype=torch.int32, device=DEVICE)
-    chunk_flags[stale_chunk] = epoch - 1
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    chunk_flags = torch.ones(world_size * chunks_per_rank, dtype=torch.int32, device=DEVICE)
+    chunk_flags[stale_chunk] = 0
+    error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
-                   chunk_epoch=epoch, rank=1, num_programs=3)
-    assert error.item() == 1 + stale_chunk
+                   rank=1, num_programs=3)
+    assert error[0].item() == CODE_BASE + stale_chunk and error[1].item() == 1
+    first, count = ag_chunk_rows(stale_chunk, rows_per_rank, chunks_per_rank)
+    assert torch.isnan(c[first:first + count]).all(), "a tile reading the missing chunk was computed"
 
 
-def test_ag_consumer_does_no_work_once_an_error_is_recorded():
+def test_a_program_whose_wait_expired_skips_its_remaining_tiles():
     world_size, rows_per_rank, chunks_per_rank = 2, 45, 2
     a, b, c = ag_inputs(world_size, rows_per_rank, n=40, k=48, seed=9)
-    chunk_flags = torch.full((world_size * chunks_per_rank,), 1, dtype=torch.int32, device=DEVICE)
-    error = torch.full((1,), 77, dtype=torch.int32, device=DEVICE)  # e.g. an earlier wait of this step failed
+    chunk_flags = torch.ones(world_size * chunks_per_rank, dtype=torch.int32, device=DEVICE)
+    chunk_flags[2] = 0  # owner 1's first chunk: rank 0's single program meets it right after its own rows
+    error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
-                   chunk_epoch=1, rank=0, num_programs=2)
-    assert error.item() == 77, "the first recorded failure must win"
-    assert torch.isnan(c).all(), "a program computed a tile after the error word was set"
+                   rank=0, num_programs=1)
+    assert error[0].item() == CODE_BASE + 2
+    # the walk starts with row block 0, column block 0 (rank 0's rows); row block 1 needs the missing chunk
+    assert not torch.isnan(c[:32, :32]).any(), "the tile before the expired wait was skipped"
+    assert torch.isnan(c[32:]).all(), "tiles after the expired wait were computed"
 
 
 def test_chunk_waits_also_work_with_the_scatter_epilogue():
@@ -417,15 +388,15 @@ def test_chunk_waits_also_work_with_the_scatter_epilogue():
                          cdiv(world_size * rows_per_rank, 32))
     a = random_matrix(world_size * rows_per_rank, k, torch.bfloat16, generator)
     b = random_matrix(k, n, torch.bfloat16, generator)
-    chunk_flags = torch.full((world_size * 2,), 5, dtype=torch.int32, device=DEVICE)
-    error = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    run_scatter_gemm(world, a, b, src_rank=2, rows_per_rank=rows_per_rank, epoch=6, num_programs=2,
-                     chunk_flags_ptr=chunk_flags, chunks_per_rank=2, chunk_epoch=5, error_ptr=error,
+    chunk_flags = torch.ones(world_size * 2, dtype=torch.int32, device=DEVICE)
+    error = control_page()
+    run_scatter_gemm(world, a, b, src_rank=2, rows_per_rank=rows_per_rank, num_programs=2,
+                     chunk_flags_ptr=chunk_flags, chunks_per_rank=2, error_ptr=error, error_code_base=CODE_BASE,
                      timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True)
-    assert error.item() == 0
+    assert error.tolist() == [0, 0, 0]
     product = a.float() @ b.float()
     for owner in range(world_size):
         expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
         assert relative_error(world.partials[owner][2], expected) <= GEMM_REL_TOLERANCE
         used = expected_flag_indices(owner, rows_per_rank, 32)
-        assert (world.flags[owner][2, :used] == 6).all()
+        assert (world.flags[owner][2, :used] == 1).all()
