@@ -167,7 +167,7 @@ def test_tuned_preset_buckets_round_trip(tmp_path):
     path = tmp_path / "tuned.yaml"
     dump_config(cfg, path)
     loaded = load_config(path)
-    assert loaded.gemm_rs.default.sm_margin == 16 and [b.m_max for b in loaded.gemm_rs.by_m] == [1024]
+    assert loaded.gemm_rs.default.sm_margin == 16 and [m for m, _ in loaded.gemm_rs.by_m] == [1024]
     assert loaded.op_config("gemm_rs", 1000).sm_margin == 8 and loaded.op_config("gemm_rs", 4096).sm_margin == 16
     assert loaded.op_config("ag_gemm", 1024).method == "fused"
     assert loaded.op_config("ag_gemm", 2048).method == "decomposed"
@@ -176,7 +176,7 @@ def test_tuned_preset_buckets_round_trip(tmp_path):
                                                             "gemm_rs": {"method": "fused"}}})  # still a valid node
     assert gate_failures(rows, 1.15) == []
     rows[0]["k_comm"] = 1.3
-    assert gate_failures(rows, 1.15) == ["gemm_rs a M=1024 K=64 N=64 (fused, sm_margin=8, chunks_per_rank=1): "
+    assert gate_failures(rows, 1.15) == ["gemm_rs a M=1024 K=64 N=64 (method=fused, sm_margin=8, num_comm_sms=8): "
                                          "k_comm=1.300 > max_k 1.15"]
     rows[2]["k_comp"] = 1.5   # sm_margin=8 at M=4096 is not the chosen config: `--gate best` ignores it
     assert len(gate_failures(rows, 1.15, best)) == 1 and len(gate_failures(rows, 1.15)) == 2
@@ -234,7 +234,7 @@ def test_gate_exits_1_only_when_comm_slows_under_overlap(tmp_path, delay_ms, exp
     row = json.loads((tmp_path / "kfactor_cpu_tp2.json").read_text())["rows"][0]
     if expect_rc:
         assert row["k_comm"] > 20 and row["t_comm_overlap_ms"] > 300 and row["t_comm_solo_ms"] < 15
-        assert "k-factor gate: ag_gemm custom M=512 K=256 N=256 (decomposed, sm_margin=0, chunks_per_rank=1): " \
-               f"k_comm={row['k_comm']:.3f} > max_k 20.0" in proc.stderr
+        assert "k-factor gate: ag_gemm custom M=512 K=256 N=256 (method=decomposed, sm_margin=0, chunks_per_rank=1, " \
+               f"lead_fraction=0.0): k_comm={row['k_comm']:.3f} > max_k 20.0" in proc.stderr
     else:
         assert row["k_comm"] < 20 and "k-factor gate" not in proc.stderr
