@@ -136,6 +136,8 @@ class SimResult:
     moved_bytes: int
     release_at: dict          # (layer, tensor) -> save-point index of its release, or -1: start of backward
     stall_ms: float
+    at_peak: frozenset        # (layer, tensor) resident on the device at the peak
+    windows: dict             # offloaded (layer, tensor) -> (saved, landed, released, fetched, needed) in ms
 
 
 def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixed_bytes: int = 0,
@@ -149,7 +151,8 @@ def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixe
     kg = rates.k_gemm if copies else 1.0
     d2h_ms = {n: b[n] / (rates.d2h_gbps * 1e9) * 1e3 * rates.k_copy for n in CANDIDATES}
     h2d_ms = {n: b[n] / (rates.h2d_gbps * 1e9) * 1e3 * rates.k_copy for n in CANDIDATES}
-    resident: list[tuple[float, float, int]] = []  # (from, to, bytes) intervals of device memory
+    resident: list[tuple] = []  # (from, to, bytes, (layer, tensor) or None for work) of device memory
+    needed: dict = {}
     saved_at, landed, release, release_at = {}, {}, {}, {}
     now, d2h_free, stall, last = 0.0, 0.0, 0.0, SAVE_POINTS_PER_LAYER * L - 1
     deferred: list[tuple[int, tuple]] = []
@@ -179,7 +182,7 @@ def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixe
                     deferred.append((min(due, last + 1), (p, n)))
         now += t.fc2 * kg
         if dec(p, "a") == "recompute":
-            resident.append((saved_at[(p, "a")], now, b["a"]))  # fc2's input until fc2 has run
+            resident.append((saved_at[(p, "a")], now, b["a"], (p, "a")))  # fc2's input until fc2 has run
     for _, key in deferred:
         issue_d2h(key, now)
     unreleased = [key for key in landed if key not in release]
@@ -200,11 +203,12 @@ def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixe
                 if dec(q, n) == "offload":
                     start = max(b0, h2d_free, landed[(q, n)])
                     done[(q, n)] = h2d_free = start + h2d_ms[n]
-                    resident.append((b0, -1.0, b[n]))  # its end is filled in at its use below
+                    resident.append((b0, -1.0, b[n], (q, n)))  # its end is filled in at its use below
                     done[(q, n, "slot")] = len(resident) - 1
 
         def need(n: str) -> None:
             nonlocal now, stall
+            needed.setdefault((p, n), now)
             if dec(p, n) == "offload":
                 stall += max(0.0, done[(p, n)] - now)
                 now = max(now, done[(p, n)])
@@ -219,30 +223,33 @@ def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixe
         now += 2 * t.fc2 * kg
         ends["a"] = now
         if dec(p, "a") == "recompute":
-            resident.append((a_from, now, b["a"]))
-        resident.append((b0, now, b["a"]))           # da
+            resident.append((a_from, now, b["a"], (p, "a")))
+        resident.append((b0, now, b["a"], None))           # da
         act_from = now
         need("h")
         now += t.act_bwd
         ends["h"] = now
-        resident.append((act_from, now, b["h"] + b["a"]))  # dh and da during the activation's backward
+        resident.append((act_from, now, b["h"] + b["a"], None))  # dh and da during the activation's backward
         dh_from = now
         need("x")
         now += 2 * t.fc1 * kg
         ends["x"] = now
-        resident.append((dh_from, now, b["h"]))     # dh until fc1's backward is done
+        resident.append((dh_from, now, b["h"], None))     # dh until fc1's backward is done
         for n in CANDIDATES:
             d = dec(p, n)
             if d == "keep":
-                resident.append((saved_at[(p, n)], ends[n], b[n]))
+                resident.append((saved_at[(p, n)], ends[n], b[n], (p, n)))
             elif d == "offload":
-                resident.append((saved_at[(p, n)], release[(p, n)], b[n]))
+                resident.append((saved_at[(p, n)], release[(p, n)], b[n], (p, n)))
                 i = done[(p, n, "slot")]
-                resident[i] = (resident[i][0], ends[n], resident[i][2])
-    points = sorted({start for start, _, _ in resident} | {0.0})
-    peak = max(sum(nb for lo, hi, nb in resident if lo <= x < hi) for x in points)
+                resident[i] = (resident[i][0], ends[n], resident[i][2], (p, n))
+    points = sorted({r[0] for r in resident} | {0.0})
+    peak, at = max((sum(r[2] for r in resident if r[0] <= x < r[1]), x) for x in points)
+    at_peak = frozenset(r[3] for r in resident if r[3] is not None and r[0] <= at < r[1])
     moved = sum(b[n] for (p, n), d in decisions.items() if d == "offload")
-    return SimResult(now, fixed_bytes + peak, moved, release_at, stall)
+    windows = {key: (saved_at[key], landed[key], release[key], done[key], needed.get(key, now))
+               for key in landed if key in done}
+    return SimResult(now, fixed_bytes + peak, moved, release_at, stall, at_peak, windows)
 
 
 @dataclass(frozen=True)
@@ -377,6 +384,16 @@ def _describe(plan: dict) -> str:
     return ", ".join(moved) or "keep all"
 
 
+def _evidence(sim: SimResult, key, decision: str) -> str:
+    """What the simulation saw for this tensor: its copy windows, or whether it is resident at the peak."""
+    if decision == "offload":
+        saved, landed, released, fetched, needed = sim.windows[key]
+        slack = needed - fetched
+        back = f"back {slack:.2f} ms early" if slack >= 0 else f"back {-slack:.2f} ms late"
+        return f"D2H lands {landed - saved:.2f} ms after its save, {back}"
+    return "resident at the peak" if key in sim.at_peak else "not resident at the peak"
+
+
 def _rows(shape, rates, plan, depth, sim, allowed, forced, fixed_bytes, pacing_offset) -> tuple:
     """One row per (layer, candidate): what each other decision would add and save, all else equal."""
     b, t = tensor_bytes(shape), layer_times(shape, rates)
@@ -390,13 +407,13 @@ def _rows(shape, rates, plan, depth, sim, allowed, forced, fixed_bytes, pacing_o
             elif allowed[n] == {"keep"}:
                 why = "pool view: costs no memory" if n == "x" and shape.gathered_is_view else "not a candidate"
             else:
-                parts = []
+                parts = [_evidence(sim, (p, n), here)]
                 for alt in sorted(allowed[n] - {here}, key=_ORDER.get):
                     other = simulate(shape, rates, {**plan, (p, n): alt}, depth, fixed_bytes=fixed_bytes,
                                      pacing_offset=pacing_offset)
                     parts.append(f"{alt}: {other.step_ms - sim.step_ms:+.3f} ms, "
                                  f"{(other.peak_bytes - sim.peak_bytes) / 2**20:+.0f} MiB peak")
-                why = "vs " + "; ".join(parts)
+                why = parts[0] + "; vs " + "; ".join(parts[1:])
             rows.append(PlanRow(f"L{p}.{n}", b[n] if not (n == "x" and shape.gathered_is_view) else 0,
                                 copy_ms, t.recompute if n == "a" else None, here, why))
     return tuple(rows)
