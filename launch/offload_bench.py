@@ -121,7 +121,11 @@ def _budget(text: str, none_peak: int):
     return int(text)
 
 
-def run_point(ctx, name, model, m, args, host, local) -> tuple[list[dict], dict]:
+class _OutOfTime(Exception):
+    pass
+
+
+def run_point(ctx, name, model, m, args, host, local, deadline) -> tuple[list[dict], dict]:
     cuda, dev = ctx.device.type == "cuda", ctx.device
     gen = torch.Generator(dev).manual_seed(1234 + ctx.rank)
     torch.manual_seed(99 + ctx.rank)
@@ -187,6 +191,18 @@ def run_point(ctx, name, model, m, args, host, local) -> tuple[list[dict], dict]
         plans[v] = plan_offload(shape, rates, budget_bytes=budget, fixed_bytes=fixed, pacing_offset=offset)
         pred_peak[v] = plans[v].peak_bytes
         engines[v] = OffloadEngine(plans[v], pool=host, device=dev, name="bench")
+    # the measured layer times give a better estimate than the nominal one: refuse to start what would
+    # overrun the time budget (the timed phase cannot be cut short once it started)
+    predicted = sum(plan.step_ms for plan in plans.values()) + plans["keep"].step_ms * 1.3  # + none
+    seconds = predicted * (args.reps + args.warmup + 3) * 1.3 / 1e3
+    verdict = torch.tensor([seconds - (deadline - time.monotonic())], dtype=torch.float64, device=dev)
+    if ctx.world_size > 1:  # every rank takes the same decision, or the others would wait at a barrier
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=ctx.group)
+    if verdict.item() > 0:
+        for engine in engines.values():
+            engine.close()
+        raise _OutOfTime(f"~{seconds:.0f} s of timed steps (measured layer times) do not fit the "
+                         f"{max(0.0, deadline - time.monotonic()):.0f} s left")
     point["planner_table"] = plans["planner"].table()
     progress(f"{name} M={m}: planner\n{point['planner_table']}", rank=ctx.rank)
     # ----- correctness: every variant's gradients against none's, same weights, no optimizer step
@@ -294,10 +310,11 @@ def main(argv=None) -> int:
                     notes.append(f"{n} M={m}: skipped, {left:.0f} s left of the time budget, ~{est['seconds']:.0f} s needed")
                     continue
                 try:
-                    point_rows, point = run_point(ctx, n, MODELS[n], m, args, host, local)
+                    point_rows, point = run_point(ctx, n, MODELS[n], m, args, host, local,
+                                                  start + args.time_budget_s)
                     rows += point_rows
                     done.append(point)
-                except (torch.cuda.OutOfMemoryError, OffloadError, OffloadPlanError) as exc:
+                except (torch.cuda.OutOfMemoryError, OffloadError, OffloadPlanError, _OutOfTime) as exc:
                     notes.append(f"{n} M={m}: skipped, {type(exc).__name__}: {str(exc)[:300]}")
                 gc.collect()
                 if cuda:
