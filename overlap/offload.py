@@ -38,10 +38,10 @@ import torch
 
 from ._activation import SavedInputActivation, activation_forward
 from .host_pool import HostPool, OffloadError
-from .offload_config import CANDIDATES
-from .offload_plan import OffloadPlan, tensor_bytes
+from .offload_config import CANDIDATES, OffloadConfig
+from .offload_plan import MLPShape, OffloadPlan, Rates, pacing_offset, plan_offload, tensor_bytes
 
-__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "OffloadError"]
+__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "OffloadError"]
 
 
 def host_bytes(plan: OffloadPlan) -> int:
@@ -336,6 +336,24 @@ class OffloadEngine:
         if not self._closed:
             self.reset()
         self._closed = True
+
+
+def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: int = 0, local_rank: int = 0,
+             local_world: int = 1) -> OffloadPlan:
+    """The plan `config` asks for, for this stack of TPMLPs (forward order) at M tokens (the gathered rows).
+
+    Shapes, TP size, dtype and whether the column layer keeps a pool view of its gathered input come from
+    the modules (`hidden`, `ffn_hidden`, `activation`, `world_size`, the weights' dtype, fc1.ops)."""
+    first = mlps[0]
+    view = getattr(getattr(first.fc1, "ops", None), "save_gathered", "copy") == "view"
+    shape = MLPShape(hidden=first.hidden, ffn_hidden=first.ffn_hidden, m=m, activation=first.activation,
+                     world_size=first.world_size, dtype_bytes=first.fc1.weight.element_size(),
+                     num_layers=len(mlps), gathered_is_view=view)
+    forced = dict(config.forced)
+    candidates = tuple(n for n in config.candidates if not (view and n == "x" and n not in forced))
+    return plan_offload(shape, rates, budget_bytes=config.budget_bytes, candidates=candidates,
+                        prefetch_depth=config.prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
+                        pacing_offset=pacing_offset(config.pacing, local_rank, local_world))
 
 
 def enable_offload(mlps, plan: OffloadPlan, *, pool: HostPool, name: str = "offload") -> OffloadEngine:

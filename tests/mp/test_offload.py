@@ -118,7 +118,8 @@ def _two_rank_checks(rank, world):
     import traceback
     out = {}
     for name, fn, args in ([(case, _bitwise_equal_to_plain, case) for case in CASES] +
-                           [("saved", _saved_tensors_come_back_exactly, ()), ("paced", _paced, ())]):
+                           [("saved", _saved_tensors_come_back_exactly, ()), ("paced", _paced, ()),
+                            ("report", _tp_mlp_report, ())]):
         try:
             out[name] = fn(rank, world, *args)
         except Exception as exc:
@@ -318,3 +319,34 @@ def test_staggered_pacing_offsets_ranks_and_stays_bitwise_equal(two_ranks):
     assert [offset for offset, _, _ in results] == [0, 1]
     for offset, ok, stats in results:
         assert ok and stats["demand_fetches"] == 0 and stats["slots_in_use"] == 0, stats
+
+
+def _tp_mlp_report(rank, world):
+    """The fields launch.tp_mlp --offload adds to its row, for a forced list and for auto."""
+    from launch._dist import DistContext
+    from launch._offload_report import offload_report
+    from overlap.offload_config import parse_offload_arg
+
+    torch.set_num_threads(1)
+    ctx = DistContext(rank, world, torch.device("cpu"), dist.group.WORLD)
+    mlp = _stack(world, torch.float32, "swiglu")[0]
+    x, dy = _data(0, ROWS[0], torch.float32, rank)
+    x.requires_grad_(True)
+    rows = {arg: offload_report(ctx, mlp, x, dy, parse_offload_arg(arg), warmup=1, reps=2,
+                                k_factors=lambda step: {"k_comm_probe": 1.0})
+            for arg in ("h,a=recompute", "auto")}
+    return {arg: {k: v for k, v in row.items() if k not in ("offload_host_pool", "offload_table")} |
+            {"table_lines": len(row["offload_table"].splitlines())} for arg, row in rows.items()}
+
+
+def test_tp_mlp_offload_report_has_both_steps_the_plan_and_k(two_ranks):
+    for by_arg in _result(two_ranks, "report"):
+        forced = by_arg["h,a=recompute"]
+        assert forced["offload_plan"] == ["L0.x=keep", "L0.h=offload", "L0.a=recompute"], forced
+        assert forced["offload_engine"]["offloaded"] > 0 and forced["offload_engine"]["recomputed"] > 0
+        assert forced["offload_engine"]["demand_fetches"] == 0
+        for row in by_arg.values():
+            assert row["t_step_offload_off_ms"] > 0 and row["t_step_offload_on_ms"] > 0
+            assert row["offload_time_ratio"] > 0 and row["offload_d2h_gbps"] > 0
+            assert row["k_comm_probe_offload_off"] == row["k_comm_probe_offload_on"] == 1.0
+            assert row["table_lines"] == 2 + 3 + 1 and row["peak_offload_on_bytes"] is None  # CPU: no peak
