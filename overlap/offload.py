@@ -24,7 +24,8 @@ Streams and events (CUDA; every dependency is an event, nothing synchronises the
 * unpack, when autograd needs the tensor: the compute stream waits for `fetched` (without a prefetch the
   copy is issued then: a "demand fetch", counted). Outputs of unpack are valid on the compute stream.
 * recompute of a: h is unpacked (kept or fetched) and a = act(h) is recomputed on the compute stream.
-* end of backward (autograd's final callback): every side stream is joined into the compute stream.
+* end of backward (autograd's final callback): host bookkeeping only (slots, step count); every copy has
+  been joined into the compute stream by a wait already.
 Inside a CUDA-graph capture the same calls are captured: slots are static host addresses, prefetch
 buffers come from the graph's private pool (fixed addresses for every replay). On CPU the copies are
 memcpys and every event is absent; the bookkeeping is the same.
@@ -32,6 +33,7 @@ memcpys and every event is absent; the bookkeeping is the same.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -50,12 +52,16 @@ def host_bytes(plan: OffloadPlan) -> int:
     return sum(-(-sizes[n] // 4096) * 4096 for _, n, d in plan.decisions if d == "offload") or 4096
 
 
+_RECORD_SERIAL = itertools.count(1)  # owners must be unique: engines may share slots (same names)
+
+
 class _Offloaded:
     """A saved tensor moved to a host slot; `device` until released, `fetched` once brought back."""
 
     def __init__(self, engine, layer: int, name: str, t: torch.Tensor, slot):
         self.layer, self.name, self.shape, self.dtype = layer, name, t.shape, t.dtype
-        self.slot, self.owner = slot, f"{engine.name} step {engine.steps} L{layer}.{name}"
+        self.slot = slot
+        self.owner = f"{engine.name} step {engine.steps} L{layer}.{name} (record {next(_RECORD_SERIAL)})"
         self.generation = slot.acquire(self.owner)
         self.host = slot.view(t.shape, t.dtype)
         self.device, self.landed, self.fetched, self.fetched_event = t.detach(), None, None, None
@@ -107,7 +113,7 @@ class OffloadEngine:
         self._deferred: list = []   # (due save point, record) copies held back by pacing
         self._prefetched: set[int] = set()
         self._in_backward = False
-        self._used: set = set()     # side streams that carried a copy in this step (joined at its end)
+        self._unjoined: list = []   # (event, buffer) of prefetches no unpack waited for (see _end_backward)
         self._capturing = False
         self._closed = False
         self.counters = dict.fromkeys(("offloaded", "recomputed", "kept", "unmatched", "d2h_bytes", "h2d_bytes",
@@ -128,6 +134,7 @@ class OffloadEngine:
             self.reset()  # the previous backward raised before its final callback: start afresh
         self._params.update(p.untyped_storage().data_ptr() for p in mlp.parameters())
         self._check_capture()
+        self._join_leftovers()
         rows = x.shape[0] * mlp.world_size
         if rows > self.plan.shape.m and any(self._decision.get((layer, n)) == "offload" for n in CANDIDATES):
             raise OffloadError(f"{self.name}: M={rows} exceeds the plan's M={self.plan.shape.m} (its host slots "
@@ -154,6 +161,7 @@ class OffloadEngine:
             # and eager calls after replays are ordered behind them on the same compute stream
             for slot in self._slots.values():
                 slot.last_read = None
+            self._unjoined.clear()
             self._capturing = capturing
 
     def _saving(self, layer: int, name: str, matches):
@@ -220,7 +228,6 @@ class OffloadEngine:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self._d2h.wait_event(ready)
-        self._used.add(self._d2h)
         if rec.slot.last_read is not None:  # the slot's previous contents have been read back
             self._d2h.wait_event(rec.slot.last_read)
         with torch.cuda.stream(self._d2h):
@@ -271,7 +278,6 @@ class OffloadEngine:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             self._h2d.wait_event(ready)
-            self._used.add(self._h2d)
             with torch.cuda.stream(self._h2d):
                 out.copy_(rec.host, non_blocking=True)
                 rec.fetched_event = torch.cuda.Event()
@@ -298,18 +304,25 @@ class OffloadEngine:
         return out
 
     def _end_backward(self) -> None:
-        """Autograd's final callback of a backward that ran through this engine's layers."""
-        if self.device.type == "cuda":
-            compute = torch.cuda.current_stream(self.device)
-            # join: nothing of this step is left on a side stream (a CUDA-graph capture requires it);
-            # only streams that carried work in this step, which are part of the capture when capturing
-            for stream in (self._d2h, self._h2d):
-                if stream in self._used:
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                    compute.wait_event(done)
+        """Autograd's final callback of a backward that ran through this engine's layers.
+
+        Host bookkeeping only: autograd may run it on one of its device threads, whose current stream is
+        not the step's. Every side-stream copy is already joined into the compute stream by a wait (a
+        device-to-host copy at its release, a host-to-device copy at its unpack); a prefetch that no unpack
+        waited for keeps its buffer until the next forward joins it (`_join_leftovers`)."""
+        for ref in self._records.values():
+            rec = ref()
+            if isinstance(rec, _Offloaded) and rec.fetched is not None and rec.fetched_event is not None:
+                self._unjoined.append((rec.fetched_event, rec.fetched))
         self.reset()
         self.steps += 1
+
+    def _join_leftovers(self) -> None:
+        if self._unjoined:
+            compute = torch.cuda.current_stream(self.device)
+            for event, _ in self._unjoined:
+                compute.wait_event(event)
+            self._unjoined.clear()
 
     def reset(self) -> None:
         """Forget the current step (after a backward, or after one that raised): slots its records still
@@ -322,7 +335,6 @@ class OffloadEngine:
         self._pending.clear()
         self._deferred.clear()
         self._prefetched.clear()
-        self._used.clear()
         self._in_backward = False
 
     # ----- lifecycle -------------------------------------------------------------------------------
