@@ -53,22 +53,26 @@ def _agreed_rates(ctx, copies: dict, times: dict) -> Rates:
                  act_ms=v[7], act_bwd_ms=v[8], recompute_ms=v[7])
 
 
-def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadConfig, *, warmup: int,
-                   reps: int, k_factors=None, host_pool: HostPool | None = None) -> dict:
-    """Row fields `offload_*` for one TPMLP `mlp` on x [M/W, H] with output grad dy [M/W, H]."""
-    cuda = ctx.device.type == "cuda"
-    m = x.shape[0] * mlp.world_size
+def _measure(ctx, mlp, pool: HostPool, m: int, x: torch.Tensor) -> tuple[Rates, dict]:
+    """This machine's numbers for the layer at M rows (temporaries freed on return)."""
     gathered = torch.randn(m, x.shape[1], device=ctx.device).to(x.dtype)  # the fc1 GEMM's operand
-    own_pool = host_pool is None
-    pool = HostPool(COPY_BYTES + (1 << 20), device=ctx.device) if own_pool else host_pool
     w1 = mlp.fc1.weight.detach()
     out = torch.empty(m, w1.shape[1], dtype=x.dtype, device=ctx.device)
     copies = measure_copies(pool.slot("report.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8),
                             torch.empty(COPY_BYTES, dtype=torch.uint8, device=ctx.device),
                             lambda: torch.mm(gathered, w1, out=out))
     times = measure_layer_times(mlp, gathered)
-    del gathered, out
-    rates = _agreed_rates(ctx, copies, times)
+    return _agreed_rates(ctx, copies, times), copies
+
+
+def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadConfig, *, warmup: int,
+                   reps: int, k_factors=None, host_pool: HostPool | None = None) -> dict:
+    """Row fields `offload_*` for one TPMLP `mlp` on x [M/W, H] with output grad dy [M/W, H]."""
+    cuda = ctx.device.type == "cuda"
+    m = x.shape[0] * mlp.world_size
+    own_pool = host_pool is None
+    pool = HostPool(COPY_BYTES + (1 << 20), device=ctx.device) if own_pool else host_pool
+    rates, copies = _measure(ctx, mlp, pool, m, x)
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-4)
 
     def step(engine):

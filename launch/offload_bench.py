@@ -121,6 +121,15 @@ def _budget(text: str, none_peak: int):
     return int(text)
 
 
+def _measure_copies(host: HostPool, mlp, x: torch.Tensor) -> dict:
+    """Copy bandwidth and k beside the layer's fc1 GEMM (its buffers are freed on return)."""
+    copy_host = host.slot("bench.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8)
+    copy_dev = torch.empty(COPY_BYTES, dtype=torch.uint8, device=x.device)
+    w1 = mlp.fc1.weight.detach()
+    fc1_out = torch.empty(x.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
+    return measure_copies(copy_host, copy_dev, lambda: torch.mm(x, w1, out=fc1_out))
+
+
 class _OutOfTime(Exception):
     pass
 
@@ -137,12 +146,7 @@ def run_point(ctx, name, model, m, args, host, local, deadline) -> tuple[list[di
     point = {"model": name, "M": m, "layers": args.layers}
     # ----- measured numbers
     host.reset_slots()
-    copy_host = host.slot("bench.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8)
-    copy_dev = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev)
-    w1 = mlps[0].fc1.weight.detach()
-    fc1_out = torch.empty(m, w1.shape[1], dtype=torch.bfloat16, device=dev)
-    copies = measure_copies(copy_host, copy_dev, lambda: torch.mm(x, w1, out=fc1_out))
-    del copy_dev, fc1_out
+    copies = _measure_copies(host, mlps[0], x)
     times = measure_layer_times(mlps[0], x)
     rates = rates_from(copies, times)
     point |= {"copies": dict(copies), "layer_times_ms": times}
