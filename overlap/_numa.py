@@ -177,7 +177,8 @@ def _touch(addr: int, nbytes: int, cpus: tuple[int, ...]) -> bool:
     Returns whether the threads could be bound. ctypes.memset drops the GIL, so the threads run at once."""
     bound = [True]
     page = mmap.PAGESIZE
-    num = max(1, min(_TOUCH_THREADS, len(cpus) or 1, nbytes // (64 << 20) or 1))
+    # several threads (memset at one thread's ~5-10 GB/s would take seconds for tens of GB)
+    num = max(1, min(_TOUCH_THREADS, len(cpus) or os.cpu_count() or 1, nbytes // (64 << 20) or 1))
     step = -(-nbytes // num // page) * page
 
     def work(lo: int) -> None:
