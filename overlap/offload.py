@@ -371,8 +371,9 @@ def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: 
 def enable_offload(mlps, plan: OffloadPlan, *, pool: HostPool, name: str = "offload") -> OffloadEngine:
     """Route the forward of every MLP in `mlps` (forward order: position = list index) through one engine.
 
-    Works on overlap.layers.TPMLP without changing it: each instance gets its own `forward` (undo with
-    disable_offload). The MLPs need fc1, fc2, activation and world_size (TPMLP has them)."""
+    A module with an `offload` attribute that is None (the optional hook in TPMLP.forward, README) gets
+    `offload = (engine, position)`; any other module (TPMLP as it is) gets an instance `forward` that calls
+    the engine. Undo with disable_offload. The MLPs need fc1, fc2, activation and world_size."""
     mlps = list(mlps)
     if len(mlps) != plan.shape.num_layers:
         raise OffloadError(f"the plan is for {plan.shape.num_layers} layers, got {len(mlps)} MLPs")
@@ -384,13 +385,16 @@ def enable_offload(mlps, plan: OffloadPlan, *, pool: HostPool, name: str = "offl
     engine = OffloadEngine(plan, pool=pool, device=mlps[0].fc1.weight.device, activation=mlps[0].activation,
                            name=name)
     for position, mlp in enumerate(mlps):
-        mlp.forward = lambda x, mlp=mlp, position=position: engine.forward(position, mlp, x)
-        mlp._offload_engine = engine
+        if getattr(mlp, "offload", "absent") is None:
+            mlp.offload = (engine, position)
+        else:
+            mlp.forward = lambda x, mlp=mlp, position=position: engine.forward(position, mlp, x)
     return engine
 
 
 def disable_offload(mlps) -> None:
-    """Give every MLP its class's forward back."""
+    """Give every MLP its plain forward back."""
     for mlp in mlps:
+        if isinstance(getattr(mlp, "offload", None), tuple):
+            mlp.offload = None
         mlp.__dict__.pop("forward", None)
-        mlp.__dict__.pop("_offload_engine", None)

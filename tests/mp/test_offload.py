@@ -276,12 +276,43 @@ def _misuse(rank, world):
     return errors
 
 
+def _hooked(rank, world):
+    """The optional hook of TPMLP.forward (README, ~4 lines in layers.py): engine set as an attribute."""
+    class HookedMLP(TPMLP):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.offload = None
+
+        def forward(self, x):
+            if self.offload is not None:
+                engine, position = self.offload
+                return engine.forward(position, self, x)
+            return super().forward(x)
+
+    torch.manual_seed(5)
+    kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0] * world, dtype=torch.float32, overlap=False)
+    hooked = [HookedMLP(HIDDEN, FFN, name=f"hk{i}", **kwargs) for i in range(LAYERS)]
+    plain = _stack(world, torch.float32, "swiglu", seed=3)
+    _copy_weights(hooked, plain)
+    plan = _plans(world, torch.float32, "swiglu", False)["recompute_a"]
+    with HostPool(host_bytes(plan)) as host:
+        engine = enable_offload(hooked, plan, pool=host)
+        set_by_attribute = all(m.offload == (engine, i) and "forward" not in m.__dict__ for i, m in enumerate(hooked))
+        x, dy = _data(0, ROWS[0], torch.float32, rank)
+        equal = all(torch.equal(a, b) for a, b in zip(_step(plain, x, dy), _step(hooked, x, dy)))
+        offloaded = engine.stats()["offloaded"]
+        disable_offload(hooked)
+        engine.close()
+    return set_by_attribute, equal, offloaded, all(m.offload is None for m in hooked)
+
+
 def _one_rank_checks(rank, world):
-    return _slot_reuse_is_caught(rank, world), _misuse(rank, world)
+    return _slot_reuse_is_caught(rank, world), _misuse(rank, world), _hooked(rank, world)
 
 
 def test_a_slot_is_never_reused_while_held_and_a_reuse_is_detected_and_misuse_is_refused():
-    for out, errors in run_ranks(_one_rank_checks, 1, timeout_s=120):
+    for out, errors, hooked in run_ranks(_one_rank_checks, 1, timeout_s=120):
+        assert hooked == (True, True, 2 * LAYERS, True), hooked  # x and h offloaded per layer, a recomputed
         assert "still held by" in out["second_forward"], out
         assert out["after_drop"] == "ok"
         assert "was rewritten" in out["stale"], out
