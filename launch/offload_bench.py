@@ -40,7 +40,8 @@ import torch.distributed as dist
 from overlap.config import MODELS
 from overlap.host_pool import HostPool, OffloadError
 from overlap.offload import OffloadEngine
-from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate, tensor_bytes
+from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate,
+                                  tensor_bytes)
 from overlap.report import device_slug, format_table, write_results
 from overlap.timing import bench_interleaved, progress
 
@@ -59,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None, help="llama8b,llama70b on GPU; tiny on CPU")
     p.add_argument("--tokens", default=None, help="M values (default 16384,65536 GPU; 256,512 CPU)")
-    p.add_argument("--layers", type=int, default=4, help="MLPs in the stack (offload needs later layers to hide behind)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="MLPs in the stack (an offloaded copy hides behind the later layers)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget", default="auto", help="auto | bytes | a fraction of none's peak, e.g. 0.7x")
@@ -138,7 +140,8 @@ def run_point(ctx, name, model, m, args, host, local, deadline) -> tuple[list[di
     cuda, dev = ctx.device.type == "cuda", ctx.device
     gen = torch.Generator(dev).manual_seed(1234 + ctx.rank)
     torch.manual_seed(99 + ctx.rank)
-    mlps = [BenchMLP(model["hidden"], model["ffn_hidden"], device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
+    mlps = [BenchMLP(model["hidden"], model["ffn_hidden"], device=dev, dtype=torch.bfloat16)
+            for _ in range(args.layers)]
     x = torch.randn(m, model["hidden"], generator=gen, device=dev).to(torch.bfloat16)
     dy = torch.randn(m, model["hidden"], generator=gen, device=dev).to(torch.bfloat16)
     params = [p for mlp in mlps for p in mlp.parameters()]
@@ -179,79 +182,81 @@ def run_point(ctx, name, model, m, args, host, local, deadline) -> tuple[list[di
               "offload_all": {"x": "offload", "h": "offload", "a": "offload"}}
     plans = {v: plan_offload(shape, rates, forced=f) for v, f in forced.items()}
     engines = {}
-    for v, plan in plans.items():
-        engines[v] = OffloadEngine(plan, pool=host, device=dev, name="bench")
-    peaks = {"none": peak_of(step_fn(None, with_opt=False)),
-             "keep": peak_of(step_fn(engines["keep"], with_opt=False))}
-    fixed = (peaks["keep"][0] - simulate(shape, rates, {}, 1).peak_bytes) if cuda else 0
-    budget = _budget(args.budget, peaks["none"][0] or 0)
-    point |= {"fixed_bytes": fixed, "budget": budget}
-    pred_peak = {v: plan.peak_bytes + fixed for v, plan in plans.items()}  # hand plans: planned before calibration
-    for mode in ["none"] + [p for p in args.pacing.split(",") if p != "none"]:
-        offset = pacing_offset(mode, *local)
-        if mode != "none" and local[1] == 1:
-            continue  # one rank per node: nothing to stagger against
-        v = "planner" if mode == "none" else f"planner_{mode}"
-        plans[v] = plan_offload(shape, rates, budget_bytes=budget, fixed_bytes=fixed, pacing_offset=offset)
-        pred_peak[v] = plans[v].peak_bytes
-        engines[v] = OffloadEngine(plans[v], pool=host, device=dev, name="bench")
-    # the measured layer times give a better estimate than the nominal one: refuse to start what would
-    # overrun the time budget (the timed phase cannot be cut short once it started)
-    predicted = sum(plan.step_ms for plan in plans.values()) + plans["keep"].step_ms * 1.3  # + none
-    seconds = predicted * (args.reps + args.warmup + 3) * 1.3 / 1e3
-    verdict = torch.tensor([seconds - (deadline - time.monotonic())], dtype=torch.float64, device=dev)
-    if ctx.world_size > 1:  # every rank takes the same decision, or the others would wait at a barrier
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=ctx.group)
-    if verdict.item() > 0:
+    try:
+        for v, plan in plans.items():
+            engines[v] = OffloadEngine(plan, pool=host, device=dev, name="bench")
+        peaks = {"none": peak_of(step_fn(None, with_opt=False)),
+                 "keep": peak_of(step_fn(engines["keep"], with_opt=False))}
+        fixed = (peaks["keep"][0] - simulate(shape, rates, {}, 1).peak_bytes) if cuda else 0
+        budget = _budget(args.budget, peaks["none"][0] or 0)
+        point |= {"fixed_bytes": fixed, "budget": budget}
+        # the hand plans were planned before the calibration: add it to their prediction
+        pred_peak = {v: plan.peak_bytes + fixed for v, plan in plans.items()}
+        for mode in ["none"] + [p for p in args.pacing.split(",") if p != "none"]:
+            offset = pacing_offset(mode, *local)
+            if mode != "none" and local[1] == 1:
+                continue  # one rank per node: nothing to stagger against
+            v = "planner" if mode == "none" else f"planner_{mode}"
+            plans[v] = plan_offload(shape, rates, budget_bytes=budget, fixed_bytes=fixed, pacing_offset=offset)
+            pred_peak[v] = plans[v].peak_bytes
+            engines[v] = OffloadEngine(plans[v], pool=host, device=dev, name="bench")
+        # the measured layer times give a better estimate than the nominal one: refuse to start what would
+        # overrun the time budget (the timed phase cannot be cut short once it started)
+        predicted = sum(plan.step_ms for plan in plans.values()) + plans["keep"].step_ms * 1.3  # + none
+        seconds = predicted * (args.reps + args.warmup + 3) * 1.3 / 1e3
+        verdict = torch.tensor([seconds - (deadline - time.monotonic())], dtype=torch.float64, device=dev)
+        if ctx.world_size > 1:  # every rank takes the same decision, or the others would wait at a barrier
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=ctx.group)
+        if verdict.item() > 0:
+            raise _OutOfTime(f"~{seconds:.0f} s of timed steps (measured layer times) do not fit the "
+                             f"{max(0.0, deadline - time.monotonic()):.0f} s left")
+        point["planner_table"] = plans["planner"].table()
+        progress(f"{name} M={m}: planner\n{point['planner_table']}", rank=ctx.rank)
+        # ----- correctness: every variant's gradients against none's, same weights, no optimizer step
+        step_fn(None, with_opt=False)()
+        ref = [p.grad.clone() for p in params]
+        bitwise = {"none": True}
+        for v, engine in engines.items():
+            step_fn(engine, with_opt=False)()
+            bitwise[v] = all(torch.equal(a, p.grad) for a, p in zip(ref, params))
+        del ref
+        for v, engine in engines.items():
+            if v not in peaks:
+                peaks[v] = peak_of(step_fn(engine, with_opt=False))
+        # ----- timing, interleaved
+        steps = {"none": step_fn(None)} | {v: step_fn(e) for v, e in engines.items()}
+        stats = bench_interleaved(steps, group=ctx.group, device=dev, warmup=args.warmup, reps=args.reps)
+        peak_t = torch.tensor([float(peaks[v][0] or 0) for v in steps], dtype=torch.float64, device=dev)
+        if ctx.world_size > 1:
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX, group=ctx.group)
+        rows = []
+        for i, v in enumerate(steps):
+            s, plan = stats[v], plans.get(v)
+            peak = peak_t[i].item() if cuda else None
+            engine_stats = engines[v].stats() if v in engines else {}
+            rows.append({
+                "model": name, "M": m, "layers": args.layers, "variant": v,
+                "peak_bytes": peak, "peak_gib": peak / 2**30 if peak else None,
+                "peak_reserved_bytes": peaks[v][1], "t_step_ms": s.median_ms, "t_step_min_ms": s.min_ms,
+                "t_step_max_ms": s.max_ms, "spread": s.spread, "bitwise": bitwise[v],
+                "pred_step_ms": plan.step_ms if plan else None,
+                "pred_peak_gib": pred_peak[v] / 2**30 if plan and cuda else None,
+                "decisions": None if plan is None else sorted({f"{n}={d}" for _, n, d in plan.decisions}),
+                "per_layer": None if plan is None else [f"L{p}.{n}={d}" for p, n, d in plan.decisions if d != "keep"],
+                "prefetch_depth": plan.prefetch_depth if plan else None, "engine": engine_stats,
+                "demand_fetches": engine_stats.get("demand_fetches"),
+            })
+        none = rows[0]
+        for row in rows:
+            row["time_vs_none"] = row["t_step_ms"] / none["t_step_ms"]
+            row["peak_vs_none"] = row["peak_bytes"] / none["peak_bytes"] if cuda and none["peak_bytes"] else None
+        point |= _targets(rows, copies, cuda)
+        return rows, point
+
+
+    finally:  # an error or a skip must not leave slots held for the next point
         for engine in engines.values():
             engine.close()
-        raise _OutOfTime(f"~{seconds:.0f} s of timed steps (measured layer times) do not fit the "
-                         f"{max(0.0, deadline - time.monotonic()):.0f} s left")
-    point["planner_table"] = plans["planner"].table()
-    progress(f"{name} M={m}: planner\n{point['planner_table']}", rank=ctx.rank)
-    # ----- correctness: every variant's gradients against none's, same weights, no optimizer step
-    step_fn(None, with_opt=False)()
-    ref = [p.grad.clone() for p in params]
-    bitwise = {"none": True}
-    for v, engine in engines.items():
-        step_fn(engine, with_opt=False)()
-        bitwise[v] = all(torch.equal(a, p.grad) for a, p in zip(ref, params))
-    del ref
-    for v, engine in engines.items():
-        if v not in peaks:
-            peaks[v] = peak_of(step_fn(engine, with_opt=False))
-    # ----- timing, interleaved
-    steps = {"none": step_fn(None)} | {v: step_fn(e) for v, e in engines.items()}
-    stats = bench_interleaved(steps, group=ctx.group, device=dev, warmup=args.warmup, reps=args.reps)
-    peak_t = torch.tensor([float(peaks[v][0] or 0) for v in steps], dtype=torch.float64, device=dev)
-    if ctx.world_size > 1:
-        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX, group=ctx.group)
-    rows = []
-    for i, v in enumerate(steps):
-        s, plan = stats[v], plans.get(v)
-        peak = peak_t[i].item() if cuda else None
-        engine_stats = engines[v].stats() if v in engines else {}
-        rows.append({
-            "model": name, "M": m, "layers": args.layers, "variant": v,
-            "peak_bytes": peak, "peak_gib": peak / 2**30 if peak else None,
-            "peak_reserved_bytes": peaks[v][1], "t_step_ms": s.median_ms, "t_step_min_ms": s.min_ms,
-            "t_step_max_ms": s.max_ms, "spread": s.spread, "bitwise": bitwise[v],
-            "pred_step_ms": plan.step_ms if plan else None,
-            "pred_peak_gib": pred_peak[v] / 2**30 if plan and cuda else None,
-            "decisions": None if plan is None else sorted({f"{n}={d}" for _, n, d in plan.decisions}),
-            "per_layer": None if plan is None else [f"L{p}.{n}={d}" for p, n, d in plan.decisions if d != "keep"],
-            "prefetch_depth": plan.prefetch_depth if plan else None, "engine": engine_stats,
-            "demand_fetches": engine_stats.get("demand_fetches"),
-        })
-    none = rows[0]
-    for row in rows:
-        row["time_vs_none"] = row["t_step_ms"] / none["t_step_ms"]
-        row["peak_vs_none"] = row["peak_bytes"] / none["peak_bytes"] if cuda and none["peak_bytes"] else None
-    point |= _targets(rows, copies, cuda)
-    for engine in engines.values():
-        engine.close()
-    return rows, point
-
 
 def _targets(rows, copies, cuda) -> dict:
     by = {r["variant"]: r for r in rows}
@@ -269,7 +274,8 @@ def _targets(rows, copies, cuda) -> dict:
         "copy_gbps": (min(copies["d2h_gbps"], copies["h2d_gbps"]), TARGETS["copy_gbps"],
                       min(copies["d2h_gbps"], copies["h2d_gbps"]) >= TARGETS["copy_gbps"]),
         "planner_vs_best": (out["planner_vs_best"], TARGETS["planner_vs_best"],
-                            out["planner_vs_best"] is not None and out["planner_vs_best"] <= TARGETS["planner_vs_best"]),
+                            out["planner_vs_best"] is not None
+                            and out["planner_vs_best"] <= TARGETS["planner_vs_best"]),
     }
     return out
 
@@ -311,7 +317,8 @@ def main(argv=None) -> int:
             for est, n, m in chosen:
                 left = args.time_budget_s - (time.monotonic() - start)
                 if est["seconds"] > left:
-                    notes.append(f"{n} M={m}: skipped, {left:.0f} s left of the time budget, ~{est['seconds']:.0f} s needed")
+                    notes.append(f"{n} M={m}: skipped, {left:.0f} s left of the time budget, "
+                                 f"~{est['seconds']:.0f} s needed")
                     continue
                 try:
                     point_rows, point = run_point(ctx, n, MODELS[n], m, args, host, local,
@@ -324,7 +331,8 @@ def main(argv=None) -> int:
                 if cuda:
                     torch.cuda.empty_cache()
                 if ctx.rank == 0:  # written as it goes: a run cut short keeps what it measured
-                    write_results(out, rows, device=ctx.device_name, tp=1, extra=extra | {"points": done, "notes": notes})
+                    write_results(out, rows, device=ctx.device_name, tp=1,
+                                  extra=extra | {"points": done, "notes": notes})
                 progress(f"{n} M={m} done at {time.monotonic() - start:.0f} s", rank=ctx.rank)
         finally:
             host.close()

@@ -74,7 +74,8 @@ def tensor_bytes(shape: MLPShape) -> dict[str, int]:
     """Bytes of each candidate of one layer: x [M, H], h [M, width/W], a [M, F/W]."""
     width = 2 * shape.ffn_hidden if shape.activation == "swiglu" else shape.ffn_hidden
     s, w = shape.dtype_bytes, shape.world_size
-    return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s, "a": shape.m * (shape.ffn_hidden // w) * s}
+    return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s,
+            "a": shape.m * (shape.ffn_hidden // w) * s}
 
 
 def layer_times(shape: MLPShape, rates: Rates) -> LayerTimes:

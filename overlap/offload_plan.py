@@ -98,7 +98,8 @@ class OffloadPlan:
         lines = ["| tensor | MiB | offload ms | recompute ms | decision | why |", "|---|---|---|---|---|---|"]
         for r in self.rows:
             rec = "-" if r.recompute_ms is None else f"{r.recompute_ms:.3f}"
-            lines.append(f"| {r.tensor} | {r.bytes / 2**20:.1f} | {r.offload_ms:.3f} | {rec} | {r.decision} | {r.why} |")
+            lines.append(f"| {r.tensor} | {r.bytes / 2**20:.1f} | {r.offload_ms:.3f} | {rec} | {r.decision} "
+                         f"| {r.why} |")
         budget = "auto" if self.budget_bytes is None else _fmt(self.budget_bytes)
         lines.append(f"predicted: step {self.step_ms:.3f} ms ({self.added_ms:+.3f} vs keep-all), peak "
                      f"{_fmt(self.peak_bytes)} (keep-all {_fmt(self.keep_peak_bytes)}), budget {budget}, "

@@ -82,7 +82,8 @@ def _bitwise_equal_to_plain(rank, world, dtype_name, activation, overlap, save_g
     if overlap:
         from symm_mem import SymmetricPool
         nbytes, words = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
-        pool_ctx = SymmetricPool(2 * LAYERS * nbytes, group=dist.group.WORLD, num_signal_words=2 * LAYERS * words + 64)
+        pool_ctx = SymmetricPool(2 * LAYERS * nbytes, group=dist.group.WORLD,
+                                 num_signal_words=2 * LAYERS * words + 64)
     plain = _stack(world, dtype, activation, overlap=overlap, pool=pool_ctx, save_gathered=save_gathered, seed=1)
     ours = _stack(world, dtype, activation, overlap=overlap, pool=pool_ctx, save_gathered=save_gathered, seed=2)
     _copy_weights(ours, plain)
