@@ -103,14 +103,18 @@ def _estimate(model, m, args, cuda) -> dict:
     shape = _shape(model, m, args.layers)
     nominal = Rates(d2h_gbps=55, h2d_gbps=55, gemm_tflops=700 if cuda else 0.05, hbm_gbps=3000 if cuda else 10)
     keep = simulate(shape, nominal, {}, 1)
+    variants_ms = keep.step_ms * 1.05 + sum(  # none ~ keep; the engine variants as the model predicts them
+        plan_offload(shape, nominal, forced=f).step_ms for f in (
+            {"x": "keep", "h": "keep", "a": "keep"}, {"a": "recompute"},
+            {"x": "offload", "h": "offload", "a": "offload"})) + plan_offload(shape, nominal).step_ms
     b = tensor_bytes(shape)
     width = b["h"] // (m * 2)
     weight_bytes = args.layers * (model["hidden"] * width + model["ffn_hidden"] * model["hidden"]) * 2
     # weights and grads, keep-all's activations plus the plain stack's extra silu(gate) per layer, x and
     # dy, the copy buffer and L2 flush, the measurements' fc1 output
     device = 2 * weight_bytes + keep.peak_bytes + args.layers * b["a"] + 2 * b["x"] + 2 * COPY_BYTES + b["h"]
-    steps = 6 * (args.reps + args.warmup + 4)   # variants x (timed + warm-up + peak + check)
-    seconds = steps * 1.4 * keep.step_ms / 1e3 + (5 if cuda else 1)
+    steps = args.reps + args.warmup + 3   # per variant: timed, warm-up, peak (2), check
+    seconds = steps * variants_ms * 1.15 / 1e3 + (8 if cuda else 1)  # + building, measuring
     host = args.layers * (sum(b.values()) + 3 * 4096) + COPY_BYTES
     return {"seconds": seconds, "device_bytes": device, "host_bytes": host}
 
