@@ -1,0 +1,151 @@
+"""The numbers the offload planner needs, measured on this machine (CUDA events; host clock on CPU).
+
+* copy bandwidth each way between a device buffer and a pinned host slot, on a high-priority side stream;
+* k of the copy under the step's GEMM and of the GEMM under copies (copy alone vs beside the GEMM, both
+  started together behind a short device hold so that both are queued before either starts);
+* the layer's own times: fc1 and fc2 GEMMs, the activation forward (= the cost of recomputing a) and its
+  backward.
+On CPU the copies are memcpys and nothing runs concurrently: k is reported as 1.0, marked unmeasured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from overlap._activation import SavedInputActivation, activation_forward
+from overlap.offload_plan import Rates
+
+__all__ = ["CopyRates", "measure_copies", "measure_layer_times", "rates_from"]
+
+HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
+SLEEP_CYCLES_PER_US = 2000
+
+
+class CopyRates(dict):
+    """d2h_gbps, h2d_gbps, k_copy_d2h, k_copy_h2d, k_gemm, copy_mb, measured_concurrency."""
+
+
+def _timed(fn, stream, reps: int, cuda: bool) -> list[float]:
+    with torch.cuda.stream(stream) if cuda else _nothing():
+        fn()  # warm-up: first-call costs (allocator, kernel selection) are not the steady state
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            with torch.cuda.stream(stream):
+                fn()
+            end.record(stream)
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _pair(gemm, gemm_times: int, copy, copy_times: int) -> tuple[float, float]:
+    """(GEMM span, copy span) in ms with both started together on their own streams."""
+    compute, side = torch.cuda.current_stream(), _side_stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOLD_US * SLEEP_CYCLES_PER_US)
+    go = torch.cuda.Event()
+    go.record(compute)
+    side.wait_event(go)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    marks[0].record(compute)
+    for _ in range(gemm_times):
+        gemm()
+    marks[1].record(compute)
+    marks[2].record(side)
+    with torch.cuda.stream(side):
+        for _ in range(copy_times):
+            copy()
+    marks[3].record(side)
+    torch.cuda.synchronize()
+    return marks[0].elapsed_time(marks[1]), marks[2].elapsed_time(marks[3])
+
+
+_SIDE = {}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _side_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(priority=-1)
+    return _SIDE[device]
+
+
+def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, reps: int = 5) -> CopyRates:
+    """Copy `host` <-> `device_buf` (same bytes; host pinned on CUDA) alone, and beside `gemm()` (a
+    callable running the step's largest GEMM on the current stream)."""
+    cuda = device_buf.is_cuda
+    nbytes = device_buf.numel() * device_buf.element_size()
+    stream = _side_stream() if cuda else None
+    d2h = lambda: host.copy_(device_buf, non_blocking=cuda)  # noqa: E731
+    h2d = lambda: device_buf.copy_(host, non_blocking=cuda)  # noqa: E731
+    out = CopyRates(copy_mb=nbytes / 2**20, measured_concurrency=False, k_copy_d2h=1.0, k_copy_h2d=1.0, k_gemm=1.0)
+    d2h_ms = statistics.median(_timed(d2h, stream, reps, cuda))
+    h2d_ms = statistics.median(_timed(h2d, stream, reps, cuda))
+    out["d2h_gbps"], out["h2d_gbps"] = nbytes / d2h_ms / 1e6, nbytes / h2d_ms / 1e6
+    out["d2h_ms"], out["h2d_ms"] = d2h_ms, h2d_ms
+    if not cuda or gemm is None:
+        return out
+    gemm_ms = statistics.median(_timed(gemm, torch.cuda.current_stream(), reps, True))
+    out["gemm_ms"] = gemm_ms
+    for name, copy, alone in (("d2h", d2h, d2h_ms), ("h2d", h2d, h2d_ms)):
+        # the copy under the GEMM: enough GEMMs to outlast the copy by half
+        n_gemm = max(1, int(1.5 * alone / gemm_ms) + 1)
+        k_copy = statistics.median(_pair(gemm, n_gemm, copy, 1)[1] / alone for _ in range(reps))
+        # the GEMM under copies: enough copies to outlast one GEMM by half
+        n_copy = max(1, int(1.5 * gemm_ms / alone) + 1)
+        k_gemm = statistics.median(_pair(gemm, 1, copy, n_copy)[0] / gemm_ms for _ in range(reps))
+        out[f"k_copy_{name}"], out[f"k_gemm_{name}"] = k_copy, k_gemm
+    out["k_gemm"] = max(out["k_gemm_d2h"], out["k_gemm_h2d"])
+    out["measured_concurrency"] = True
+    return out
+
+
+def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
+    """Medians (ms) of one layer's pieces at this x: fc1 and fc2 GEMMs, activation forward and backward."""
+    cuda = x.is_cuda
+    stream = torch.cuda.current_stream() if cuda else None
+    w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
+    with torch.no_grad():
+        h = x @ w1
+        a = activation_forward(h, mlp.activation)
+    h_req = h.detach().requires_grad_(True)
+    a_graph = SavedInputActivation.apply(h_req, mlp.activation)
+    da = torch.randn_like(a)
+    pieces = {
+        "fc1_ms": lambda: torch.mm(x, w1),
+        "act_ms": lambda: activation_forward(h, mlp.activation),
+        "fc2_ms": lambda: torch.mm(a, w2),
+        "act_bwd_ms": lambda: torch.autograd.grad(a_graph, h_req, da, retain_graph=True),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        with torch.no_grad() if name != "act_bwd_ms" else torch.enable_grad():
+            out[name] = statistics.median(_timed(fn, stream, reps, cuda))
+    return out
+
+
+def rates_from(copies: CopyRates, times: dict) -> Rates:
+    """Planner input: measured bandwidths, k and layer times (recompute of a = the activation forward)."""
+    return Rates(d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
+                 k_copy=max(copies["k_copy_d2h"], copies["k_copy_h2d"]), k_gemm=copies["k_gemm"],
+                 fc1_ms=times["fc1_ms"], fc2_ms=times["fc2_ms"], act_ms=times["act_ms"],
+                 act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"])

@@ -1,0 +1,135 @@
+"""`launch.tp_mlp --offload auto|none|<list>`: the same training step with and without activation offload.
+
+To wire into launch/tp_mlp.py (three places):
+
+    from ._offload_report import add_offload_argument, offload_report
+    add_offload_argument(p)                                          # in parse_args
+    if args.offload.enabled:                                         # in run_point, after the k factors
+        row |= offload_report(ctx, ours, x, dy, args.offload, warmup=args.warmup, reps=args.steps,
+                              k_factors=lambda step: _k_factors(ctx, ours, x, dy, step, warmup=2,
+                                                                reps=max(5, args.steps // 2)))
+
+`offload_report` measures this machine's copy bandwidth and k beside the fc1 GEMM and the layer's times
+(all agreed over the ranks: the slowest copy, the longest GEMM), plans per the config, then times the
+step of `mlp` without and with the engine, interleaved (max over ranks), with the peak device memory of
+each (max over ranks; None on CPU) and, when given, k per AllGather+GEMM op for each step. The host pool is
+allocated here for the plan (once per call) unless `host_pool` is passed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from overlap.host_pool import HostPool
+from overlap.offload import OffloadEngine, host_bytes, plan_for
+from overlap.offload_config import OffloadConfig, parse_offload_arg
+from overlap.offload_plan import Rates
+from overlap.timing import bench_interleaved
+
+from ._offload_measure import measure_copies, measure_layer_times
+
+__all__ = ["add_offload_argument", "offload_report"]
+
+COPY_BYTES = 64 << 20
+
+
+def add_offload_argument(parser) -> None:
+    parser.add_argument("--offload", type=parse_offload_arg, default=OffloadConfig(enabled=False),
+                        metavar="auto|none|LIST",
+                        help="also time the step with activation offload: auto (the planner), none (default), "
+                             "or tensors by hand, e.g. h,a=recompute (x: gathered input, h: fc1 output, a: act)")
+
+
+def _agreed_rates(ctx, copies: dict, times: dict) -> Rates:
+    """Every rank plans from the same numbers: the slowest copies, the longest times, the largest k."""
+    slow = torch.tensor([-copies["d2h_gbps"], -copies["h2d_gbps"], copies["k_copy_d2h"], copies["k_copy_h2d"],
+                         copies["k_gemm"], times["fc1_ms"], times["fc2_ms"], times["act_ms"], times["act_bwd_ms"]],
+                        dtype=torch.float64, device=ctx.device)
+    if dist.get_world_size(ctx.group) > 1:
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX, group=ctx.group)
+    v = slow.tolist()
+    return Rates(d2h_gbps=-v[0], h2d_gbps=-v[1], k_copy=max(v[2], v[3]), k_gemm=v[4], fc1_ms=v[5], fc2_ms=v[6],
+                 act_ms=v[7], act_bwd_ms=v[8], recompute_ms=v[7])
+
+
+def _measure(ctx, mlp, pool: HostPool, m: int, x: torch.Tensor) -> tuple[Rates, dict]:
+    """This machine's numbers for the layer at M rows (temporaries freed on return)."""
+    gathered = torch.randn(m, x.shape[1], device=ctx.device).to(x.dtype)  # the fc1 GEMM's operand
+    w1 = mlp.fc1.weight.detach()
+    out = torch.empty(m, w1.shape[1], dtype=x.dtype, device=ctx.device)
+    copies = measure_copies(pool.slot("report.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8),
+                            torch.empty(COPY_BYTES, dtype=torch.uint8, device=ctx.device),
+                            lambda: torch.mm(gathered, w1, out=out))
+    times = measure_layer_times(mlp, gathered)
+    return _agreed_rates(ctx, copies, times), copies
+
+
+def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadConfig, *, warmup: int,
+                   reps: int, k_factors=None, host_pool: HostPool | None = None) -> dict:
+    """Row fields `offload_*` for one TPMLP `mlp` on x [M/W, H] with output grad dy [M/W, H]."""
+    cuda = ctx.device.type == "cuda"
+    m = x.shape[0] * mlp.world_size
+    own_pool = host_pool is None
+    pool = HostPool(COPY_BYTES + (1 << 20), device=ctx.device) if own_pool else host_pool
+    rates, copies = _measure(ctx, mlp, pool, m, x)
+    opt = torch.optim.SGD(mlp.parameters(), lr=1e-4)
+
+    def step(engine):
+        def run():
+            x.grad = None
+            mlp.zero_grad(set_to_none=True)
+            y = engine.forward(0, mlp, x) if engine is not None else type(mlp).forward(mlp, x)
+            y.backward(dy)
+            opt.step()
+        return run
+
+    def peak(run):
+        if not cuda:
+            return None
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    plain_peak = peak(step(None))
+    # pacing staggers the ranks of one node: tp_mlp's TP group is one node, so rank = local rank
+    placement = {"local_rank": ctx.rank, "local_world": ctx.world_size}
+    probe = plan_for([mlp], config, rates, m=m, **placement)
+    fixed = (plain_peak - probe.keep_peak_bytes) if plain_peak else 0  # calibrated on the measured peak
+    plan = plan_for([mlp], config, rates, m=m, fixed_bytes=fixed, **placement)
+    if own_pool:
+        pool.close()
+        pool = HostPool(host_bytes(plan), device=ctx.device)
+    engine = OffloadEngine(plan, pool=pool, device=ctx.device, name="report")
+    try:
+        steps = {"offload_off": step(None), "offload_on": step(engine)}
+        peaks = torch.tensor([float(plain_peak or 0), float(peak(steps["offload_on"]) or 0)], dtype=torch.float64,
+                             device=ctx.device)
+        if dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=ctx.group)
+        stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps)
+        row = {"offload": repr(config), "offload_plan": [f"L{p}.{n}={d}" for p, n, d in plan.decisions],
+               "offload_table": plan.table(), "offload_prefetch_depth": plan.prefetch_depth,
+               "offload_d2h_gbps": rates.d2h_gbps, "offload_h2d_gbps": rates.h2d_gbps,
+               "offload_k_copy": rates.k_copy, "offload_k_gemm": rates.k_gemm,
+               "offload_measured_concurrency": copies["measured_concurrency"],
+               "offload_host_pool": pool.stats().__dict__, "offload_engine": engine.stats()}
+        for name, s in stats.items():
+            row[f"t_step_{name}_ms"] = s.median_ms
+            row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = s.min_ms, s.max_ms
+        row["offload_time_ratio"] = stats["offload_on"].median_ms / stats["offload_off"].median_ms
+        row["peak_offload_off_bytes"], row["peak_offload_on_bytes"] = (peaks.tolist() if cuda else (None, None))
+        row["offload_peak_ratio"] = (row["peak_offload_on_bytes"] / row["peak_offload_off_bytes"]
+                                     if cuda and row["peak_offload_off_bytes"] else None)
+        row["offload_predicted_step_ms"], row["offload_predicted_peak_bytes"] = plan.step_ms, plan.peak_bytes
+        if k_factors is not None:
+            for name, run in steps.items():
+                row |= {f"{key}_{name}": value for key, value in k_factors(run).items()}
+        return row
+    finally:
+        engine.close()
+        if own_pool:
+            pool.close()

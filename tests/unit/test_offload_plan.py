@@ -1,0 +1,164 @@
+"""The offload planner with synthetic numbers: budgets, ties, impossible budgets, auto, depth, pacing, table."""
+
+import itertools
+
+import pytest
+
+from overlap.offload_plan import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, layer_times, pacing_offset,
+                                  plan_offload, simulate, tensor_bytes)
+
+# llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
+SHAPE = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2)
+RATES = Rates(d2h_gbps=55, h2d_gbps=55, gemm_tflops=700, hbm_gbps=3000)
+OPTIONS = {"x": ("keep", "offload"), "h": ("keep", "offload"), "a": ("keep", "offload", "recompute")}
+
+
+def every_plan(shape):
+    """Every per-(layer, tensor) assignment: 12 per layer."""
+    keys = [(p, n) for p in range(shape.num_layers) for n in OPTIONS]
+    for combo in itertools.product(*(OPTIONS[n] for _, n in keys)):
+        yield dict(zip(keys, combo))
+
+
+def brute_force(shape, rates, depth=1):
+    keep = simulate(shape, rates, {}, 1)
+    return keep, [(simulate(shape, rates, plan, depth), plan) for plan in every_plan(shape)]
+
+
+def test_layer_times_and_bytes_follow_the_shapes():
+    b = tensor_bytes(SHAPE)
+    assert b == {"x": 16384 * 4096 * 2, "h": 16384 * 28672 * 2, "a": 16384 * 14336 * 2}
+    assert tensor_bytes(MLPShape(hidden=64, ffn_hidden=96, m=10, world_size=2, activation="gelu")) == \
+        {"x": 10 * 64 * 2, "h": 10 * 48 * 2, "a": 10 * 48 * 2}
+    t = layer_times(SHAPE, RATES)
+    assert t.fc1 == pytest.approx(2 * 16384 * 4096 * 28672 / 700e12 * 1e3)
+    assert t.fc2 == pytest.approx(t.fc1 / 2) and t.recompute == t.act
+    assert layer_times(SHAPE, Rates(d2h_gbps=1, h2d_gbps=1, fc1_ms=3.0, recompute_ms=0.25)).fc1 == 3.0
+
+
+def test_a_loose_budget_keeps_everything():
+    keep = simulate(SHAPE, RATES, {}, 1)
+    plan = plan_offload(SHAPE, RATES, budget_bytes=keep.peak_bytes)
+    assert all(d == "keep" for _, _, d in plan.decisions) and plan.added_ms == 0
+    assert plan.peak_bytes == plan.keep_peak_bytes == keep.peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75, 0.5, 0.25, 0.0])
+def test_the_choice_fits_and_no_plan_of_any_shape_is_faster(fraction):
+    """Budgets from keep-all's peak down to the least peak any plan reaches (12^2 plans, brute force)."""
+    keep, everything = brute_force(SHAPE, RATES)
+    least = min(sim.peak_bytes for sim, _ in everything)
+    budget = int(least + fraction * (keep.peak_bytes - least))
+    plan = plan_offload(SHAPE, RATES, budget_bytes=budget, prefetch_depth=1)
+    assert plan.peak_bytes <= budget
+    best = min(sim.step_ms for sim, _ in everything if sim.peak_bytes <= budget)
+    assert plan.step_ms <= best + 1e-9, (plan.table(), best)
+
+
+def test_tighter_budgets_never_cost_less_time():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=4)
+    keep = simulate(shape, RATES, {}, 1)
+    added = [plan_offload(shape, RATES, budget_bytes=int(keep.peak_bytes * f)).added_ms
+             for f in (1.0, 0.9, 0.8, 0.7, 0.6)]
+    assert added == sorted(added) and added[0] == 0 and added[-1] > 0, added
+
+
+def test_an_impossible_budget_raises_naming_the_least_peak():
+    keep, everything = brute_force(SHAPE, RATES)
+    least = min(sim.peak_bytes for sim, _ in everything)
+    with pytest.raises(OffloadPlanError, match=r"no plan fits budget_bytes=\d+ .* the least predicted peak is"):
+        plan_offload(SHAPE, RATES, budget_bytes=least - 1, prefetch_depth=1)
+    assert plan_offload(SHAPE, RATES, budget_bytes=least, prefetch_depth=1).peak_bytes == least
+    with pytest.raises(OffloadPlanError, match="allowed: none"):
+        plan_offload(SHAPE, RATES, budget_bytes=least, candidates=())
+
+
+def test_ties_prefer_moving_nothing_and_do_not_depend_on_the_candidate_order():
+    # copies and recompute free: removing `a` costs nothing either way; recompute moves no bytes
+    free = Rates(d2h_gbps=1e9, h2d_gbps=1e9, gemm_tflops=700, hbm_gbps=3000, recompute_ms=0.0)
+    keep = simulate(SHAPE, free, {}, 1)
+    budget = keep.peak_bytes - tensor_bytes(SHAPE)["a"]
+    plans = [plan_offload(SHAPE, free, budget_bytes=budget, candidates=order) for order in
+             (("x", "h", "a"), ("a", "h", "x"), ("h", "a", "x"))]
+    assert plans[0].decisions == plans[1].decisions == plans[2].decisions
+    assert plans[0].added_ms == 0
+    moved = {(p, n): d for p, n, d in plans[0].decisions if d != "keep"}
+    assert "offload" not in moved.values(), plans[0].table()  # a tie with offload: recompute moves nothing
+    assert plan_offload(SHAPE, free, budget_bytes=budget).decisions == plans[0].decisions  # deterministic
+
+
+def test_auto_takes_the_lowest_peak_within_one_percent_of_the_step():
+    keep, everything = brute_force(SHAPE, RATES)
+    plan = plan_offload(SHAPE, RATES, prefetch_depth=1)
+    assert plan.mode == "auto" and plan.budget_bytes is None
+    assert plan.added_ms <= AUTO_MAX_ADDED * keep.step_ms
+    limit = AUTO_MAX_ADDED * keep.step_ms
+    lowest = min(sim.peak_bytes for sim, _ in everything if sim.step_ms - keep.step_ms <= limit)
+    assert plan.peak_bytes == lowest and plan.peak_bytes < keep.peak_bytes
+
+
+def test_copies_too_slow_for_their_window_are_not_chosen():
+    slow = Rates(d2h_gbps=2, h2d_gbps=2, gemm_tflops=700, hbm_gbps=3000)
+    plan = plan_offload(SHAPE, slow)
+    assert all(d != "offload" for _, n, d in plan.decisions if n == "h"), plan.table()
+    forced = plan_offload(SHAPE, slow, forced={"h": "offload"})
+    assert forced.added_ms > 10 * plan.added_ms + 1.0  # what forcing it costs, and the model says so
+    assert "forced by the caller" in forced.table()
+
+
+def test_prefetch_depth_auto_goes_deeper_when_one_layer_ahead_stalls():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=4)
+    # h of a layer takes 1.5 backward layers to come back: one layer ahead is too late
+    t = layer_times(shape, RATES)
+    backward_ms = 2 * t.fc1 + 2 * t.fc2 + t.act_bwd
+    gbps = tensor_bytes(shape)["h"] / (1.5 * backward_ms * 1e-3) / 1e9
+    rates = Rates(d2h_gbps=gbps * 10, h2d_gbps=gbps, gemm_tflops=700, hbm_gbps=3000)
+    first_h = {(0, "h"): "offload"}
+    one, two = simulate(shape, rates, first_h, 1), simulate(shape, rates, first_h, 2)
+    assert one.stall_ms > 1.0 and two.stall_ms == 0.0
+    plan = plan_offload(shape, rates, budget_bytes=two.peak_bytes, candidates=("h",))
+    assert plan.prefetch_depth == 2 and plan.added_ms == 0, plan.table()
+    assert [(p, n) for p, n, d in plan.decisions if d == "offload"] == [(0, "h")]
+
+
+def test_pacing_offsets_are_per_rank_bounded_and_defer_copies():
+    assert [pacing_offset("none", r, 8) for r in range(8)] == [0] * 8
+    assert pacing_offset("stagger", 0, 1) == 0
+    assert [pacing_offset("stagger", r, 2) for r in range(2)] == [0, 1]
+    phases = [pacing_offset("stagger", r, 8) for r in range(8)]
+    assert set(phases) == {0, 1, 2} and max(phases.count(p) for p in set(phases)) == 3
+    with pytest.raises(OffloadPlanError, match="local_rank=2"):
+        pacing_offset("stagger", 2, 2)
+    with pytest.raises(OffloadPlanError, match="none | stagger"):
+        pacing_offset("sometimes", 0, 2)
+    everything = {(p, n): "offload" for p in range(2) for n in OPTIONS}
+    fast = Rates(d2h_gbps=2000, h2d_gbps=2000, gemm_tflops=700, hbm_gbps=3000)  # copies land within a save point
+    now, later = (simulate(SHAPE, fast, everything, 1, pacing_offset=o) for o in (0, 2))
+    assert all(later.release_at[k] == -1 or later.release_at[k] >= now.release_at[k] >= 0
+               for k in now.release_at if now.release_at[k] >= 0)
+    assert later.release_at != now.release_at
+
+
+def test_the_table_explains_every_row():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2, gathered_is_view=True)
+    plan = plan_offload(shape, RATES, forced={"a": "recompute"})
+    text = plan.table()
+    lines = text.splitlines()
+    assert lines[0] == "| tensor | MiB | offload ms | recompute ms | decision | why |"
+    assert len([line for line in lines if line.startswith("| L")]) == 3 * shape.num_layers
+    assert "| L0.x | 0.0 |" in text and "pool view: costs no memory" in text
+    assert "| L1.a | 448.0 |" in text and "forced by the caller" in text
+    assert "| L0.h | 896.0 | 34.165 | - |" in text and "vs " in text
+    assert text.splitlines()[-1].startswith("predicted: step")
+    assert plan.decision(0, "a") == "recompute" and plan.decision(0, "x") == "keep"
+    with pytest.raises(OffloadPlanError, match="pool view"):
+        plan_offload(shape, RATES, forced={"x": "offload"})
+    with pytest.raises(OffloadPlanError, match="forced h=recompute"):
+        plan_offload(SHAPE, RATES, forced={"h": "recompute"})
+
+
+def test_rates_are_validated():
+    with pytest.raises(OffloadPlanError, match="Rates.d2h_gbps"):
+        Rates(d2h_gbps=0, h2d_gbps=1)
+    with pytest.raises(OffloadPlanError, match="Rates.k_copy"):
+        Rates(d2h_gbps=1, h2d_gbps=1, k_copy=-1)
