@@ -25,7 +25,7 @@ from overlap.host_pool import HostPool
 from overlap.offload import OffloadEngine, host_bytes, plan_for
 from overlap.offload_config import OffloadConfig, parse_offload_arg
 from overlap.offload_plan import Rates
-from overlap.timing import bench_interleaved
+from launch.timing import bench_interleaved
 
 from ._offload_measure import measure_copies, measure_layer_times
 

@@ -42,8 +42,8 @@ from overlap.host_pool import HostPool, OffloadError
 from overlap.offload import OffloadEngine
 from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate,
                                   tensor_bytes)
-from overlap.report import device_slug, format_table, write_results
-from overlap.timing import bench_interleaved, progress
+from launch.report import device_slug, format_table, write_results
+from launch.timing import bench_interleaved, progress
 
 from . import _dist
 from ._bench_mlp import BenchMLP

@@ -226,12 +226,16 @@ class TPMLP(nn.Module):
             self.fc1.close()  # leave no registry entry behind (its pool regions stay reserved)
             raise
         self.world_size, self.rank = self.fc1.world_size, self.fc1.rank
+        self.offload = None  # activation offload: (OffloadEngine, position), set by overlap.offload.enable_offload
 
     @classmethod
     def from_model_config(cls, model: ModelConfig, **kwargs) -> "TPMLP":
         return cls(model.hidden, model.ffn_hidden, activation=model.activation, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None:  # activation offload (overlap/offload.py)
+            engine, position = self.offload
+            return engine.forward(position, self, x)
         h = self.fc1(x)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=1)

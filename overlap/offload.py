@@ -168,8 +168,8 @@ class OffloadEngine:
         engine, seen = self, []
 
         def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() in engine._params:
-                return t
+            if t.numel() == 0 or t.untyped_storage().data_ptr() in engine._params:
+                return t  # parameters, and the empty stand-in of a gathered input kept in the pool
             if seen or not matches(t):
                 if t.is_floating_point():  # a saved activation the plan does not know about
                     engine.counters["unmatched"] += 1

@@ -27,7 +27,7 @@ def _stack(world, dtype, activation, *, overlap=False, pool=None, save_gathered=
     kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0] * world, dtype=dtype, overlap=overlap,
                   save_gathered=save_gathered)
     if overlap:
-        from overlap.config import load_preset
+        from overlap.presets import load_preset
         kwargs.update(pool=pool, config=load_preset("cpu", world))
     return [TPMLP(HIDDEN, FFN, activation=activation, name=f"mlp{seed}.{i}", **kwargs) for i in range(LAYERS)]
 
@@ -81,9 +81,10 @@ def _bitwise_equal_to_plain(rank, world, dtype_name, activation, overlap, save_g
     pool_ctx = None
     if overlap:
         from symm_mem import SymmetricPool
-        nbytes, words = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
-        pool_ctx = SymmetricPool(2 * LAYERS * nbytes, group=dist.group.WORLD,
-                                 num_signal_words=2 * LAYERS * words + 64)
+        req = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
+        pool_ctx = SymmetricPool(2 * LAYERS * req.size_bytes, group=dist.group.WORLD,
+                                 num_signal_words=2 * LAYERS * req.num_signal_words,
+                                 num_device_words=2 * LAYERS * req.num_device_words)
     plain = _stack(world, dtype, activation, overlap=overlap, pool=pool_ctx, save_gathered=save_gathered, seed=1)
     ours = _stack(world, dtype, activation, overlap=overlap, pool=pool_ctx, save_gathered=save_gathered, seed=2)
     _copy_weights(ours, plain)
