@@ -51,9 +51,10 @@ def init(*, force_cpu: bool = False) -> DistContext:
     # group outlive destroy_process_group ("terminate called without an active exception" at exit).
     importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.timeout_s()))
-    kwargs = {"device_id": device} if use_cuda else {}
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                            timeout=timeout, **kwargs)
+    # NCCL refuses two ranks on one device: processes sharing a GPU (one-GPU checks) join with gloo
+    nccl = use_cuda and world_size <= torch.cuda.device_count()
+    kwargs = {"device_id": device} if nccl else {}
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return DistContext(rank, world_size, device, dist.group.WORLD)
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from symm_mem import ArgumentMismatch, PoolClosedError
 
-from . import protocol
+from . import envs, protocol
 from ._guard import CallGuard
 from ._validate import OpInputError, check_at_most, check_divisible
 from .schedule import CudaDriver, HostDriver
@@ -53,6 +53,7 @@ class OpBase:
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._trace = False
         self._last_key = None
+        self._side_graphs: dict = {}
 
     def _agree(self) -> None:
         """After the region is reserved and its flags initialised: every rank built the same op."""
@@ -93,6 +94,24 @@ class OpBase:
         self._last_key = key
         return driver
 
+    def _replayed(self, key, driver, ctx) -> bool:
+        """CUDA eager calls: run the prologue and side lanes as a recorded graph where that is safe."""
+        if self.device.type != "cuda" or self._trace or not envs.eager_graphs() \
+                or torch.cuda.is_current_stream_capturing():
+            return False
+        side = self._side_graphs.get(key)
+        if side is None:
+            from ._side_graph import SideGraphs, graphable
+            side = self._side_graphs[key] = SideGraphs(driver.program, self._streams,
+                                                      priority=self.config.comm_stream_priority) \
+                if graphable(driver.program) else False
+        graph_key = self._graph_key(ctx)
+        return bool(side) and graph_key is not None and side.run(ctx, graph_key)
+
+    def _graph_key(self, ctx):
+        """Data pointers of the call tensors that the prologue and side lanes read (None: never replay)."""
+        return None
+
     def _side_streams(self, lanes) -> dict:
         for lane in lanes:
             if lane not in self._streams:
@@ -107,7 +126,9 @@ class OpBase:
             with self._guard:
                 if m is not None:
                     self._begin(m)
-                self._driver(key).run(ctx)
+                driver = self._driver(key)
+                if not self._replayed(key, driver, ctx):
+                    driver.run(ctx)
         finally:
             self.pool.end_call()
         if self.device.type == "cpu":  # a peer that gave up during this call: raise on this call
@@ -148,6 +169,7 @@ class OpBase:
             raise OpInputError(f"{self.name}.close() while a call is in flight on another thread")
         self._closed = True
         self._drivers.clear()
+        self._side_graphs.clear()
         self._release()
 
     def _release(self) -> None:

@@ -53,13 +53,13 @@ class AgGemm(OpBase):
         self.k, self.n_local, self.dtype = k, n_local, dtype
         if self.device.type == "cuda":
             config.validate(num_sms=num_sms(self.device))
+        self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, config.chunks_per_rank)
         self.gathered = pool.reserve(self.flags.region, (max_m, k), dtype, num_signals=self.flags.num_signals,
                                      num_device_flags=self.flags.num_device_flags, exclusive=True)
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._claimed: int | None = None  # rows per rank of an input_slot handed out and not yet used
-        self._agree()
 
     # ----- public --------------------------------------------------------------------------------------
     def input_slot(self, m: int) -> torch.Tensor:
@@ -149,6 +149,9 @@ class AgGemm(OpBase):
         elif consumer == "decomposed":
             self._decomposed_consumer(program, m, chunks, whole=lead)
         return program
+
+    def _graph_key(self, ctx):
+        return (ctx.values["a_shard"].data_ptr(),)
 
     def _ring(self) -> list[int]:
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]

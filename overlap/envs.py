@@ -6,6 +6,7 @@
 | OVERLAP_GIT_COMMIT  | commit recorded in results (else `git rev-parse HEAD`)    | unset   |
 | OVERLAP_COMMAND     | exact command line recorded in results (set by scripts)   | derived |
 | OVERLAP_PROGRESS    | 0 silences progress lines on stderr                        | 1       |
+| OVERLAP_EAGER_GRAPHS| 0: eager calls enqueue every step (no per-(op, M) replay)  | 1       |
 """
 
 from __future__ import annotations
@@ -42,3 +43,8 @@ def torchrun_world() -> tuple[int, int, int] | None:
         return None
     return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
             int(os.environ["WORLD_SIZE"]))
+
+
+def eager_graphs() -> bool:
+    """Replay the prologue and side lanes of eager AllGather calls as CUDA graphs (overlap/_side_graph.py)."""
+    return os.environ.get("OVERLAP_EAGER_GRAPHS", "1") != "0"

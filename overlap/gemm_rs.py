@@ -72,6 +72,7 @@ class GemmRs(OpBase):
         if config.method == "pair" and self.world_size != 2:
             raise OpInputError(f"{name}: method pair is the W = 2 schedule; this group has {self.world_size} "
                                f"ranks (use decomposed or fused)")
+        self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         max_rows = max_m // self.world_size
         self.flags_per_source = _cdiv(max_rows, FLAG_BLOCK_M) + 1
         self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, self.flags_per_source)
@@ -84,7 +85,6 @@ class GemmRs(OpBase):
         self._staging = torch.empty(max_m if needs_staging else 0, n, dtype=dtype, device=self.device)
         self._bulk_staging = None
         self._tile_counters = torch.zeros(_cdiv(max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
-        self._agree()
 
     # ----- public --------------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

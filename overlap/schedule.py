@@ -132,20 +132,24 @@ class CudaDriver:
         self.lane_end = {lane: torch.cuda.Event() for lane in program.lanes}
         self.trace: dict[str, list] | None = None  # lane -> [start event, end event] (timing), when tracing
         self.items: list[tuple[str, Callable]] = []
+        self.item_steps: list[int] = []  # index of the first program step behind each item
         pending: list = []
-        pending_lane = None
+        pending_lane, pending_first = None, 0
 
         def flush():
             nonlocal pending, pending_lane
             for first in range(0, len(pending), 255):
                 batch = memops.MemOpBatch(pending[first:first + 255])
                 self.items.append((pending_lane, lambda ctx, stream, b=batch: b.enqueue(stream.cuda_stream)))
+                self.item_steps.append(pending_first)
             pending, pending_lane = [], None
 
-        for step in program.steps:
+        for index, step in enumerate(program.steps):
             if step.kind in ("take", "give", "clear", "set"):
                 if pending_lane not in (None, step.lane):
                     flush()
+                if not pending:
+                    pending_first = index
                 pending_lane = step.lane
                 pending.extend(_memops_of(program.pool, program.op, step, memops))
                 continue
@@ -154,6 +158,7 @@ class CudaDriver:
             if step.kind == "await_device":
                 continue  # kernels wait for their device flags themselves
             self.items.append((step.lane, self._enqueuer(step)))
+            self.item_steps.append(index)
         if pending:
             flush()
 
@@ -182,14 +187,30 @@ class CudaDriver:
         self.trace[COMPUTE][1].synchronize()
         return {lane: start.elapsed_time(end) for lane, (start, end) in self.trace.items()}
 
+    def count_items(self, steps) -> int:
+        """How many of this driver's items come from the first len(steps) program steps."""
+        return sum(1 for first in self.item_steps if first < len(steps))
+
     def run(self, ctx: CallContext, compute: torch.cuda.Stream | None = None, *, join: bool = True) -> None:
         compute = compute or torch.cuda.current_stream()
         trace = self.trace
         if trace:
             trace[COMPUTE][0].record(compute)
+        started = self.run_items(ctx, compute, join=join)
+        if trace:
+            trace[COMPUTE][1].record(compute)
+        del started
+
+    def run_items(self, ctx: CallContext, compute, *, first: int = 0, last: int | None = None, lanes=None,
+                  skip_lanes=(), join: bool = False) -> list[str]:
+        """Enqueue items[first:last] (of `lanes`, not of `skip_lanes`); side lanes fork from `compute` at their
+        first item and, with join=True, join back into it at the end. Returns the side lanes started."""
+        trace = self.trace
         started: list[str] = []
         forked = False
-        for lane, enqueue in self.items:
+        for lane, enqueue in self.items[first:last]:
+            if (lanes is not None and lane not in lanes) or lane in skip_lanes:
+                continue
             if lane == COMPUTE:
                 enqueue(ctx, compute)
                 continue
@@ -209,8 +230,7 @@ class CudaDriver:
                 trace[lane][1].record(self.streams[lane])
         if join:
             self.join(compute, started)
-        if trace:
-            trace[COMPUTE][1].record(compute)
+        return started
 
     def join(self, compute, lanes) -> None:
         for lane in lanes:

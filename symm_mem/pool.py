@@ -362,6 +362,9 @@ class SymmetricPool:
 
     def _release(self) -> None:
         if self._watchdog is not None:
+            # drain the device while the watchdog still releases waits (after a failure every queued wait is
+            # released as soon as a stream reaches it), so that nothing is left waiting once it stops
+            torch.cuda.synchronize(self.device)
             self._watchdog.stop()
             self._watchdog = None
         if getattr(self, "_views", None):

@@ -67,10 +67,11 @@ class Rendezvous:
     def barrier(self, *, what: str) -> None:
         self.exchange(None, what=what)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, missing: list[int] | None = None) -> None:
         """Tell the ranks still waiting in an exchange of this pool to stop (best effort)."""
         try:
-            self.store.set(f"{self.prefix}/abort", f"rank {self.rank}: {reason}")
+            if not self.store.check([f"{self.prefix}/abort"]):  # the first reason is the one every rank reports
+                self.store.set(f"{self.prefix}/abort", pickle.dumps((self.rank, reason, missing)))
         except Exception:  # noqa: BLE001 - the store may already be gone; the peers' own bound still holds
             pass
 
@@ -82,10 +83,13 @@ class Rendezvous:
         pause = 1e-4
         while not self.store.check(keys):
             if self.store.check([abort_key]):
-                raise PoolError(f"{what}: aborted by {self.store.get(abort_key).decode()}")
+                rank, reason, missing = pickle.loads(self.store.get(abort_key))
+                if missing is not None:  # a peer's bound expired first: the same error, from it
+                    raise PoolTimeoutError(f"{what} (seen by rank {rank})", missing, self.timeout_s)
+                raise PoolError(f"{what}: aborted by rank {rank}: {reason}")
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-                self.abort(f"{what} timed out waiting for ranks {missing}")
+                self.abort(f"{what} timed out", missing)
                 raise PoolTimeoutError(what, missing, self.timeout_s)
             time.sleep(pause)
             pause = min(pause * 2, _POLL_S)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ipc._mapping import map_fd, unmap
 
+from .errors import PoolError
 from .rendezvous import Rendezvous
 
 __all__ = ["SharedSegments", "SEGMENT_PREFIX"]
@@ -33,7 +34,11 @@ class SharedSegments:
             os.ftruncate(fd, self.nbytes)
             owners = rendezvous.exchange((os.getpid(), fd), what=f"{what}: exchange of segments")
             for rank, (pid, peer_fd) in enumerate(owners):
-                self.addresses.append(self._map(fd if rank == rendezvous.rank else None, pid, peer_fd))
+                try:
+                    self.addresses.append(self._map(fd if rank == rendezvous.rank else None, pid, peer_fd))
+                except OSError as exc:
+                    raise PoolError(f"{what}: cannot map rank {rank}'s segment (pid {pid}): {exc.strerror or exc}; "
+                                    f"its process may have exited") from None
             # every rank has mapped every segment before any descriptor goes away
             rendezvous.barrier(what=f"{what}: segments mapped")
         except BaseException:
