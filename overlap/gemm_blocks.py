@@ -16,7 +16,8 @@ the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, writ
 
 A configuration is written as its name, e.g. `128x256x64w8s3g16ws`: BLOCK_M x BLOCK_N x BLOCK_K, warps,
 stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl` (flattened loop nest),
-`es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves).
+`es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
+`o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue).
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ from pathlib import Path
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
            "load_block_table", "block_table_path", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS",
-           "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "PLAIN_BLOCK_M"]
+           "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
 
 LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major [N, K]
 DEFAULT_GPU = "h200"            # the table callers get when they do not name a GPU
 SHARED_MEMORY_LIMIT = 232448    # bytes per block on sm_90 (227 KB)
+SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the blocks resident there
 PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/gemm_rs.py FLAG_BLOCK_M)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?$")
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,15 @@ class GemmBlocks:
     flatten: bool = False
     epilogue_subtile: int = 1
     stream_k: int = 0
+    programs_per_sm: int = 1   # the default grid: this many persistent programs per SM (2: two CTAs share one)
 
     @property
     def name(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
                 + (f"g{self.group_m}" if self.group_m != 8 else "") + ("ws" if self.warp_specialize else "")
                 + ("fl" if self.flatten else "") + (f"es{self.epilogue_subtile}" if self.epilogue_subtile != 1 else "")
-                + (f"sk{self.stream_k}" if self.stream_k else ""))
+                + (f"sk{self.stream_k}" if self.stream_k else "")
+                + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else ""))
 
     @classmethod
     def parse(cls, name: str) -> GemmBlocks:
@@ -67,13 +71,14 @@ class GemmBlocks:
         if not match:
             raise ValueError(f"block configuration {name!r} does not read as BMxBNxBKw<warps>s<stages>"
                              "[g<group>][ws][fl][es2][sk<waves>]")
-        bm, bn, bk, warps, stages, group, ws, fl, es, sk = match.groups()
+        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy = match.groups()
         return cls(int(bm), int(bn), int(bk), int(group or 8), int(warps), int(stages), bool(ws), bool(fl),
-                   int(es or 1), int(sk or 0))
+                   int(es or 1), int(sk or 0), int(occupancy or 1))
 
     @property
     def plain(self) -> bool:
-        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening or stream-K)."""
+        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening or stream-K;
+        they choose their own program count, so `o2` is ignored there)."""
         return not (self.warp_specialize or self.flatten or self.stream_k)
 
     def problems(self) -> list[str]:
@@ -90,6 +95,13 @@ class GemmBlocks:
             out.append(f"group_m {self.group_m} not in 1..64")
         if not 0 <= self.stream_k <= 4:
             out.append(f"stream_k {self.stream_k} not in 0..4")
+        if self.programs_per_sm not in (1, 2):
+            out.append(f"programs_per_sm {self.programs_per_sm} not in (1, 2)")
+        elif self.programs_per_sm * shared_memory_bytes(self) > SHARED_MEMORY_PER_SM:
+            out.append(f"{self.programs_per_sm} programs need ~{self.programs_per_sm * shared_memory_bytes(self)} "
+                       f"bytes of shared memory per SM > {SHARED_MEMORY_PER_SM}")
+        if self.stream_k and self.programs_per_sm != 1:
+            out.append("stream-K waits for other programs: one program per SM (all resident)")
         if shared_memory_bytes(self) > SHARED_MEMORY_LIMIT:
             out.append(f"needs ~{shared_memory_bytes(self)} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         return out

@@ -125,10 +125,10 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
     if a.is_cuda:
         ensure_allocator()
-    programs = num_programs or num_sms(a.device)
     b_rows, ldb, b_transposed = b_operand(b)
     blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
-                                     sm_count=programs, gpu=gpu_name(a.device))
+                                     sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    programs = num_programs or num_sms(a.device) * blocks.programs_per_sm
     tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
     split_tiles = stream_k_tiles(tiles, programs, blocks.stream_k)
     workspace, flags = (_stream_k_buffers(a.device, programs, blocks.block_m * blocks.block_n) if split_tiles
