@@ -31,7 +31,8 @@ from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation,
 from .gemm_blocks import GemmBlocks, load_block_table
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "quantize_activation", "quantize_weight",
-           "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "dequantize_activation", "dequantize_weight"]
+           "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
+           "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_GROUP = 128
@@ -177,12 +178,45 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
                                                             blocks.block_n % SCALE_GROUP):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "
                          "multiple of 128, no stream-K")
+    if a8.is_cuda and blocks.problems(operand_bytes=1):
+        raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(blocks.problems(operand_bytes=1))}")
     if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
         raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl, got {blocks.name}")
     if m and n:
         launch_fp8_gemm(a8, a_scales, w8, w_scales, out, blocks=blocks, num_programs=num_programs,
                         tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
+
+
+def _reference_groups(values: torch.Tensor, amax: torch.Tensor):
+    # tensor / tensor: torch evaluates `scalar / tensor` as a reciprocal times the scalar, which is not the
+    # correctly rounded quotient the kernels compute
+    from kernels.quant_fp8 import AMAX_FLOOR, E4M3_MAX
+
+    amax = amax.clamp_min(AMAX_FLOOR)
+    full = torch.full_like(amax, E4M3_MAX)
+    return amax / full, full / amax
+
+
+def quantize_activation_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, the oracle of `quantize_activation`: (x8 [M, K], scales [M, cdiv(K, 128)] contiguous),
+    the same bytes and scales (up to the sign of zeros) on CPU and CUDA."""
+    m, k = x.shape
+    groups = torch.nn.functional.pad(x.float(), (0, _groups(k) * SCALE_GROUP - k)).view(m, _groups(k), SCALE_GROUP)
+    scale, inverse = _reference_groups(groups, groups.abs().amax(-1))
+    q = (groups * inverse[..., None]).clamp(-448, 448).to(FP8_DTYPE)
+    return q.view(m, -1)[:, :k], scale
+
+
+def quantize_weight_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, the oracle of `quantize_weight`: (w8 [N, K], scales [cdiv(N, 128), cdiv(K, 128)])."""
+    n, k = w.shape
+    nb, kb = _groups(n), _groups(k)
+    blocks = torch.nn.functional.pad(w.float(), (0, kb * SCALE_GROUP - k, 0, nb * SCALE_GROUP - n))
+    blocks = blocks.view(nb, SCALE_GROUP, kb, SCALE_GROUP)
+    scale, inverse = _reference_groups(blocks, blocks.abs().amax((1, 3)))
+    q = (blocks * inverse[:, None, :, None]).clamp(-448, 448).to(FP8_DTYPE)
+    return q.view(nb * SCALE_GROUP, kb * SCALE_GROUP)[:n, :k], scale
 
 
 def dequantize_activation(x8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,8 @@ class GemmBlocks:
         they choose their own program count, so `o2` is ignored there)."""
         return not (self.warp_specialize or self.flatten or self.stream_k)
 
-    def problems(self) -> list[str]:
-        """Why the kernel cannot run this configuration (empty when it can)."""
+    def problems(self, operand_bytes: int = 2) -> list[str]:
+        """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""
         out = []
         for field, allowed in (("block_m", (16, 32, 64, 128, 256)), ("block_n", (16, 32, 64, 128, 256)),
                                ("block_k", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)),
@@ -95,22 +95,23 @@ class GemmBlocks:
             out.append(f"group_m {self.group_m} not in 1..64")
         if not 0 <= self.stream_k <= 4:
             out.append(f"stream_k {self.stream_k} not in 0..4")
+        shared = shared_memory_bytes(self, operand_bytes)
         if self.programs_per_sm not in (1, 2):
             out.append(f"programs_per_sm {self.programs_per_sm} not in (1, 2)")
-        elif self.programs_per_sm * shared_memory_bytes(self) > SHARED_MEMORY_PER_SM:
-            out.append(f"{self.programs_per_sm} programs need ~{self.programs_per_sm * shared_memory_bytes(self)} "
-                       f"bytes of shared memory per SM > {SHARED_MEMORY_PER_SM}")
+        elif self.programs_per_sm > 1 and self.programs_per_sm * (shared + 1024) > SHARED_MEMORY_PER_SM:
+            out.append(f"{self.programs_per_sm} programs need ~{self.programs_per_sm * (shared + 1024)} bytes of "
+                       f"shared memory per SM > {SHARED_MEMORY_PER_SM}")
         if self.stream_k and self.programs_per_sm != 1:
             out.append("stream-K waits for other programs: one program per SM (all resident)")
-        if shared_memory_bytes(self) > SHARED_MEMORY_LIMIT:
-            out.append(f"needs ~{shared_memory_bytes(self)} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
+        if shared > SHARED_MEMORY_LIMIT:
+            out.append(f"needs ~{shared} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         return out
 
 
-def shared_memory_bytes(blocks: GemmBlocks, element_bytes: int = 2) -> int:
+def shared_memory_bytes(blocks: GemmBlocks, operand_bytes: int = 2, out_bytes: int = 2) -> int:
     """Estimate: the pipelined A and B tiles plus the epilogue's staging tile (what Triton allocates)."""
-    operands = blocks.num_stages * (blocks.block_m + blocks.block_n) * blocks.block_k * element_bytes
-    return operands + blocks.block_m * blocks.block_n * element_bytes // blocks.epilogue_subtile
+    operands = blocks.num_stages * (blocks.block_m + blocks.block_n) * blocks.block_k * operand_bytes
+    return operands + blocks.block_m * blocks.block_n * out_bytes // blocks.epilogue_subtile
 
 
 def stream_k_tiles(num_tiles: int, num_programs: int, waves: int) -> int:
@@ -162,6 +163,7 @@ class BlockTable:
     gpu: str
     num_sms: int
     entries: tuple[BlockTableEntry, ...]
+    operand_bytes: int = 2
 
     def lookup(self, m: int, n: int, k: int, layout: str) -> BlockTableEntry | None:
         """The entry of (layout, n, k) whose M is nearest in log2 (ties: the larger M); None if absent."""
@@ -175,7 +177,7 @@ def block_table_path(gpu: str) -> Path:
     return Path(str(resources.files("configs") / "gemm_blocks" / f"{gpu}.yaml"))
 
 
-def _entry(raw, where: str) -> BlockTableEntry:
+def _entry(raw, where: str, operand_bytes: int) -> BlockTableEntry:
     if not isinstance(raw, dict):
         raise BlockTableError(f"{where}: expected a mapping, got {raw!r}")
     missing = {"layout", "m", "n", "k", "blocks", "plain"} - raw.keys()
@@ -192,8 +194,8 @@ def _entry(raw, where: str) -> BlockTableEntry:
             parsed[key] = GemmBlocks.parse(str(raw[key]))
         except ValueError as exc:
             raise BlockTableError(f"{where}.{key}: {exc}") from None
-        if parsed[key].problems():
-            raise BlockTableError(f"{where}.{key}: got {raw[key]!r}; {'; '.join(parsed[key].problems())}")
+        if parsed[key].problems(operand_bytes):
+            raise BlockTableError(f"{where}.{key}: got {raw[key]!r}; {'; '.join(parsed[key].problems(operand_bytes))}")
     if not parsed["plain"].plain or parsed["plain"].block_m != PLAIN_BLOCK_M:
         raise BlockTableError(f"{where}.plain: got {raw['plain']!r}; allowed: BLOCK_M {PLAIN_BLOCK_M} without "
                               "ws, fl or sk (callers that wait on flags use it)")
@@ -212,14 +214,17 @@ def parse_block_table(raw, source: str) -> BlockTable:
     num_sms = raw.get("num_sms")
     if not isinstance(num_sms, int) or num_sms < 1:
         raise BlockTableError(f"{source}: num_sms: got {num_sms!r}; allowed: an int >= 1")
-    entries = tuple(_entry(e, f"{source}: entries[{i}]") for i, e in enumerate(raw["entries"]))
+    operand_bytes = raw.get("operand_bytes", 2)   # 1: a table of the FP8 GEMM (e4m3 operands)
+    if operand_bytes not in (1, 2):
+        raise BlockTableError(f"{source}: operand_bytes: got {operand_bytes!r}; allowed: 1 (fp8), 2 (bf16/fp16)")
+    entries = tuple(_entry(e, f"{source}: entries[{i}]", operand_bytes) for i, e in enumerate(raw["entries"]))
     seen = {}
     for i, e in enumerate(entries):
         key = (e.layout, e.m, e.n, e.k)
         if key in seen:
             raise BlockTableError(f"{source}: entries[{i}] repeats entries[{seen[key]}] ({key})")
         seen[key] = i
-    return BlockTable(str(raw.get("gpu", "")), num_sms, entries)
+    return BlockTable(str(raw.get("gpu", "")), num_sms, entries, operand_bytes)
 
 
 @functools.lru_cache(maxsize=16)

@@ -11,40 +11,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.quant_fp8 import AMAX_FLOOR  # noqa: E402
-from overlap.fp8 import (FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight,  # noqa: E402
-                         quantize_activation, quantize_weight)
+from overlap.fp8 import FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight  # noqa: E402
+from overlap.fp8 import quantize_activation, quantize_activation_reference as reference_activation  # noqa: E402
+from overlap.fp8 import quantize_weight, quantize_weight_reference as reference_weight  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _quantize_groups(groups: torch.Tensor, amax: torch.Tensor):
-    # tensor / tensor divisions: torch computes `scalar / tensor` as a reciprocal times the scalar, which is
-    # not the correctly rounded quotient the kernels compute
-    amax = amax.clamp_min(AMAX_FLOOR)
-    full = torch.full_like(amax, 448.0)
-    return amax / full, full / amax
-
-
-def reference_activation(x: torch.Tensor):
-    """(e4m3 [M, K], scales [M, cdiv(K, 128)]): amax per row per 128 columns, RNE to e4m3 (torch's .to)."""
-    m, k = x.shape
-    g = -(-k // 128)
-    groups = torch.nn.functional.pad(x.float(), (0, g * 128 - k)).view(m, g, 128)
-    scale, inverse = _quantize_groups(groups, groups.abs().amax(-1))
-    q = (groups * inverse[..., None]).clamp(-448, 448).to(FP8_DTYPE)
-    return q.view(m, g * 128)[:, :k], scale
-
-
-def reference_weight(w: torch.Tensor):
-    n, k = w.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    blocks = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
-    scale, inverse = _quantize_groups(blocks, blocks.abs().amax((1, 3)))
-    q = (blocks * inverse[:, None, :, None]).clamp(-448, 448).to(FP8_DTYPE)
-    return q.view(nb * 128, kb * 128)[:n, :k], scale
 
 
 def varied(rows, cols, seed, dtype=torch.bfloat16):
