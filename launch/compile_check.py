@@ -172,8 +172,10 @@ def main(argv=None) -> int:
         for path in sorted(table_dir.glob("*.yaml")):
             table = load_block_table(path=str(path))
             for e in table.entries:
-                jobs.add(("gemm", e.blocks.name, e.layout == "nk"))
-                jobs.add(("gemm", e.plain.name, e.layout == "nk"))
+                if table.operand_bytes == 1:   # an FP8 table (B is always [N, K])
+                    jobs.update({("fp8", e.blocks.name, False), ("fp8", e.plain.name, True)})
+                else:
+                    jobs.update({("gemm", e.blocks.name, e.layout == "nk"), ("gemm", e.plain.name, e.layout == "nk")})
     for name in names:
         for layout in LAYOUTS:
             jobs.add(("gemm", name, layout == "nk"))

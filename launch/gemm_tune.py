@@ -85,7 +85,8 @@ def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
     for world in tps if not shapes else ():
         for p in ag_points(world, ms=ms) + rs_points(world, ms=ms):
             layers.setdefault((p.m, p.n, p.k), []).append(f"{p.layer}@tp{world}")
-    return [(m, n, k, names) for (m, n, k), names in sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][2] * kv[0][1]))]
+    order = sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][2] * kv[0][1]))
+    return [(m, n, k, names) for (m, n, k), names in order]
 
 
 def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
@@ -94,8 +95,10 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     kind = "FP8 GEMM (kernels/gemm_fp8.py)" if operand_bytes == 1 else "GEMM (kernels/gemm.py)"
     lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
              "# overlap/gemm_blocks.py). vs_cublas = reference time / Triton time, device time.",
-             f"gpu: {gpu}", f"num_sms: {num_sms_}"] + ([f"operand_bytes: {operand_bytes}"] if operand_bytes != 2 else []) + [
-             "source: " + yaml.safe_dump(source, default_flow_style=True, width=1 << 20).strip(), "entries:"]
+             f"gpu: {gpu}", f"num_sms: {num_sms_}"]
+    if operand_bytes != 2:
+        lines.append(f"operand_bytes: {operand_bytes}")
+    lines += ["source: " + yaml.safe_dump(source, default_flow_style=True, width=1 << 20).strip(), "entries:"]
     for key in sorted(entries, key=lambda k: (k[0], k[2], k[3], k[1])):
         e = entries[key]
         ratios = "".join(f", {name}: {value:.3f}" for name, value in (("vs_cublas", e.vs_cublas),
@@ -161,7 +164,8 @@ def _tune_shape(m, n, k, layout, dev, args, compiled: _Compiled, deadline: float
         return None
     out_c = torch.empty_like(ref)
     variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
-    variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk)) for name, blk in usable.items()})
+    variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
+                     for name, blk in usable.items()})
     stats = bench_interleaved(variants, group=None, device=dev, warmup=2, reps=args.reps, hold_device_us=args.hold_us)
     times = {name: s.median_ms for name, s in stats.items()}
     return times
@@ -206,8 +210,8 @@ def main(argv=None) -> int:
     work = [(m, n, k, names, layout) for (m, n, k, names) in tune_points(args.tp, args.m, args.shapes)
             for layout in args.layouts]
     compiled, rows, skipped = _Compiled(), [], []
-    source = {"command": " ".join(sys.argv), "torch": str(torch.__version__), "triton": str(__import__("triton").__version__),
-              "date": time.strftime("%Y-%m-%d")}
+    source = {"command": " ".join(sys.argv), "torch": str(torch.__version__),
+              "triton": str(__import__("triton").__version__), "date": time.strftime("%Y-%m-%d")}
     progress(f"gemm_tune: {len(work)} shapes x layouts, {len(args.candidates)} candidates, budget "
              f"{args.time_budget_s:.0f} s, table -> {out_table}")
     for index, (m, n, k, names, layout) in enumerate(work):
