@@ -24,6 +24,7 @@ from overlap.report import device_slug, format_table, write_results
 from overlap.timing import bench_interleaved, progress
 from overlap.triton_gemm import gpu_name, num_sms
 
+from ._canary import run_canaries
 from .gemm_bench import bench_device, shape_points
 from .gemm_tune import FP8_CANDIDATES, operands, write_table
 
@@ -41,6 +42,18 @@ def run_fp8(args) -> int:
     failed: dict[str, str] = {}
     rows, skipped, entries = [], [], {}
     points = shape_points(args.tp, args.m, args.layers, args.shapes)
+    # every configuration once in a child process first (launch/_canary.py): a crash or hang drops it
+    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
+                                      for _, _, _, m, n, k in points})
+    verdicts = run_canaries("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
+                            device=dev.type, shape=args.canary_shape)
+    if not verdicts:  # the child itself failed (see its traceback above): run without it
+        progress("canary: no verdict at all, timing every configuration without it")
+        verdicts = {(name, "nk"): "" for name in names}
+    for name in names:
+        if verdicts.get((name, "nk"), "not reached within its share of the budget"):
+            failed[name] = "canary: " + verdicts.get((name, "nk"), "not reached within its share of the budget")
+            progress(f"  fp8 {name} dropped: {failed[name]}")
     for i, (layer, op, world, m, n, k) in enumerate(points):
         default = choose_fp8_blocks(m, n, k, device_type=dev.type)
         blocks = {name: blk for name, blk in {"default": default, **candidates}.items() if blk.name not in failed}

@@ -30,6 +30,7 @@ from overlap.shapes import M_VALUES, ag_points, rs_points
 from overlap.timing import bench_interleaved, progress
 from overlap.triton_gemm import gpu_name, triton_mm
 
+from ._canary import CANARY_SHAPE
 from .gemm_tune import operands, parse_shapes
 
 __all__ = ["main", "shape_points", "summarize", "bench_device"]
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the Triton interpreter: a smoke test)")
+    p.add_argument("--canary-shape", type=lambda s: parse_shapes(s)[0], default=CANARY_SHAPE,
+                   help="--fp8: MxNxK of the child process that runs every configuration once first")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("launch.gemm_bench needs a CUDA GPU (or --device cpu with the Triton interpreter)", file=sys.stderr)

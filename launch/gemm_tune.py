@@ -10,8 +10,10 @@ specialisation, flattened loops, two-half epilogue, stream-K, two programs per S
 cuBLAS (`torch.mm` on the same operands and layout) and then timed interleaved with it: device time (the
 stream is held busy before each timed call, as launch.gemm_bench does), L2 flushed, median of `--reps`.
 
-Each configuration is compiled once per layout before its first timing (compile time is charged to the
-budget; a configuration that fails to compile or run is dropped for that layout). Shapes go M = 1024
+First a child process runs every configuration once per layout on a small shape (launch/_canary.py): one
+that fails to compile, computes wrong numbers, crashes or hangs is dropped there (with its reason in the
+JSON) instead of ending the sweep, and the compiled kernels are in Triton's cache when the sweep starts
+(compile time is charged to the budget). Shapes go M = 1024
 first, then 4096, then 16384 (where the gaps to cuBLAS were largest first); before each shape the
 remaining budget is checked against the shape's estimated cost, and shapes that do not fit are listed as
 skipped. After every shape the table (merged over `--merge-table`, by default the GPU's current table, so
@@ -38,6 +40,8 @@ from overlap.shapes import M_VALUES, ag_points, rs_points
 from overlap.timing import bench_interleaved, progress
 from overlap.triton_gemm import gpu_name, num_sms, triton_mm
 
+from ._canary import CANARY_SHAPE, run_canaries
+
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
            "operands", "write_table", "main"]
 
@@ -59,6 +63,7 @@ FP8_CANDIDATES = (
 )
 
 REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (README tolerance policy)
+CANARY_SHARE = 0.5         # at most this share of the budget goes to running every configuration once
 PLAIN_PREFERENCE = 1.01    # the plain configuration wins unless the fastest is more than 1 % faster
 PER_CALL_OVERHEAD_S = 6e-4  # flush + hold + synchronisation around one timed call (estimate)
 
@@ -186,6 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results JSON (default results/gemm_tune_<gpu>.json)")
     p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the Triton interpreter: a smoke test)")
+    p.add_argument("--canary-shape", type=lambda s: parse_shapes(s)[0], default=CANARY_SHAPE,
+                   help="MxNxK of the child process that runs every configuration once first")
     args = p.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.time_budget_s
@@ -210,6 +217,22 @@ def main(argv=None) -> int:
     work = [(m, n, k, names, layout) for (m, n, k, names) in tune_points(args.tp, args.m, args.shapes)
             for layout in args.layouts]
     compiled, rows, skipped = _Compiled(), [], []
+    # every configuration once in a child process: one that crashes, hangs or computes garbage is dropped
+    # here instead of ending the sweep; the kernels it compiles are in Triton's cache for this process
+    heuristics = {heuristic_blocks(m, n, k).name for m, n, k, _, _ in work}
+    items = [(name, layout) for name in dict.fromkeys(args.candidates + tuple(sorted(heuristics)))
+             for layout in args.layouts]
+    verdicts = run_canaries("bf16", items, started + CANARY_SHARE * args.time_budget_s, device=dev.type,
+                            shape=args.canary_shape)
+    if not verdicts and items:  # the child itself failed (see its traceback above): sweep without it
+        progress("canary: no verdict at all, sweeping every configuration without it")
+        verdicts = {key: "" for key in items}
+    for key in items:
+        if verdicts.get(key, "not reached within its share of the budget"):
+            compiled.failed[key] = "canary: " + verdicts.get(key, "not reached within its share of the budget")
+            progress(f"  {key[0]} ({key[1]}) dropped: {compiled.failed[key]}")
+    progress(f"canary: {len(items) - len(compiled.failed)} of {len(items)} configurations ran correctly, "
+             f"{time.monotonic() - started:.0f} s")
     source = {"command": " ".join(sys.argv), "torch": str(torch.__version__),
               "triton": str(__import__("triton").__version__), "date": time.strftime("%Y-%m-%d")}
     progress(f"gemm_tune: {len(work)} shapes x layouts, {len(args.candidates)} candidates, budget "

@@ -103,6 +103,8 @@ class GemmBlocks:
                        f"shared memory per SM > {SHARED_MEMORY_PER_SM}")
         if self.stream_k and self.programs_per_sm != 1:
             out.append("stream-K waits for other programs: one program per SM (all resident)")
+        if self.stream_k and self.warp_specialize:
+            out.append("stream-K with warp specialisation spills registers (launch.compile_check)")
         if shared > SHARED_MEMORY_LIMIT:
             out.append(f"needs ~{shared} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         return out

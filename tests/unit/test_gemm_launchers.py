@@ -4,6 +4,7 @@ shape and layout, and a budget too small for any shape skips them all instead of
 
 import json
 import os
+import time
 
 import torch
 
@@ -13,12 +14,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from launch import gemm_bench, gemm_tune  # noqa: E402
+from launch._canary import run_canaries  # noqa: E402
 from overlap.gemm_blocks import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
               pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke runs; on a GPU run the launchers")]
 
-COMMON = ["--device", "cpu", "--reps", "1", "--hold-us", "0"]
+COMMON = ["--device", "cpu", "--reps", "1", "--hold-us", "0", "--canary-shape", "24x40x48"]
 
 
 def test_tuner_writes_a_loadable_table_merged_over_the_old_one_and_flushes_json(tmp_path):
@@ -37,6 +39,7 @@ def test_tuner_writes_a_loadable_table_merged_over_the_old_one_and_flushes_json(
     doc = json.loads(results.read_text())
     assert {(r["layout"], r["M"]) for r in doc["rows"]} == {("kn", 24), ("nk", 24)}
     assert doc["summary"]["measured"] == 2 and set(doc["rows"][0]["times_ms"]) >= {"16x16x16w1s1"}
+    assert doc["failed"] == {}
 
 
 def test_tuner_with_no_budget_skips_every_shape_and_says_so(tmp_path):
@@ -63,3 +66,10 @@ def test_bf16_bench_times_the_table_choice_and_the_fp8_bench_writes_an_fp8_table
     row = json.loads(fp8_out.read_text())["rows"][0]
     assert row["t_scaled_mm_ms"] > 0 and row["16x32x128w4s1_rel_err"] <= 5e-3
     assert load_block_table(path=str(fp8_table)).operand_bytes == 1
+
+
+def test_canary_child_reports_each_configuration_and_survives_a_bad_one():
+    items = [("16x16x16w1s1", "kn"), ("not-a-config", "nk"), ("32x32x16w1s1sk1", "nk")]
+    verdicts = run_canaries("bf16", items, time.monotonic() + 300, device="cpu", shape=(24, 40, 48))
+    assert verdicts[("16x16x16w1s1", "kn")] == "" and verdicts[("32x32x16w1s1sk1", "nk")] == ""
+    assert verdicts[("not-a-config", "nk")].startswith("ValueError: block configuration 'not-a-config'")
