@@ -15,7 +15,10 @@ output in C's dtype).
         # optional, only read with WAIT_CHUNKS=True (the AllGather consumer, below):
         chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
         WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>,
-        epoch_ptr=None, DEVICE_EPOCH=False, num_warps=..., num_stages=...)
+        epoch_ptr=None, DEVICE_EPOCH=False,
+        # optional, EPILOGUE 0 without WAIT_CHUNKS only (tuning options of the local GEMM, below):
+        stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K=False, FLATTEN=False,
+        EPILOGUE_SUBTILE=1, num_warps=..., num_stages=...)
 
 * A is [M, K] with row stride ``lda``; B is [K, N] with row stride ``ldb`` or, with ``B_TRANSPOSED``,
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
@@ -38,6 +41,18 @@ output in C's dtype).
 
 EPILOGUE 0 (local): stores the tile into C (row stride ``ldc``). ``dst_ptrs``, ``flag_ptrs`` and
 ``tile_counters`` may be None; the scatter ints are ignored (pass 0; ``epoch`` 1).
+
+Tuning options of EPILOGUE 0 (all off by default; the K loop and stores live in ``kernels/gemm_mainloop.py``):
+
+* ``FLATTEN=True`` flattens the tile loop and the K loop into one pipelined loop (``tl.range(flatten=True)``),
+  so the next tile's first loads overlap this tile's epilogue: pays where K is short.
+* ``EPILOGUE_SUBTILE=2`` stores each tile as two column halves (half the staging shared memory).
+* ``STREAM_K=True``: the last ``stream_k_tiles`` tiles of the walk are split by K steps over all programs
+  (a last wave that would leave SMs idle); ``stream_k_workspace`` is an fp32 buffer of ``num_programs *
+  BLOCK_M * BLOCK_N`` elements and ``stream_k_flags`` an int32 array of ``num_programs`` words, zero before
+  the first launch (every launch leaves them at zero again); both private to one stream at a time.
+  ``timeout_ns`` bounds a finisher's wait for a contributor (past it, it recomputes that K range itself).
+  Protocol in ``kernels/gemm_mainloop.py``.
 
 EPILOGUE 1 (scatter to owners): the M rows are split into ``world_size`` owner chunks of
 ``rows_per_rank`` rows (M = world_size * rows_per_rank); row ``m`` belongs to owner ``o = m //
@@ -125,8 +140,9 @@ import triton
 import triton.language as tl
 
 from .flags import TIMER_AVAILABLE, record_error, wait_for_flag
-from .rs_epilogue import (grouped_tile, owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel,
-                          scatter_stores)
+from .gemm_mainloop import k_loop, store_tile, stream_k_part
+from .gemm_mainloop import tile_coordinates as _tile_coordinates
+from .rs_epilogue import owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel, scatter_stores
 
 EPILOGUE_LOCAL = 0
 EPILOGUE_SCATTER = 1
@@ -135,10 +151,6 @@ EPILOGUE_SCATTER_REDUCE = 2
 __all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "persistent_gemm_kernel",
            "reduce_partials_kernel", "cdiv", "num_output_tiles", "scatter_flags_per_source", "ag_rows_per_chunk",
            "ag_chunk_index", "ag_chunk_rows", "ag_tile_row_offset", "TIMER_AVAILABLE"]
-
-# Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; under the
-# interpreter only, operands are widened to fp32 first. Compiled kernels never see this branch.
-_WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 _COMPILED = tl.constexpr(TIMER_AVAILABLE)
 
@@ -182,15 +194,6 @@ def ag_tile_row_offset(rank: int, rows_per_rank: int, block_m: int) -> int:
 
 
 @triton.jit
-def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M: tl.constexpr):
-    # GROUP_M row blocks share each B column panel while it is hot in L2; the rotation afterwards keeps
-    # the order a permutation while letting every rank begin at its own row block.
-    swizzled_row_block, col_block = grouped_tile(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
-    row_block = (swizzled_row_block + tile_row_offset) % num_row_blocks
-    return row_block, col_block
-
-
-@triton.jit
 def _wait_for_chunks(chunk_flags_ptr, error_ptr, error_code_base, first_row, last_row, rows_per_rank,
                      chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER: tl.constexpr):
     """True when every chunk holding rows [first_row, last_row] is SET (bounded waits)."""
@@ -214,7 +217,7 @@ def _wait_for_chunks(chunk_flags_ptr, error_ptr, error_code_base, first_row, las
 
 
 @triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "timeout_ns",
-                               "error_code_base"])
+                               "error_code_base", "stream_k_tiles"])
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
@@ -227,12 +230,19 @@ def persistent_gemm_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
     WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
+    stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, EPILOGUE_SUBTILE: tl.constexpr = 1,
 ):
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     # the scatter epilogues carry a pending tile across iterations and barrier inside a branch: not run
     # under warp specialisation
     if EPILOGUE != 0:
         tl.static_assert(not WARP_SPECIALIZE, "scatter epilogues need WARP_SPECIALIZE=False")
+    # stream-K and the flattened loop nest change which program computes what, and when: local store only,
+    # and no chunk waits (a flattened loop would hoist the next tile's loads above its wait)
+    if STREAM_K or FLATTEN:
+        tl.static_assert((EPILOGUE == 0) and not WAIT_CHUNKS, "STREAM_K / FLATTEN need EPILOGUE=0, no WAIT_CHUNKS")
+    tl.static_assert((EPILOGUE_SUBTILE == 1) or (EPILOGUE_SUBTILE == 2), "EPILOGUE_SUBTILE is 1 or 2")
     if WAIT_CHUNKS:
         tl.static_assert(not WARP_SPECIALIZE, "WAIT_CHUNKS needs WARP_SPECIALIZE=False")
         rows_per_chunk = tl.cdiv(rows_per_rank, chunks_per_rank)
@@ -242,6 +252,10 @@ def persistent_gemm_kernel(
     num_col_blocks = tl.cdiv(N, BLOCK_N)
     num_tiles = num_row_blocks * num_col_blocks
     num_k_steps = tl.cdiv(K, BLOCK_K)
+    if STREAM_K:
+        num_walk_tiles = num_tiles - stream_k_tiles  # whole tiles; the rest is split by K steps afterwards
+    else:
+        num_walk_tiles = num_tiles
 
     if USE_DESCRIPTORS:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[lda, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -253,7 +267,13 @@ def persistent_gemm_kernel(
                                                block_shape=[BLOCK_K, BLOCK_N])
         if EPILOGUE == 0:
             c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[ldc, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])
+                                               block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
+        else:
+            c_desc = None
+    else:
+        a_desc = None
+        b_desc = None
+        c_desc = None
 
     if EPILOGUE == 2:
         own_first_row_block = (src_rank * rows_per_rank) // BLOCK_M
@@ -268,7 +288,11 @@ def persistent_gemm_kernel(
     # 128x256 tiles). Counted after the next tile's main loop, the stores have long landed.
     pending_row_block = program_id * 0 - 1
     failed = program_id < 0  # a wait of this program expired: skip its remaining tiles
-    for tile_id in tl.range(program_id, num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
+    # FLATTEN: the store's tile comes from its own counter, so that the flattened loop can run the next
+    # tile's first loads without keeping this tile's coordinates alive across them
+    store_tile_id = program_id
+    for tile_id in tl.range(program_id, num_walk_tiles, num_programs, flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
         if EPILOGUE == 2:
             row_block, col_block = owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block,
                                                    own_row_blocks, GROUP_M)
@@ -290,29 +314,8 @@ def persistent_gemm_kernel(
             tile_ready: tl.constexpr = True
         if tile_ready:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k_step in range(num_k_steps):
-                first_k = k_step * BLOCK_K
-                if USE_DESCRIPTORS:
-                    a_tile = a_desc.load([first_row, first_k])
-                    if B_TRANSPOSED:
-                        b_tile = b_desc.load([first_col, first_k]).T
-                    else:
-                        b_tile = b_desc.load([first_k, first_col])
-                else:
-                    ks = first_k + tl.arange(0, BLOCK_K)
-                    k_in_range = ks < K
-                    a_tile = tl.load(a_ptr + rows.to(tl.int64)[:, None] * lda + ks[None, :],
-                                     mask=(rows < M)[:, None] & k_in_range[None, :], other=0.0)
-                    if B_TRANSPOSED:
-                        b_tile = tl.load(b_ptr + cols.to(tl.int64)[None, :] * ldb + ks[:, None],
-                                         mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
-                    else:
-                        b_tile = tl.load(b_ptr + ks.to(tl.int64)[:, None] * ldb + cols[None, :],
-                                         mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
-                if _WIDEN_DOT_OPERANDS:
-                    a_tile = a_tile.to(tl.float32)
-                    b_tile = b_tile.to(tl.float32)
-                acc = tl.dot(a_tile, b_tile, acc)
+            acc = k_loop(acc, a_desc, b_desc, a_ptr, b_ptr, first_row, first_col, M, N, K, lda, ldb, 0, num_k_steps,
+                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DESCRIPTORS, B_TRANSPOSED)
 
             result = acc.to(out_dtype)
             if EPILOGUE != 0:
@@ -322,11 +325,15 @@ def persistent_gemm_kernel(
                                       num_col_blocks, flags_per_source, BLOCK_M)
                 pending_row_block = program_id * 0 - 1
             if EPILOGUE == 0:
-                if USE_DESCRIPTORS:
-                    c_desc.store([first_row, first_col], result)
+                if FLATTEN:
+                    store_row_block, store_col_block = _tile_coordinates(store_tile_id, num_row_blocks,
+                                                                         num_col_blocks, tile_row_offset, GROUP_M)
+                    store_tile_id += num_programs
+                    store_tile(c_desc, c_ptr, result, store_row_block * BLOCK_M, store_col_block * BLOCK_N, M, N,
+                               ldc, BLOCK_M, BLOCK_N, USE_DESCRIPTORS, EPILOGUE_SUBTILE)
                 else:
-                    tl.store(c_ptr + rows.to(tl.int64)[:, None] * ldc + cols[None, :], result,
-                             mask=(rows < M)[:, None] & (cols < N)[None, :])
+                    store_tile(c_desc, c_ptr, result, first_row, first_col, M, N, ldc, BLOCK_M, BLOCK_N,
+                               USE_DESCRIPTORS, EPILOGUE_SUBTILE)
             elif EPILOGUE == 1:
                 scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
                 pending_row_block = row_block
@@ -338,6 +345,10 @@ def persistent_gemm_kernel(
             else:
                 scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
                 pending_row_block = row_block
+    if STREAM_K:
+        stream_k_part(a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc, tile_row_offset,
+                      num_walk_tiles, stream_k_tiles, stream_k_workspace, stream_k_flags, timeout_ns, BLOCK_M, BLOCK_N,
+                      BLOCK_K, GROUP_M, USE_DESCRIPTORS, B_TRANSPOSED, EPILOGUE_SUBTILE, USE_TIMER)
     if EPILOGUE != 0:
         if pending_row_block >= 0:
             publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,

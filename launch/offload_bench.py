@@ -8,7 +8,7 @@ For every (model, M) that fits the device without offload and the time budget (c
 skipped is noted with the reason): a stack of `--layers` MLPs (launch/_bench_mlp.py: the saved tensors of
 TPMLP at W = 1; bf16), its copy bandwidth each way into the pinned host pool and the copy's / GEMM's k
 beside the step's fc1 GEMM, its layer times, the planner's table, then training steps (forward, backward,
-SGD) of every variant, interleaved (overlap.timing: CUDA events, median of --reps, spread):
+SGD) of every variant, interleaved (launch.timing: CUDA events, median of --reps, spread):
 
     none         the plain stack (autograd's activation: also saves silu(gate))
     keep         the offload engine keeping everything (its activation saves only h)

@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_gemm import GemmBlocks, b_operand, descriptor_ok, ensure_allocator
+from .gemm_blocks import stream_k_tiles
+from .triton_gemm import STREAM_K_TIMEOUT_NS, GemmBlocks, _stream_k_buffers, b_operand, descriptor_ok, ensure_allocator
 
 __all__ = ["ChunkWait", "Scatter", "launch_gemm", "launch_reduce"]
 
@@ -68,6 +69,14 @@ def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_prog
         rows_per_rank = scatter.rows_per_rank
     elif chunk_wait is None:
         rows_per_rank = m
+        # the local GEMM alone may split its last partial wave by K steps (stream-K) and flatten its loops
+        tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+        split = stream_k_tiles(tiles, num_programs, blocks.stream_k) if epilogue == 0 else 0
+        if split:
+            workspace, flags = _stream_k_buffers(a.device, num_programs, blocks.block_m * blocks.block_n)
+            extra = dict(timeout_ns=STREAM_K_TIMEOUT_NS, stream_k_tiles=split, stream_k_workspace=workspace,
+                         stream_k_flags=flags, STREAM_K=True)
+        extra.update(FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile)
     persistent_gemm_kernel[(num_programs,)](
         a, b, out, m, n, k, a.stride(0), ldb, out.stride(0), tile_row_offset,
         scatter.dst_ptrs if scatter else None, scatter.flag_ptrs if scatter else None,

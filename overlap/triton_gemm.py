@@ -1,7 +1,8 @@
-"""Launchers of the persistent Triton GEMM (kernels/gemm.py): block choice, allocator, grid.
+"""Launchers of the persistent Triton GEMM (kernels/gemm.py): allocator, grid, operands, stream-K buffers.
 
 `triton_mm(a, b, out, num_programs=...)` is the local-epilogue GEMM (the "GEMM alone" of the benchmarks
-and the compute of the fused ops with `num_sms - sm_margin` programs).
+and the compute of the fused ops with `num_sms - sm_margin` programs). Block choice: `choose_blocks`
+(overlap/gemm_blocks.py, the measured table of configs/gemm_blocks/; re-exported here).
 """
 
 from __future__ import annotations
@@ -9,12 +10,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass
 
 import torch
 
+from .gemm_blocks import GemmBlocks, choose_blocks, stream_k_tiles
+
 __all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
-           "sm_carveout"]
+           "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS"]
+
+# A stream-K finisher waits this long for a contributor before computing its K range itself (only a
+# contributor that is not resident -- SMs held by another kernel -- is ever that late).
+STREAM_K_TIMEOUT_NS = 20_000_000
 
 _allocator_state = threading.local()
 
@@ -60,44 +66,33 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@dataclass(frozen=True)
-class GemmBlocks:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    warp_specialize: bool = False
+def gpu_name(device: torch.device) -> str | None:
+    """The block-table name of a CUDA device ('h200' for an NVIDIA H200); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _cuda_gpu_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=1024)  # pure, and called on every launch of the ops
-def choose_blocks(m: int, n: int, k: int, *, device_type: str = "cuda", warp_specialize: bool = True,
-                  sm_count: int = 132) -> GemmBlocks:
-    """Pure heuristic from launch.gemm_bench on an H200 (device time, results/gemm_h200_tp2.json):
-    128x256x64 tiles with 8 warps, 3 stages and warp specialisation, unless 128x128 tiles (4 warps, 4
-    stages) fill the last wave of `sm_count` programs clearly better (e.g. M = 1024 with N = 5120 or 14336,
-    where 256-wide tiles leave a third of the SMs idle in the last wave). Callers whose K loop waits on
-    flags pass warp_specialize=False (a specialised load partition would not wait)."""
-    if device_type != "cuda":
-        return GemmBlocks(16, 16, 16, 4, 1, 1)
-    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
-    narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
-    if narrow > wide + WAVE_MARGIN:
-        return GemmBlocks(128, 128, 64, 8, 4, 4)
-    return GemmBlocks(128, 256, 64, 8, 8, 3, warp_specialize)
+@functools.lru_cache(maxsize=None)
+def _cuda_gpu_name(index: int) -> str:
+    from .config import gpu_slug
+    return gpu_slug(torch.cuda.get_device_name(index))
 
 
-WAVE_MARGIN = 0.05  # ties go to the wider tile (more reuse per loaded A row)
+_stream_k_state = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _wave_efficiency(tiles: int, sm_count: int) -> float:
-    """Busy fraction of the programs over all waves of a persistent grid of `sm_count` programs."""
-    return tiles / (_cdiv(tiles, sm_count) * sm_count)
+def _stream_k_buffers(device: torch.device, programs: int, tile_elements: int):
+    """(fp32 workspace, int32 flags) of stream-K for the current stream: private per stream (two GEMMs
+    running at once must not share them), grown on demand, the flags zero (every launch leaves them so)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    workspace, flags = _stream_k_state.get(key, (None, None))
+    if workspace is None or workspace.numel() < programs * tile_elements or flags.numel() < programs:
+        workspace = torch.empty(programs * tile_elements, dtype=torch.float32, device=device)
+        flags = torch.zeros(programs, dtype=torch.int32, device=device)
+        _stream_k_state[key] = (workspace, flags)
+    return workspace, flags
 
 
 def b_operand(w: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -119,14 +114,18 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
 def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_programs: int | None = None,
               blocks: GemmBlocks | None = None, tile_row_offset: int = 0) -> torch.Tensor:
     """out[M, N] = a[M, K] @ b[K, N] on the current stream with `num_programs` persistent programs
-    (b row-major, or the transpose view of a row-major [N, K])."""
+    (b row-major, or the transpose view of a row-major [N, K]); valid on the current stream. Blocks from
+    `choose_blocks` for the layout and GPU unless given. A stream-K configuration uses a workspace private
+    to the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
     from ._gemm_launch import launch_gemm
 
     m, k = a.shape
     n = b.shape[1]
     if out.shape != (m, n) or b.shape[0] != k:
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
-    programs = num_programs or num_sms(a.device)
-    blocks = blocks or choose_blocks(m, n, k, device_type=a.device.type, sm_count=programs)
+    b_transposed = b_operand(b)[2]
+    blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
+                                     sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    programs = num_programs or num_sms(a.device) * blocks.programs_per_sm
     launch_gemm(a=a, w=b, out=out, num_programs=programs, blocks=blocks, tile_row_offset=tile_row_offset)
     return out

@@ -1,18 +1,134 @@
-"""The block heuristic of the GEMM launcher (a pure function of the shape and the program count)."""
+"""Block choice of the GEMM launcher: the table (configs/gemm_blocks/), its loader and the fallback heuristic
+(pure functions of the shape, the layout and the program count)."""
 
-from overlap.triton_gemm import GemmBlocks, choose_blocks
+import pytest
+
+from overlap.gemm_blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
+                                 block_table_path, choose_blocks, heuristic_blocks, load_block_table,
+                                 parse_block_table, shared_memory_bytes, stream_k_tiles)
+from launch.shapes import ag_points, rs_points
+
+H200 = load_block_table("h200")
 
 
-def test_wide_tiles_unless_narrow_ones_fill_the_last_wave_clearly_better():
-    # M = 1024, N = 5120 on 132 programs: 160 wide tiles (1.21 waves, 61 % busy) vs 320 narrow (81 %)
-    assert choose_blocks(1024, 5120, 8192).block_n == 128
-    # N = 4096: 128 wide tiles fit one wave (97 %), as do 256 narrow ones: a tie goes to the wider tile
-    assert choose_blocks(1024, 4096, 2048).block_n == 256
-    assert choose_blocks(16384, 14336, 4096) == GemmBlocks(128, 256, 64, 8, 8, 3, True)
+def test_the_h200_table_exists_and_every_entry_is_launchable():
+    assert H200 is not None and H200.num_sms == 132 and H200.entries
+    for entry in H200.entries:
+        assert entry.layout in LAYOUTS
+        assert not entry.blocks.problems() and not entry.plain.problems(), entry
+        assert entry.plain.plain and entry.plain.block_m == PLAIN_BLOCK_M, entry
+        assert shared_memory_bytes(entry.blocks) <= 232448
+        # every entry is one of DESIGN.md's local GEMMs at TP 2, 4 or 8
+        shapes = {(p.m, p.n, p.k) for w in (2, 4, 8) for p in ag_points(w) + rs_points(w)}
+        assert (entry.m, entry.n, entry.k) in shapes, entry
 
 
-def test_the_program_count_changes_the_choice_and_flag_waiting_callers_get_no_warp_specialisation():
-    # the same 160 wide tiles are exactly 2 waves of 80 programs (a fused op with a large sm_margin)
-    assert choose_blocks(1024, 5120, 8192, sm_count=80).block_n == 256
-    assert not choose_blocks(4096, 4096, 4096, warp_specialize=False).warp_specialize
+def test_names_round_trip_and_mean_what_they_say():
+    blocks = GemmBlocks.parse("128x256x64w4s3g16ws")
+    assert blocks == GemmBlocks(128, 256, 64, 16, 4, 3, warp_specialize=True)
+    assert GemmBlocks.parse("128x128x128w8s3es2sk2") == GemmBlocks(128, 128, 128, 8, 8, 3, epilogue_subtile=2,
+                                                                   stream_k=2)
+    for name in ("128x256x64w8s3", "64x128x64w4s6g4fl", "128x128x64w8s4wsflsk1", "256x128x64w8s3es2"):
+        assert GemmBlocks.parse(name).name == name
+    with pytest.raises(ValueError, match="does not read as"):
+        GemmBlocks.parse("128x256w8s3")
+    assert GemmBlocks.parse("128x256x64w8s3").plain and not GemmBlocks.parse("128x256x64w8s3sk1").plain
+    assert GemmBlocks.parse("128x256x128w8s3").problems()  # 3 stages of 128-deep tiles overflow shared memory
+
+
+def test_table_entries_win_for_their_shape_and_layout_and_m_picks_the_nearest_bucket():
+    table = BlockTable("x", 132, (
+        BlockTableEntry("kn", 1024, 3072, 4096, GemmBlocks.parse("128x128x64w8s4sk1"),
+                        GemmBlocks.parse("128x128x64w4s4")),
+        BlockTableEntry("kn", 16384, 3072, 4096, GemmBlocks.parse("128x256x64w4s3ws"),
+                        GemmBlocks.parse("128x256x64w8s3")),
+        BlockTableEntry("nk", 1024, 3072, 4096, GemmBlocks.parse("64x128x64w4s6"),
+                        GemmBlocks.parse("128x128x64w8s5")),
+    ))
+    assert choose_blocks(1024, 3072, 4096, table=table).name == "128x128x64w8s4sk1"
+    assert choose_blocks(1024, 3072, 4096, b_transposed=True, table=table).name == "64x128x64w4s6"
+    assert choose_blocks(1024, 3072, 4096, warp_specialize=False, table=table).name == "128x128x64w4s4"
+    assert choose_blocks(1024, 3072, 4096, b_transposed=True, warp_specialize=False, table=table).name == \
+        "128x128x64w8s5"
+    assert choose_blocks(2000, 3072, 4096, table=table).name == "128x128x64w8s4sk1"   # log2: nearer 1024
+    assert choose_blocks(8192, 3072, 4096, table=table).name == "128x256x64w4s3ws"   # nearer 16384
+    assert choose_blocks(4096, 3072, 4096, table=table).name == "128x256x64w4s3ws"   # tie: the larger M
+    # another N, another K or nothing for the layout: the heuristic
+    assert choose_blocks(1024, 3072, 2048, table=table) == heuristic_blocks(1024, 3072, 2048)
+    assert choose_blocks(1024, 3584, 4096, table=table) == heuristic_blocks(1024, 3584, 4096)
+    assert choose_blocks(16384, 3072, 4096, b_transposed=True, table=table).name == "64x128x64w4s6"
+
+
+def test_unknown_gpus_and_shapes_fall_back_to_the_heuristic():
+    assert load_block_table("b300") is None
+    assert choose_blocks(1024, 5120, 8192, gpu="b300") == heuristic_blocks(1024, 5120, 8192)
+    assert choose_blocks(1000, 1000, 1000) == heuristic_blocks(1000, 1000, 1000)
     assert choose_blocks(4096, 4096, 4096, device_type="cpu").block_m == 16
+
+
+def test_heuristic_prefers_wide_tiles_unless_narrow_ones_fill_the_last_wave_clearly_better():
+    # M = 1024, N = 5120 on 132 programs: 160 wide tiles (1.21 waves, 61 % busy) vs 320 narrow (81 %)
+    assert heuristic_blocks(1024, 5120, 8192).block_n == 128
+    # N = 4096: 128 wide tiles fit one wave (97 %), as do 256 narrow ones: a tie goes to the wider tile
+    assert heuristic_blocks(1024, 4096, 2048).block_n == 256
+    # the same 160 wide tiles are exactly 2 waves of 80 programs (a fused op with a large sm_margin)
+    assert heuristic_blocks(1024, 5120, 8192, sm_count=80).block_n == 256
+    assert not heuristic_blocks(4096, 4096, 4096, warp_specialize=False).warp_specialize
+
+
+def test_flag_waiting_callers_always_get_a_plain_configuration():
+    for entry in H200.entries:
+        for m in (entry.m, entry.m // 2 + 1):
+            got = choose_blocks(m, entry.n, entry.k, b_transposed=entry.layout == "nk", warp_specialize=False)
+            assert got.plain and got.block_m == PLAIN_BLOCK_M
+    assert choose_blocks(333, 444, 555, warp_specialize=False).plain
+
+
+def test_stream_k_tiles_cover_the_last_partial_wave_plus_full_waves():
+    assert stream_k_tiles(96, 132, 1) == 96          # less than one wave: every tile is split
+    assert stream_k_tiles(192, 132, 1) == 60
+    assert stream_k_tiles(192, 132, 2) == 192
+    assert stream_k_tiles(400, 132, 2) == 4 + 132
+    assert stream_k_tiles(264, 132, 1) == 0          # whole waves: nothing to balance
+    assert stream_k_tiles(192, 132, 0) == 0
+
+
+def write(tmp_path, text):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+GOOD = "- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 128x256x64w8s3}"
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("- {layout: tn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 128x256x64w8s3}",
+     r"entries\[1\].layout: got 'tn'"),
+    ("- {layout: kn, m: 0, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 128x256x64w8s3}",
+     r"entries\[1\].m: got 0"),
+    ("- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s9, plain: 128x256x64w8s3}",
+     r"entries\[1\].blocks: got '128x256x64w8s9'; num_stages 9"),
+    ("- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 128x256x64w8s3sk1}",
+     r"entries\[1\].plain: got '128x256x64w8s3sk1'; allowed: BLOCK_M 128 without"),
+    ("- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 64x256x64w8s3}",
+     r"entries\[1\].plain: got '64x256x64w8s3'"),
+    ("- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3, plain: 128x256x64w8s3}",
+     r"entries\[1\] repeats entries\[0\]"),
+    ("- {layout: kn, m: 1024, n: 3072, k: 4096, blocks: 128x256x64w8s3}", r"missing keys \['plain'\]"),
+])
+def test_bad_tables_name_file_entry_key_and_value(tmp_path, entry, message):
+    path = write(tmp_path, f"gpu: x\nnum_sms: 132\nentries:\n{GOOD}\n{entry}\n")
+    with pytest.raises(BlockTableError, match=message) as info:
+        load_block_table(path=path)
+    assert str(info.value).startswith("t.yaml: ")
+
+
+def test_a_good_table_file_loads_and_a_missing_one_is_an_error(tmp_path):
+    table = load_block_table(path=write(tmp_path, f"gpu: x\nnum_sms: 100\nentries:\n{GOOD}\n"))
+    assert table.num_sms == 100 and table.entries[0].blocks.name == "128x256x64w8s3"
+    with pytest.raises(BlockTableError, match="no such block table"):
+        load_block_table(path=str(tmp_path / "nope.yaml"))
+    with pytest.raises(BlockTableError, match="num_sms"):
+        parse_block_table({"entries": []}, "x.yaml")
+    assert block_table_path("h200").is_file()

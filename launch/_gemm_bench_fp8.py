@@ -1,0 +1,143 @@
+"""`launch.gemm_bench --fp8`: the FP8 block-scaled Triton GEMM against cuBLAS's blockwise FP8
+(`torch._scaled_mm` with the same scale tensors) and bf16 cuBLAS, on the same shapes as the bf16 bench.
+
+Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are quantised once by
+overlap.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
+our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch.gemm_tune.FP8_CANDIDATES, or
+`--configs`) -- are
+checked against `torch._scaled_mm`'s output (relative error <= 5e-3: both round the same fp32 sums to
+bf16) and timed interleaved (device time, as the bf16 bench). `--write-table PATH` writes the fastest
+candidate per shape (and the fastest plain one) as an FP8 block table that `choose_fp8_blocks` reads
+from configs/gemm_blocks/<gpu>_fp8.yaml.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from overlap.fp8 import choose_fp8_blocks, fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference
+from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks
+from launch.report import device_slug, format_table, write_results
+from launch.timing import bench_interleaved, progress
+from overlap.triton_gemm import gpu_name, num_sms
+
+from ._canary import run_canaries
+from .gemm_bench import bench_device, shape_points
+from .gemm_tune import FP8_CANDIDATES, operands, write_table
+
+__all__ = ["run_fp8"]
+
+FP8_REL_TOLERANCE = 5e-3
+PER_CALL_OVERHEAD_S = 6e-4
+
+
+def run_fp8(args) -> int:
+    started = time.monotonic()
+    dev, device_name = bench_device(args.device)
+    out = args.out or f"results/gemm_fp8_{device_slug(device_name)}.json"
+    candidates = {name: GemmBlocks.parse(name) for name in (args.configs or FP8_CANDIDATES)}
+    failed: dict[str, str] = {}
+    rows, skipped, entries = [], [], {}
+    points = shape_points(args.tp, args.m, args.layers, args.shapes)
+    # every configuration once in a child process first (launch/_canary.py): a crash or hang drops it
+    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
+                                      for _, _, _, m, n, k in points})
+    verdicts = run_canaries("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
+                            device=dev.type, shape=args.canary_shape)
+    if not verdicts:  # the child itself failed (see its traceback above): run without it
+        progress("canary: no verdict at all, timing every configuration without it")
+        verdicts = {(name, "nk"): "" for name in names}
+    for name in names:
+        if verdicts.get((name, "nk"), "not reached within its share of the budget"):
+            failed[name] = "canary: " + verdicts.get((name, "nk"), "not reached within its share of the budget")
+            progress(f"  fp8 {name} dropped: {failed[name]}")
+    for i, (layer, op, world, m, n, k) in enumerate(points):
+        default = choose_fp8_blocks(m, n, k, device_type=dev.type)
+        blocks = {name: blk for name, blk in {"default": default, **candidates}.items() if blk.name not in failed}
+        estimate = (len(blocks) + 2) * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S)
+        if time.monotonic() - started + estimate > args.time_budget_s:
+            skipped.append({"layer": layer, "tp": world, "M": m, "N": n, "K": k})
+            continue
+        a, w_t = operands(m, n, k, "nk", dev, seed=i)
+        w = w_t.t()  # [N, K] row-major, the nn.Linear layout
+        a8, a_scales = quantize_activation(a)
+        w8, w_scales = quantize_weight(w)
+        variants, row = {}, {"layer": layer, "op": op, "tp": world, "M": m, "K": k, "N": n,
+                             "default_blocks": default.name}
+        out_bf16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+        variants["cublas_bf16"] = lambda: torch.mm(a, w.t(), out=out_bf16)
+        try:
+            ref = scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales)
+            variants["scaled_mm"] = lambda: scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales)
+        except Exception as exc:  # cuBLAS refused the block scales for this shape: compare with bf16 only
+            row["scaled_mm_error"] = str(exc)[-200:]
+            ref = None
+        check = ref if ref is not None else torch.mm(a, w.t())
+        tolerance = FP8_REL_TOLERANCE if ref is not None else 6e-2
+        for name, blk in blocks.items():
+            result = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+            try:
+                fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=result, blocks=blk)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as exc:  # compile error / OutOfResources: dropped from here on
+                failed.setdefault(blk.name, f"{type(exc).__name__}: {str(exc)[-160:]}")
+                progress(f"  fp8 {name} ({blk.name}) failed: {failed[blk.name]}")
+                continue
+            err = ((result.float() - check.float()).norm() / check.float().norm()).item()
+            row[f"{name}_rel_err"] = err
+            if not err <= tolerance:
+                failed.setdefault(blk.name, f"relative error {err:.3g} at M={m} N={n} K={k}")
+                progress(f"  fp8 {name} ({blk.name}): {failed[blk.name]}")
+                continue
+            variants[name] = (lambda blk=blk, o=result: fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales,
+                                                                 out=o, blocks=blk))
+        stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
+                                  hold_device_us=args.hold_us)
+        times = {name: s.median_ms for name, s in stats.items()}
+        ours = {name: t for name, t in times.items() if name not in ("cublas_bf16", "scaled_mm")}
+        best = min(ours, key=ours.get) if ours else None
+        row.update({f"t_{name}_ms": t for name, t in times.items()})
+        if best is not None:
+            row.update(best_blocks=blocks[best].name, t_best_ms=ours[best],
+                       best_over_bf16=times["cublas_bf16"] / ours[best])
+            if "scaled_mm" in times:
+                row["best_over_scaled_mm"] = times["scaled_mm"] / ours[best]
+                row["default_over_scaled_mm"] = times["scaled_mm"] / ours["default"] if "default" in ours else None
+            plains = [nm for nm in ours if blocks[nm].plain and blocks[nm].block_m == PLAIN_BLOCK_M]
+            plain = min(plains, key=ours.get) if plains else None
+            plain_blocks = blocks[plain] if plain else choose_fp8_blocks(m, n, k, warp_specialize=False)
+            entries[("nk", m, n, k)] = BlockTableEntry("nk", m, n, k, blocks[best], plain_blocks,
+                                                       times.get("scaled_mm", times["cublas_bf16"]) / ours[best], None)
+        rows.append(row)
+        _write(out, rows, skipped, failed, args, device_name)
+        if args.write_table and entries:
+            write_table(args.write_table, entries, gpu=gpu_name(dev) or "cpu", num_sms_=num_sms(dev),
+                        source={"command": "launch.gemm_bench --fp8", "reference": "torch._scaled_mm"},
+                        operand_bytes=1)
+        progress(f"fp8 {i + 1}/{len(points)} {layer}@tp{world} M={m}: bf16 {times['cublas_bf16']:.4f} ms, scaled_mm "
+                 f"{times.get('scaled_mm', float('nan')):.4f} ms, ours {row.get('t_best_ms', float('nan')):.4f} ms "
+                 f"({row.get('best_blocks')})")
+    _write(out, rows, skipped, failed, args, device_name)
+    print(format_table(rows, ["layer", "tp", "M", "K", "N", "t_cublas_bf16_ms", "t_scaled_mm_ms", "t_default_ms",
+                              "t_best_ms", "best_blocks", "best_over_scaled_mm", "default_over_scaled_mm"]))
+    ratios = [r["best_over_scaled_mm"] for r in rows if r.get("best_over_scaled_mm")]
+    if ratios:
+        print(f"fp8: best Triton / scaled_mm speed median {statistics.median(ratios):.3f}, min {min(ratios):.3f}")
+    print(f"{len(rows)} shapes measured, {len(skipped)} skipped (budget); results: {out}")
+    return 0 if rows else 1
+
+
+def _write(out, rows, skipped, failed, args, device_name) -> None:
+    ratios = [r["best_over_scaled_mm"] for r in rows if r.get("best_over_scaled_mm")]
+    defaults = [r["default_over_scaled_mm"] for r in rows if r.get("default_over_scaled_mm")]
+    summary = {"best_over_scaled_mm_median": statistics.median(ratios) if ratios else None,
+               "best_over_scaled_mm_min": min(ratios) if ratios else None,
+               "default_over_scaled_mm_median": statistics.median(defaults) if defaults else None}
+    write_results(out, rows, device=device_name, tp=args.tp[0] if len(args.tp) == 1 else 0, extra={
+        "op": "gemm_fp8", "tp_sizes": list(args.tp), "hold_device_us": args.hold_us, "reps": args.reps,
+        "scales": "A 1x128 [K/128, M].t(), W 128x128 [N/128, K/128] (scale_b = w_scales.t())",
+        "summary": summary, "failed": failed, "skipped": skipped})

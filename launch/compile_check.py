@@ -1,0 +1,202 @@
+"""Compile the GEMM kernels for a CUDA target without a GPU: does every configuration we might launch
+compile with this Triton, and what does it cost in shared memory, registers and spills?
+
+    python -m launch.compile_check [--arch 90] [--table] [--candidates] [--fp8] [--jobs 2]
+
+`--table` checks every configuration of the block tables (configs/gemm_blocks/), `--candidates` the
+sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and the quantisers. Exit status 1 when a
+configuration fails to compile or spills registers. Runs on CPU (Triton's own ptxas); it checks the
+compiler, not speed or results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from overlap.gemm_blocks import GemmBlocks
+
+__all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_fp8_gemm", "compile_quantizers"]
+
+
+def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
+    """triton.compile of `fn` for sm_<arch>: `types` maps runtime arguments to Triton types ('*bf16', 'i32',
+    ...; a trailing ':16' marks the value as divisible by 16, as the launcher's specialisation would),
+    `constexprs` the compile-time ones (None for absent optional pointers)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+        elif name in types:
+            kind, _, divisible = types[name].partition(":")
+            signature[name] = kind
+            if divisible:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            raise KeyError(f"{fn.__name__}: no type or value for argument {name!r}")
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resource_usage(compiled) -> dict:
+    """Registers, spill bytes (ptxas -v on the kernel's PTX) and shared memory of a compiled kernel, and the
+    wgmma wait depths in its PTX (a `0` only means no MMA stays in flight across that point)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = compiled.metadata.target.arch
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        text = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, timeout=300).stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", compiled.asm["ptx"])))
+    return {"regs": int(regs.group(1)) if regs else -1,
+            "spill": int(spills.group(1)) + int(spills.group(2)) if spills else -1,
+            "shared": compiled.metadata.shared, "wgmma_waits": ",".join(waits)}
+
+
+_GEMM_TYPES = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "src_rank", "epoch", "chunk_epoch",
+                                        "timeout_ns", "stream_k_tiles")}
+_GEMM_TYPES.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc", "flags_per_source")})
+
+
+def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
+    """The local-epilogue persistent GEMM as overlap.triton_mm launches it (aligned operands)."""
+    from kernels.gemm import persistent_gemm_kernel
+
+    types = dict(_GEMM_TYPES, a_ptr=f"*{dtype}:16", b_ptr=f"*{dtype}:16", c_ptr=f"*{dtype}:16")
+    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+                      EPILOGUE=0, USE_DESCRIPTORS=True, B_TRANSPOSED=b_transposed,
+                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=False, USE_TIMER=True, DEVICE_EPOCH=False,
+                      STREAM_K=bool(blocks.stream_k), FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile,
+                      dst_ptrs=None, flag_ptrs=None, tile_counters_ptr=None, chunk_flags_ptr=None, chunks_per_rank=1,
+                      error_ptr=None, epoch_ptr=None)
+    if blocks.stream_k:
+        types.update(stream_k_workspace="*fp32:16", stream_k_flags="*i32:16")
+    else:
+        constexprs.update(stream_k_workspace=None, stream_k_flags=None)
+    return compile_for_target(persistent_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
+                              num_stages=blocks.num_stages, arch=arch)
+
+
+def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = False):
+    """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
+    from kernels.gemm_fp8 import fp8_gemm_kernel
+
+    types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "chunk_epoch", "timeout_ns")}
+    types.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc")})
+    types.update(a_ptr="*fp8e4nv:16", b_ptr="*fp8e4nv:16", c_ptr="*bf16:16", a_scales_ptr="*fp32:16",
+                 b_scales_ptr="*fp32:16", a_scale_stride_m="i32", a_scale_stride_k="i32:16",
+                 b_scale_stride_n="i32:16", b_scale_stride_k="i32")
+    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, GROUP_M=blocks.group_m, USE_DESCRIPTORS=True,
+                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=wait_chunks, USE_TIMER=True,
+                      FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile, a_scale_stride_m=1,
+                      b_scale_stride_k=1)
+    del types["a_scale_stride_m"], types["b_scale_stride_k"]
+    if wait_chunks:
+        types.update(chunk_flags_ptr="*i32:16", error_ptr="*i32:16", chunks_per_rank="i32")
+    else:
+        constexprs.update(chunk_flags_ptr=None, error_ptr=None, chunks_per_rank=1)
+    return compile_for_target(fp8_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
+                              num_stages=blocks.num_stages, arch=arch)
+
+
+def compile_quantizers(arch: int = 90) -> dict:
+    from kernels.quant_fp8 import quantize_activation_kernel, quantize_weight_kernel
+
+    out = {}
+    out["quantize_activation"] = compile_for_target(
+        quantize_activation_kernel,
+        dict(x_ptr="*bf16:16", q_ptr="*fp8e4nv:16", scales_ptr="*fp32:16", M="i32", K="i32:16", ldx="i32:16",
+             ldq="i32:16", scale_stride_k="i32"),
+        dict(BLOCK_M=32, scale_stride_m=1), num_warps=4, num_stages=1, arch=arch)
+    out["quantize_weight"] = compile_for_target(
+        quantize_weight_kernel,
+        dict(w_ptr="*bf16:16", q_ptr="*fp8e4nv:16", scales_ptr="*fp32:16", N="i32:16", K="i32:16", ldw="i32:16",
+             ldq="i32:16", scale_stride_n="i32"),
+        dict(scale_stride_k=1), num_warps=8, num_stages=1, arch=arch)
+    return out
+
+
+def _check(job):
+    kind, name, extra = job
+    start = time.perf_counter()
+    try:
+        blocks = GemmBlocks.parse(name)
+        if kind == "gemm":
+            compiled = compile_gemm(blocks, b_transposed=extra)
+        else:
+            compiled = compile_fp8_gemm(blocks, wait_chunks=extra)
+        usage = resource_usage(compiled)
+        usage["error"] = ""
+    except Exception as exc:  # report every failure, keep going
+        usage = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''}"}
+    usage["seconds"] = time.perf_counter() - start
+    return kind, name, extra, usage
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.compile_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", action="store_true", help="every configuration of the block tables")
+    p.add_argument("--candidates", action="store_true", help="launch.gemm_tune's sweep")
+    p.add_argument("--fp8", action="store_true", help="the FP8 GEMM candidates and the quantisers")
+    p.add_argument("--configs", default="", help="comma-separated extra bf16 configuration names")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args(argv)
+    from launch.gemm_tune import candidate_names, fp8_candidate_names
+    from overlap.gemm_blocks import LAYOUTS, block_table_path, load_block_table
+
+    jobs = set()
+    names = [n for n in args.configs.split(",") if n]
+    if args.candidates:
+        names += candidate_names()
+    if args.table:
+        table_dir = block_table_path("x").parent
+        for path in sorted(table_dir.glob("*.yaml")):
+            table = load_block_table(path=str(path))
+            for e in table.entries:
+                if table.operand_bytes == 1:   # an FP8 table (B is always [N, K])
+                    jobs.update({("fp8", e.blocks.name, False), ("fp8", e.plain.name, True)})
+                else:
+                    jobs.update({("gemm", e.blocks.name, e.layout == "nk"), ("gemm", e.plain.name, e.layout == "nk")})
+    for name in names:
+        for layout in LAYOUTS:
+            jobs.add(("gemm", name, layout == "nk"))
+    if args.fp8:
+        for name in fp8_candidate_names():
+            jobs.add(("fp8", name, False))
+        jobs.add(("fp8", fp8_candidate_names()[0], True))
+        for kernel, compiled in compile_quantizers().items():
+            print(f"{kernel}: {resource_usage(compiled)}")
+    failures = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for kind, name, extra, usage in pool.map(_check, sorted(jobs)):
+            bad = usage["error"] or usage.get("spill", 0) != 0
+            failures += bool(bad)
+            tag = {"gemm": "nk" if extra else "kn", "fp8": "wait" if extra else "nk"}[kind]
+            print(f"{'FAIL' if bad else 'ok  '} {kind} {tag} {name:28s} " + " ".join(
+                f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in usage.items() if k != "error")
+                  + (f" {usage['error']}" if usage["error"] else ""), flush=True)
+    print(f"{len(jobs) - failures} of {len(jobs)} compiled without spills")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""FP8 (e4m3) GEMM with fine-grained scales (DeepSeek-V3 recipe): quantisers, a weight cache, the
+persistent Triton GEMM and its reference.
+
+Layouts (those of cuBLAS's blockwise `torch._scaled_mm`, so one set of tensors feeds both):
+
+* an activation x [M, K] becomes x8 [M, K] e4m3 and `x_scales` [M, cdiv(K, 128)] fp32 -- one scale per
+  row per 128-wide K group, stored group-major: a view with strides (1, M) of a [cdiv(K, 128), M] tensor
+  (`scale_a` of `torch._scaled_mm` as is);
+* a weight w [N, K] (nn.Linear) becomes w8 [N, K] e4m3 and `w_scales` [cdiv(N, 128), cdiv(K, 128)] fp32,
+  row-major -- one scale per 128x128 block (`scale_b` is `w_scales.t()`, next to `w8.t()`).
+
+    x8, x_scales = quantize_activation(x)
+    w8, w_scales = cache.get(weight)                     # Fp8WeightCache: once per optimizer step
+    y = fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales)          # [M, N] bf16 = x @ w.T
+    ref = scaled_mm_reference(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales)  # cuBLAS / CPU fp32
+
+Every output is written on the current stream and valid there (no other stream or event is involved).
+Quantisation: `scale = max(amax, 2**-64) / 448`, values rounded to nearest e4m3 (kernels/quant_fp8.py).
+Accuracy (README tolerance policy): fp8_gemm matches the fp32 product of the dequantised operands up to
+the bf16 rounding of its output; against the unquantised bf16 product, e4m3 operands give ~4e-2 relative
+Frobenius error on Gaussian data.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
+from .gemm_blocks import GemmBlocks, load_block_table
+
+__all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "quantize_activation", "quantize_weight",
+           "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
+           "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_GROUP = 128
+_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+_OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _groups(size: int) -> int:
+    return -(-size // SCALE_GROUP)
+
+
+def _check_matrix(name: str, t: torch.Tensor, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (strides {tuple(t.stride())})")
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16, fp16 or fp32, rows contiguous) -> (x8 [M, K] float8_e4m3fn, x_scales [M, cdiv(K, 128)]
+    float32 with strides (1, M)), one pass over x, valid on the current stream."""
+    _check_matrix("quantize_activation: x", x, _FLOAT_INPUTS)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(_groups(k), m, dtype=torch.float32, device=x.device).t()
+    if m and k:
+        launch_quantize_activation(x, q, scales)
+    return q, scales
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (the nn.Linear layout; bf16, fp16 or fp32, rows contiguous) -> (w8 [N, K] float8_e4m3fn,
+    w_scales [cdiv(N, 128), cdiv(K, 128)] float32 row-major), valid on the current stream."""
+    _check_matrix("quantize_weight: w", w, _FLOAT_INPUTS)
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    scales = torch.empty(_groups(n), _groups(k), dtype=torch.float32, device=w.device)
+    if n and k:
+        launch_quantize_weight(w, q, scales)
+    return q, scales
+
+
+class Fp8WeightCache:
+    """Quantised weights, recomputed only when a weight changes: keyed on the tensor itself (a weak
+    reference), its data_ptr, shape, strides, dtype and `_version` (bumped by every in-place update, e.g. an
+    optimizer step). Writes through `weight.data` do not bump `_version`: call `invalidate()` after them.
+    `hits` / `misses` count lookups (one miss per weight per optimizer step is the expected rate)."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple:
+        return (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.device,
+                weight._version)
+
+    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w8, w_scales) of `weight` [N, K], quantised on the current stream when not cached."""
+        entry = self._entries.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == self._key(weight):
+            self.hits += 1
+            return entry[2], entry[3]
+        self.misses += 1
+        with torch.no_grad():
+            w8, scales = quantize_weight(weight.detach())
+        ref = weakref.ref(weight, lambda _, key=id(weight): self._entries.pop(key, None))
+        self._entries[id(weight)] = (ref, self._key(weight), w8, scales)
+        return w8, scales
+
+    def invalidate(self, weight: torch.Tensor | None = None) -> None:
+        """Forget `weight` (or every weight)."""
+        if weight is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(id(weight), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _check_gemm_operands(a8, a_scales, w8, w_scales, out) -> tuple[int, int, int]:
+    _check_matrix("fp8_gemm: a8", a8, (FP8_DTYPE,))
+    _check_matrix("fp8_gemm: w8", w8, (FP8_DTYPE,))
+    m, k = a8.shape
+    n = w8.shape[0]
+    if w8.shape[1] != k:
+        raise ValueError(f"fp8_gemm: a8 {tuple(a8.shape)} and w8 {tuple(w8.shape)} disagree on K (w8 is [N, K])")
+    for name, scales, shape in (("a_scales", a_scales, (m, _groups(k))), ("w_scales", w_scales,
+                                                                         (_groups(n), _groups(k)))):
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != shape:
+            got = f"{scales.dtype} {tuple(scales.shape)}" if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise ValueError(f"fp8_gemm: {name} must be float32 {shape} for a8 {tuple(a8.shape)}, w8 "
+                             f"{tuple(w8.shape)} (one scale per 128 of K); got {got}")
+    if out is not None:
+        _check_matrix("fp8_gemm: out", out, _OUTPUTS)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"fp8_gemm: out must be {(m, n)} for a8 {tuple(a8.shape)}, w8 {tuple(w8.shape)}; "
+                             f"got {tuple(out.shape)}")
+    devices = {t.device for t in (a8, a_scales, w8, w_scales) + ((out,) if out is not None else ())}
+    if len(devices) != 1:
+        raise ValueError(f"fp8_gemm: all tensors must be on one device, got {sorted(map(str, devices))}")
+    return m, n, k
+
+
+def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, device_type: str = "cuda",
+                      gpu: str | None = "h200") -> GemmBlocks:
+    """Blocks of the FP8 GEMM (BLOCK_K is the scale group, 128): the table `configs/gemm_blocks/<gpu>_fp8.yaml`
+    when it has (N, K) (written by `launch.gemm_bench --fp8 --write-table`), else 128x128 tiles -- with warp
+    specialisation (two consumer warpgroups, whose scale FMAs overlap each other's MMAs) unless the caller
+    waits on flags."""
+    if device_type != "cuda":
+        return GemmBlocks(16, 32, SCALE_GROUP, 4, 1, 1)
+    table = load_block_table(f"{gpu}_fp8") if gpu else None
+    entry = table.lookup(m, n, k, "nk") if table is not None else None
+    if entry is not None:
+        return entry.blocks if warp_specialize else entry.plain
+    if warp_specialize:
+        return GemmBlocks(128, 128, SCALE_GROUP, 8, 4, 4, warp_specialize=True)
+    return GemmBlocks(128, 128, SCALE_GROUP, 8, 8, 4)
+
+
+def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, num_programs: int | None = None,
+             blocks: GemmBlocks | None = None, tile_row_offset: int = 0,
+             chunk_wait: ChunkWait | None = None) -> torch.Tensor:
+    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T with fp32 accumulation (a8 [M, K] and w8 [N, K]
+    float8_e4m3fn, scales as `quantize_activation` / `quantize_weight` make them, any strides), on the
+    current stream with `num_programs` persistent programs (default: every SM); `out` (rows contiguous,
+    bf16 by default) is valid on the current stream when this returns. `chunk_wait` runs the AllGather
+    consumer mode (tiles wait for the chunks of a8 they read; blocks without warp specialisation)."""
+    m, n, k = _check_gemm_operands(a8, a_scales, w8, w_scales, out)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
+    if blocks is None:
+        blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type)
+    if blocks.block_k != SCALE_GROUP or blocks.stream_k or (blocks.block_n > SCALE_GROUP and
+                                                            blocks.block_n % SCALE_GROUP):
+        raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "
+                         "multiple of 128, no stream-K")
+    if a8.is_cuda and blocks.problems(operand_bytes=1):
+        raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(blocks.problems(operand_bytes=1))}")
+    if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
+        raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl, got {blocks.name}")
+    if m and n:
+        launch_fp8_gemm(a8, a_scales, w8, w_scales, out, blocks=blocks, num_programs=num_programs,
+                        tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
+    return out
+
+
+def _reference_groups(values: torch.Tensor, amax: torch.Tensor):
+    # tensor / tensor: torch evaluates `scalar / tensor` as a reciprocal times the scalar, which is not the
+    # correctly rounded quotient the kernels compute
+    from kernels.quant_fp8 import AMAX_FLOOR, E4M3_MAX
+
+    amax = amax.clamp_min(AMAX_FLOOR)
+    full = torch.full_like(amax, E4M3_MAX)
+    return amax / full, full / amax
+
+
+def quantize_activation_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, the oracle of `quantize_activation`: (x8 [M, K], scales [M, cdiv(K, 128)] contiguous),
+    the same bytes and scales (up to the sign of zeros) on CPU and CUDA."""
+    m, k = x.shape
+    groups = torch.nn.functional.pad(x.float(), (0, _groups(k) * SCALE_GROUP - k)).view(m, _groups(k), SCALE_GROUP)
+    scale, inverse = _reference_groups(groups, groups.abs().amax(-1))
+    q = (groups * inverse[..., None]).clamp(-448, 448).to(FP8_DTYPE)
+    return q.view(m, -1)[:, :k], scale
+
+
+def quantize_weight_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, the oracle of `quantize_weight`: (w8 [N, K], scales [cdiv(N, 128), cdiv(K, 128)])."""
+    n, k = w.shape
+    nb, kb = _groups(n), _groups(k)
+    blocks = torch.nn.functional.pad(w.float(), (0, kb * SCALE_GROUP - k, 0, nb * SCALE_GROUP - n))
+    blocks = blocks.view(nb, SCALE_GROUP, kb, SCALE_GROUP)
+    scale, inverse = _reference_groups(blocks, blocks.abs().amax((1, 3)))
+    q = (blocks * inverse[:, None, :, None]).clamp(-448, 448).to(FP8_DTYPE)
+    return q.view(nb * SCALE_GROUP, kb * SCALE_GROUP)[:n, :k], scale
+
+
+def dequantize_activation(x8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, K] = x8 * its per-(row, 128-group) scale."""
+    k = x8.shape[1]
+    return x8.float() * scales.float().repeat_interleave(SCALE_GROUP, dim=1)[:, :k]
+
+
+def dequantize_weight(w8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] = w8 * its per-128x128-block scale."""
+    n, k = w8.shape
+    full = scales.float().repeat_interleave(SCALE_GROUP, dim=0).repeat_interleave(SCALE_GROUP, dim=1)
+    return w8.float() * full[:n, :k]
+
+
+def scaled_mm_reference(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same product by cuBLAS (CUDA: `torch._scaled_mm` with the block scales, on the current stream) or,
+    on CPU, by dequantising both operands and multiplying in fp32. Some torch builds want the rows of
+    scale_b padded to a multiple of 4 groups; a copy with that padding is tried when the first call is
+    refused (the refusal is remembered)."""
+    _check_gemm_operands(a8, a_scales, w8, w_scales, None)
+    if not a8.is_cuda:
+        return (dequantize_activation(a8, a_scales) @ dequantize_weight(w8, w_scales).T).to(out_dtype)
+    key = (a8.device.index, w_scales.shape[1] % 4 != 0)
+    if key not in _PADDED_SCALE_B:
+        try:
+            out = torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=w_scales.t(), out_dtype=out_dtype)
+            _PADDED_SCALE_B[key] = False
+            return out
+        except RuntimeError:
+            _PADDED_SCALE_B[key] = True
+    scale_b = w_scales.t() if not _PADDED_SCALE_B[key] else _padded_rows(w_scales).t()
+    return torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=scale_b, out_dtype=out_dtype)
+
+
+_PADDED_SCALE_B: dict = {}
+
+
+def _padded_rows(scales: torch.Tensor) -> torch.Tensor:
+    """The same [rows, groups] values with the row stride rounded up to a multiple of 4."""
+    rows, groups = scales.shape
+    storage = torch.zeros(rows, -(-groups // 4) * 4, dtype=scales.dtype, device=scales.device)
+    storage[:, :groups] = scales
+    return storage[:, :groups]

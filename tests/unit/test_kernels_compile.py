@@ -1,0 +1,48 @@
+"""The new kernels compile for sm_90 without a GPU (Triton's own ptxas), without register spills and within
+the shared memory of one H100/H200 block: what the interpreter cannot check (it accepted a non-constexpr
+global that the compiler refuses). Compiled in a child process without TRITON_INTERPRET (the interpreter
+replaces @triton.jit functions in this one). The full sweep: `python -m launch.compile_check
+--candidates --fp8 --table`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from overlap.gemm_blocks import SHARED_MEMORY_LIMIT
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+ROOT = Path(__file__).resolve().parents[2]
+
+CHILD = """
+import json
+from launch.compile_check import compile_fp8_gemm, compile_gemm, compile_quantizers, resource_usage
+from overlap.gemm_blocks import GemmBlocks
+out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
+out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
+out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
+out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
+def test_new_kernels_compile_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    usage = json.loads(lines[-1][len("RESULT "):])
+    assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 chunk wait",
+                          "bf16 stream-K"}
+    for name, u in usage.items():
+        assert u["spill"] == 0 and 0 < u["regs"] <= 255, (name, u)
+        assert u["shared"] <= SHARED_MEMORY_LIMIT, (name, u)
+    assert usage["quantize_activation"]["div_rn"] and usage["quantize_weight"]["div_rn"], \
+        "scales must be correctly rounded divisions"

@@ -1,0 +1,106 @@
+"""CPU (Triton interpreter) tests of the local GEMM's tuning options: stream-K (kernels/gemm_mainloop.py),
+the two-half epilogue and the flattened loop, directly and through overlap.triton_mm."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from kernels.gemm import EPILOGUE_LOCAL, persistent_gemm_kernel  # noqa: E402
+from overlap.gemm_blocks import GemmBlocks, stream_k_tiles  # noqa: E402
+from overlap.triton_gemm import triton_mm  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = 1e-2  # bf16 output, fp32 accumulation (README tolerance policy)
+BLOCK = 16
+
+
+def relative_error(actual, expected):
+    return (torch.linalg.norm(actual.float() - expected) / torch.linalg.norm(expected)).item()
+
+
+def operands(m, n, k, b_transposed, seed):
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=generator).bfloat16().to(DEVICE)
+    b = torch.randn(n, k, generator=generator) if b_transposed else torch.randn(k, n, generator=generator)
+    b = b.bfloat16().to(DEVICE)
+    expected = a.float() @ (b.float().T if b_transposed else b.float())
+    return a, b, expected
+
+
+def launch(a, b, c, *, programs, split_tiles, workspace, flags, b_transposed=False, descriptors=True,
+           subtile=1, flatten=False, block_n=BLOCK, timeout_ns=1_000_000):
+    m, k = a.shape
+    n = c.shape[1]
+    persistent_gemm_kernel[(programs,)](
+        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), 1, None, None, None, 0, 0, 1, 0,
+        BLOCK_M=BLOCK, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=2, EPILOGUE=EPILOGUE_LOCAL,
+        USE_DESCRIPTORS=descriptors, B_TRANSPOSED=b_transposed, WARP_SPECIALIZE=False, timeout_ns=timeout_ns,
+        stream_k_tiles=split_tiles, stream_k_workspace=workspace, stream_k_flags=flags, STREAM_K=split_tiles > 0,
+        FLATTEN=flatten, EPILOGUE_SUBTILE=subtile)
+
+
+# m, n, k (tails in every dimension for 16-wide blocks), programs, stream-K waves (-1: every tile split)
+CASES = [
+    (40, 40, 96, 4, 1),    # 9 tiles on 4 programs: the last tile split 4 ways
+    (40, 40, 96, 4, 2),    # the last partial wave plus one full wave
+    (40, 40, 96, 12, -1),  # fewer tiles than programs: every tile split
+    (37, 45, 83, 7, -1),   # K tail: 6 steps, the last one partial
+    (20, 20, 32, 9, -1),   # 4 tiles x 2 K steps on 9 programs: one program gets no step at all
+]
+
+
+@pytest.mark.parametrize("b_transposed", [False, True])
+@pytest.mark.parametrize("m,n,k,programs,waves", CASES)
+def test_stream_k_matches_fp32_reference_and_leaves_flags_at_zero(m, n, k, programs, waves, b_transposed):
+    a, b, expected = operands(m, n, k, b_transposed, seed=m + n + k + programs)
+    tiles = -(-m // BLOCK) * -(-n // BLOCK)
+    split = tiles if waves < 0 else stream_k_tiles(tiles, programs, waves)
+    assert split > 0
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    workspace = torch.full((programs * BLOCK * BLOCK,), float("nan"), device=DEVICE)  # stale partials show
+    flags = torch.zeros(programs, dtype=torch.int32, device=DEVICE)
+    launch(a, b, c, programs=programs, split_tiles=split, workspace=workspace, flags=flags,
+           b_transposed=b_transposed, descriptors=(k % 8 == 0 and n % 8 == 0))
+    assert relative_error(c, expected) <= TOLERANCE
+    assert (flags == 0).all(), flags
+
+
+def test_a_contributor_that_is_late_is_recomputed_by_the_finisher():
+    # a flag far below zero never reaches 1 within the wait: the finisher computes that K range itself,
+    # and the late contributor's +1 and the finisher's -1 leave the word where it was
+    a, b, expected = operands(40, 40, 96, False, seed=3)
+    programs = 4
+    c = torch.full((40, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    workspace = torch.full((programs * BLOCK * BLOCK,), float("nan"), device=DEVICE)
+    flags = torch.tensor([-100, 0, -100, 0], dtype=torch.int32, device=DEVICE)
+    launch(a, b, c, programs=programs, split_tiles=5, workspace=workspace, flags=flags)
+    assert relative_error(c, expected) <= TOLERANCE
+    assert flags.tolist() == [-100, 0, -100, 0]
+
+
+@pytest.mark.parametrize("subtile,flatten", [(2, False), (1, True), (2, True)])
+def test_two_half_epilogue_and_flattened_loop(subtile, flatten):
+    a, b, expected = operands(50, 72, 48, True, seed=subtile + 2 * flatten)
+    c_storage = torch.full((50, 80), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    c = c_storage[:, :72]
+    launch(a, b, c, programs=3, split_tiles=0, workspace=None, flags=None, b_transposed=True, subtile=subtile,
+           flatten=flatten, block_n=32)
+    assert relative_error(c, expected) <= TOLERANCE
+    assert torch.isnan(c_storage[:, 72:]).all(), "a store went past N"
+
+
+def test_triton_mm_with_stream_k_blocks_reuses_its_workspace_without_stale_partials():
+    blocks = GemmBlocks(BLOCK, BLOCK, BLOCK, 2, 1, 1, stream_k=1)
+    for m, n, k, programs in ((64, 48, 80, 5), (24, 40, 56, 4), (64, 48, 80, 5)):
+        assert stream_k_tiles(-(-m // BLOCK) * -(-n // BLOCK), programs, 1) > 0
+        a, b, expected = operands(m, n, k, True, seed=m * k)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        triton_mm(a, b.t(), out, num_programs=programs, blocks=blocks)
+        assert relative_error(out, expected) <= TOLERANCE, (m, n, k)
