@@ -24,7 +24,7 @@ TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 SET = 1
 ABORT_POLL_INTERVAL = 64  # polls between reads of the abort word (host memory: a PCIe round trip)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "read_globaltimer", "wait_for_flag", "record_error"]
+__all__ = ["TIMER_AVAILABLE", "SET", "read_globaltimer", "wait_for_flag", "wait_for_count", "record_error"]
 
 
 @triton.jit
@@ -53,6 +53,20 @@ def wait_for_flag(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
                 abort = tl.load(error_ptr + 2, volatile=True)
             now = read_globaltimer()
     return seen == 1
+
+
+@triton.jit
+def wait_for_count(flag_ptr, value, timeout_ns, USE_TIMER: tl.constexpr):
+    """Acquire-polls a flag that programs of the SAME launch raise, until it is >= value (at most timeout_ns
+    of %globaltimer time; one poll without USE_TIMER). No peer is involved, so no abort word is read."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    if USE_TIMER:
+        start = read_globaltimer()
+        now = start
+        while (seen < value) & (now - start < timeout_ns):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            now = read_globaltimer()
+    return seen >= value
 
 
 @triton.jit

@@ -9,21 +9,24 @@ output in C's dtype).
     grid = (num_programs,)            # num_sms - sm_margin; each program walks tiles pid, pid + num_programs, ...
     persistent_gemm_kernel[grid](
         a, b, c, M, N, K, lda, ldb, ldc, tile_row_offset,
-        dst_ptrs, flag_ptrs, tile_counters, rows_per_rank, src_rank, epoch, flags_per_source,
+        dst_ptrs, flag_ptrs, tile_counters, rows_per_rank, src_rank, flags_per_source,
         BLOCK_M=..., BLOCK_N=..., BLOCK_K=..., GROUP_M=..., EPILOGUE=0, 1 or 2,
         USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
         # optional, only read with WAIT_CHUNKS=True (the AllGather consumer, below):
-        chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
+        chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
         WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>,
-        epoch_ptr=None, DEVICE_EPOCH=False,
         # optional, EPILOGUE 0 without WAIT_CHUNKS only (tuning options of the local GEMM, below):
         stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K=False, FLATTEN=False,
         EPILOGUE_SUBTILE=1, num_warps=..., num_stages=...)
 
 * A is [M, K] with row stride ``lda``; B is [K, N] with row stride ``ldb`` or, with ``B_TRANSPOSED``,
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
-* M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank``, ``epoch`` are runtime ints
-  (M, epoch and the rank-dependent ints are excluded from specialisation, so they never recompile).
+* M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank`` are runtime ints (M and the
+  rank-dependent ints are excluded from specialisation, so they never recompile).
+* Flags are toggles (overlap/protocol.py): a writer stores SET (1), a waiter waits until it reads SET; the
+  launcher resets them with stream memory operations after the kernel. ``error_ptr`` is the pool's control
+  page [code, value, abort]: an expired wait stores ``error_code_base + <flag index>`` and the value 1, and
+  a wait ends early when the abort word is set (another rank gave up).
 * ``USE_DESCRIPTORS=True`` loads A and B (and stores C in epilogue 0) through ``tl.make_tensor_descriptor``
   (TMA on Hopper; out-of-bounds loads read zero, so M/N/K tails are free). It requires 16-byte-aligned
   base pointers and row strides (bf16/fp16: multiples of 8 elements) and, on the GPU, an allocator for
@@ -40,7 +43,7 @@ output in C's dtype).
   ``tile_row_offset - 1``, at most GROUP_M row blocks in flight ahead of that order.
 
 EPILOGUE 0 (local): stores the tile into C (row stride ``ldc``). ``dst_ptrs``, ``flag_ptrs`` and
-``tile_counters`` may be None; the scatter ints are ignored (pass 0; ``epoch`` 1).
+``tile_counters`` may be None; the scatter ints are ignored (pass 0).
 
 Tuning options of EPILOGUE 0 (all off by default; the K loop and stores live in ``kernels/gemm_mainloop.py``):
 
@@ -62,7 +65,7 @@ at ``[src_rank, m - o * rows_per_rank, :]``. ``c`` is only used for its dtype (p
 A tile straddling owners (rows_per_rank % BLOCK_M != 0) is stored once per owner, masked by rows.
 Every buffer in ``dst_ptrs`` must be 16-byte aligned (the kernel tells the compiler so, to vectorise).
 
-Completion protocol (epoch-numbered flags, last-tile detection, robust to M changing between calls):
+Completion protocol (toggle flags, last-tile detection, robust to M changing between calls):
 
 * ``tile_counters`` is a LOCAL int32 array of at least ``cdiv(M, BLOCK_M)`` words, zero before the
   first launch. After a tile's stores have been issued, the program adds 1 to ``tile_counters[row_block]``
@@ -70,14 +73,12 @@ Completion protocol (epoch-numbered flags, last-tile detection, robust to M chan
   release fence finds the stores already landed; EPILOGUE 2 counts before any of its own waits;
   the program that completes the row block's last column tile resets the word to 0 (so it is zero
   again for the next launch, which is stream-ordered after this one) and, for every owner o whose
-  rows the row block covers, writes ``epoch`` with ``atomic_xchg(sem="release", scope="sys")`` into
+  rows the row block covers, writes SET with ``atomic_xchg(sem="release", scope="sys")`` into
   ``flag_ptrs[o]`` (an int32 array [world_size, flags_per_source] on owner o) at
   ``[src_rank, row_block - (o * rows_per_rank) // BLOCK_M]``.
-* ``DEVICE_EPOCH=True`` (CUDA-graph replay): the value written is ``*epoch_ptr + epoch`` read on the
-  device (an int32 counter the launcher bumps once per call), so ``epoch`` is then an offset (pass 0).
-* ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; flags start at 0 and
-  ``epoch`` must grow by 1 (or more) per launch, starting at 1. A flag equal to ``epoch`` means every
-  column tile of that row block has been stored by that source in this launch.
+* ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; the owner resets its flags to 0
+  after reading them, before it lets the sources write its slots again. A flag that is SET means every
+  column tile of that row block has been stored by that source in this call.
 
 WAIT_CHUNKS (the AllGather consumer, "fused" AG+GEMM; normally with EPILOGUE 0, but both epilogues work):
 A [M, K] is being gathered while the kernel runs. It is made of owner blocks of ``rows_per_rank`` rows
@@ -90,11 +91,11 @@ with one flag per chunk (owner-major: index = owner * chunks_per_rank + chunk of
 order), written by whoever finishes the chunk's copy (release, e.g. a release-store kernel or a stream
 write after the copy-engine copy). Before a tile's K loop reads A rows ``[m0, min(m0 + BLOCK_M, M))``,
 the program polls (acquire, scope sys) every chunk flag from the first row's chunk to the last row's
-chunk until it is ``>= chunk_epoch``, each wait bounded by ``timeout_ns`` (below); the waits are per tile,
-before any load of the tile. On expiry it writes ``1 + chunk index`` into the int32 word ``error_ptr[0]``
-with ``atomic_cas(0 -> code)`` (first failure wins) and skips the tile; every program checks that word
-before each tile and skips all work once it is nonzero (so the error word must be zero at launch). The
-output is then incomplete (C keeps whatever it held: poison it or ignore it) and the host must raise.
+chunk until it is SET, each wait bounded by ``timeout_ns`` (below); the waits are per tile, before any
+load of the tile. On expiry it stores ``error_code_base + chunk index`` into the control page (unless a
+failure is there already) and that program skips its remaining tiles. The output is then incomplete (C
+keeps whatever it held: poison it or ignore it); the pool's watchdog sees the code, aborts the group, and
+the host raises on every rank.
 For EPILOGUE 1 a skipped tile also never bumps its tile counter, so neither its flags nor the counters
 are valid afterwards (reset the counters before reusing them after a failure).
 Tile order for the AllGather: pass ``tile_row_offset = ag_tile_row_offset(rank, rows_per_rank, BLOCK_M)``
@@ -104,9 +105,8 @@ and the row block straddling owners rank - 1 and rank (it needs rank - 1's last 
 arrive) comes last. ``(rank * rows_per_rank) // BLOCK_M`` also works but, when ``rows_per_rank %
 BLOCK_M != 0``, starts on that straddling block, and the programs given its tiles idle until the whole
 gather is done. Local chunks need a flag too (signal them before or with the launch).
-The producer must not need an SM that the GEMM holds: with ``num_programs`` = all SMs a release-store
-kernel queued behind the copies may never be scheduled (the waits then expire); write the flags with a
-stream memory op (``stream_write_value32``) or keep an SM margin.
+The producer must not need an SM that the GEMM holds: the comm path writes the flags with stream memory
+operations (no SM), so the GEMM may take every SM.
 ``WAIT_CHUNKS`` requires ``WARP_SPECIALIZE=False`` (a warp-specialised partition could issue A loads
 without the wait; static assert). After the waits the kernel issues ``fence.proxy.async.global`` (compiled
 code only) so that the TMA loads of A are ordered after the generic-proxy acquire. With
@@ -129,8 +129,8 @@ tiles from the own buffer ``dst_ptrs[src_rank]`` to the fp32 accumulator and sto
 ``out`` [rows_per_rank, N] (row stride ``ldc``). No other kernel and no reserved SMs: the reduction is the
 epilogue. Waiting tiles only ever wait for other sources' non-own tiles, which never wait, and every program
 stores and counts (publishes) all its non-own tiles before its first wait, so all ranks progress (all
-programs must be resident: grid <= SMs). An expired wait writes ``1 + src`` into ``error_ptr[0]`` and the program skips its remaining
-own tiles. ``tile_row_offset`` is ignored.
+programs must be resident: grid <= SMs). An expired wait stores ``error_code_base + <flag index>`` into the
+control page and the program skips its remaining own tiles. ``tile_row_offset`` is ignored.
 
 The reduction kernel of EPILOGUE 1 (``reduce_partials_kernel``) and the epilogue code live in
 ``kernels/rs_epilogue.py``.

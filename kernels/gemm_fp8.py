@@ -94,7 +94,7 @@ def _scaled_k_loop(a_desc, b_desc, a_ptr, b_ptr, a_scales_ptr, b_scales_ptr, fir
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "chunk_epoch", "timeout_ns"])
+@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "error_code_base", "timeout_ns"])
 def fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scales_ptr, b_scales_ptr,
     M, N, K, lda, ldb, ldc,
@@ -102,7 +102,7 @@ def fp8_gemm_kernel(
     tile_row_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_DESCRIPTORS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    rows_per_rank=1, chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None, timeout_ns=0,
+    rows_per_rank=1, chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
     WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
     FLATTEN: tl.constexpr = False, EPILOGUE_SUBTILE: tl.constexpr = 1,
 ):
@@ -126,14 +126,16 @@ def fp8_gemm_kernel(
         b_desc = None
         c_desc = None
     store_tile_id = program_id  # FLATTEN: the store's own tile counter (see persistent_gemm_kernel)
+    failed = program_id < 0     # a chunk wait of this program expired: skip its remaining tiles
     for tile_id in tl.range(program_id, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         row_block, col_block = tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M)
         first_row = row_block * BLOCK_M
         first_col = col_block * BLOCK_N
         if WAIT_CHUNKS:
-            tile_ready = _wait_for_chunks(chunk_flags_ptr, error_ptr, first_row, tl.minimum(first_row + BLOCK_M, M) - 1,
-                                          rows_per_rank, chunks_per_rank, rows_per_chunk, chunk_epoch, timeout_ns,
-                                          USE_TIMER)
+            tile_ready = (not failed) & _wait_for_chunks(
+                chunk_flags_ptr, error_ptr, error_code_base, first_row, tl.minimum(first_row + BLOCK_M, M) - 1,
+                rows_per_rank, chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER)
+            failed = not tile_ready
         else:
             tile_ready: tl.constexpr = True
         if tile_ready:

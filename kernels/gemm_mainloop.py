@@ -22,7 +22,7 @@ another kernel) is not an error: the finisher computes that K range itself, and 
 import triton
 import triton.language as tl
 
-from .flags import wait_for_flag
+from .flags import wait_for_count
 from .rs_epilogue import grouped_tile
 
 __all__ = ["WIDEN_DOT_OPERANDS", "tile_coordinates", "k_loop", "store_tile", "stream_k_part"]
@@ -161,7 +161,7 @@ def stream_k_part(a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb
                 start = tl.maximum(_share(contributor, num_programs, total_steps), tile_start)
                 end = _share(contributor + 1, num_programs, total_steps)
                 if end > start:  # programs with an empty share (fewer steps than programs) hold nothing
-                    arrived = wait_for_flag(flags_ptr + contributor, 1, timeout_ns, USE_TIMER)
+                    arrived = wait_for_count(flags_ptr + contributor, 1, timeout_ns, USE_TIMER)
                     # the acquire ran on one thread: order every thread's workspace loads after it
                     tl.debug_barrier()
                     if arrived:

@@ -6,18 +6,17 @@ own rows reduced in the epilogue); this module holds their device code so that t
 
 ``reduce_partials_kernel`` runs on owner o (a small persistent grid, e.g. 16 programs, so it leaves SMs
 to the GEMM). For each owner-local tile it waits (``WAIT=True``) until, for every source and every GEMM
-row block overlapping the tile's rows, the flag is ``>= epoch`` (acquire, scope sys); then it sums the
+row block overlapping the tile's rows, the device flag is SET (acquire, scope sys); then it sums the
 ``world_size`` partials in fp32 and stores into ``out`` [rows_per_rank, N] (row stride ``ld_out``)::
 
     reduce_partials_kernel[(programs,)](
-        partials, out, flags, error, rows_per_rank, N, ld_out, world_size, epoch, flags_per_source,
-        gemm_block_m, owner_rank, timeout_ns, WAIT=True, BLOCK_M=..., BLOCK_N=..., USE_TIMER=True)
+        partials, out, flags, error, rows_per_rank, N, ld_out, world_size, flags_per_source, gemm_block_m,
+        owner_rank, timeout_ns, error_code_base, WAIT=True, BLOCK_M=..., BLOCK_N=..., USE_TIMER=True)
 
-``DEVICE_EPOCH=True`` waits for ``*epoch_ptr + epoch`` instead (as in the GEMM's scatter flags).
-A wait that expires (see bounded waits) writes ``1 + src`` (first failure only, ``atomic_cas`` from 0)
-into the int32 ``error`` word, and every program stops doing work once that word is nonzero; ``out`` is
-then incomplete. Compile and warm both kernels on every rank before the first cross-rank wait, and
-barrier, so that JIT time does not eat into ``timeout_ns``.
+It never resets the flags (several tiles read one): the launcher does, after the kernel. An expired wait
+stores ``error_code_base + src * flags_per_source + flag`` into the control page ``error``, and that tile is
+skipped; ``out`` is then incomplete and the host raises. Compile and warm both kernels on every rank before
+the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
 """
 
 import triton

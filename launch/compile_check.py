@@ -71,7 +71,7 @@ def resource_usage(compiled) -> dict:
             "shared": compiled.metadata.shared, "wgmma_waits": ",".join(waits)}
 
 
-_GEMM_TYPES = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "src_rank", "epoch", "chunk_epoch",
+_GEMM_TYPES = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "src_rank", "error_code_base",
                                         "timeout_ns", "stream_k_tiles")}
 _GEMM_TYPES.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc", "flags_per_source")})
 
@@ -83,10 +83,10 @@ def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtyp
     types = dict(_GEMM_TYPES, a_ptr=f"*{dtype}:16", b_ptr=f"*{dtype}:16", c_ptr=f"*{dtype}:16")
     constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
                       EPILOGUE=0, USE_DESCRIPTORS=True, B_TRANSPOSED=b_transposed,
-                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=False, USE_TIMER=True, DEVICE_EPOCH=False,
+                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=False, USE_TIMER=True,
                       STREAM_K=bool(blocks.stream_k), FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile,
                       dst_ptrs=None, flag_ptrs=None, tile_counters_ptr=None, chunk_flags_ptr=None, chunks_per_rank=1,
-                      error_ptr=None, epoch_ptr=None)
+                      error_ptr=None)
     if blocks.stream_k:
         types.update(stream_k_workspace="*fp32:16", stream_k_flags="*i32:16")
     else:
@@ -99,7 +99,7 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
     """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
     from kernels.gemm_fp8 import fp8_gemm_kernel
 
-    types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "chunk_epoch", "timeout_ns")}
+    types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "error_code_base", "timeout_ns")}
     types.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc")})
     types.update(a_ptr="*fp8e4nv:16", b_ptr="*fp8e4nv:16", c_ptr="*bf16:16", a_scales_ptr="*fp32:16",
                  b_scales_ptr="*fp32:16", a_scale_stride_m="i32", a_scale_stride_k="i32:16",

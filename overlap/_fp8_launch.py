@@ -3,10 +3,9 @@ argument order, nothing else. Shapes, dtypes and layouts are validated by overla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ._gemm_launch import ChunkWait
 from .gemm_blocks import GemmBlocks
 from .triton_gemm import descriptor_ok, ensure_allocator, num_sms
 
@@ -14,20 +13,6 @@ __all__ = ["ChunkWait", "launch_quantize_activation", "launch_quantize_weight", 
            "ACTIVATION_BLOCK_M"]
 
 ACTIVATION_BLOCK_M = 32   # rows per program of the activation quantiser (x one 128-wide group)
-
-
-@dataclass(frozen=True)
-class ChunkWait:
-    """The AllGather-consumer mode of the FP8 GEMM (kernels/gemm_fp8.py WAIT_CHUNKS): A's rows arrive in
-    owner blocks of `rows_per_rank` rows, `chunks_per_rank` chunks each, and chunk c is ready when
-    `flags[c] >= epoch` (int32, owner-major). A wait longer than `timeout_ns` writes 1 + c into `errors[0]`
-    (int32, zero at launch) and the kernel then skips all work."""
-    flags: torch.Tensor
-    rows_per_rank: int
-    chunks_per_rank: int
-    epoch: int
-    errors: torch.Tensor
-    timeout_ns: int
 
 
 def launch_quantize_activation(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
@@ -61,8 +46,9 @@ def launch_fp8_gemm(a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, 
     wait = {}
     if chunk_wait is not None:
         wait = dict(rows_per_rank=chunk_wait.rows_per_rank, chunk_flags_ptr=chunk_wait.flags,
-                    chunks_per_rank=chunk_wait.chunks_per_rank, chunk_epoch=chunk_wait.epoch,
-                    error_ptr=chunk_wait.errors, timeout_ns=chunk_wait.timeout_ns, WAIT_CHUNKS=True)
+                    chunks_per_rank=chunk_wait.chunks_per_rank, error_ptr=chunk_wait.error_words,
+                    error_code_base=chunk_wait.error_code_base, timeout_ns=int(chunk_wait.timeout_s * 1e9),
+                    WAIT_CHUNKS=True)
     fp8_gemm_kernel[(programs,)](
         a8, w8, out, a_scales, w_scales, m, n, k, a8.stride(0), w8.stride(0), out.stride(0),
         a_scales.stride(0), a_scales.stride(1), w_scales.stride(0), w_scales.stride(1), tile_row_offset,

@@ -156,19 +156,21 @@ def main(argv=None) -> int:
         plain = fp8.choose_fp8_blocks(world * rows, n, k, warp_specialize=False, device_type=dev.type)
         x8, xs = fp8.quantize_activation(grouped(world * rows, k, 1))
         w8, ws = fp8.quantize_weight(grouped(n, k, 128))
-        flags = torch.full((world * 2,), 5, dtype=torch.int32, device=dev)
-        errors = torch.zeros(1, dtype=torch.int32, device=dev)
-        wait = fp8.ChunkWait(flags, rows, 2, 5, errors, 2_000_000_000)
+        flags = torch.ones(world * 2, dtype=torch.int32, device=dev)
+        errors = torch.zeros(3, dtype=torch.int32, device=dev)   # a control page: [code, value, abort]
+        wait = fp8.ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=2, error_words=errors,
+                             error_code_base=100, timeout_s=2.0)
         out = fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=plain, chunk_wait=wait,
                            tile_row_offset=ag_tile_row_offset(1, rows, plain.block_m))
         ref = fp8.dequantize_activation(x8, xs) @ fp8.dequantize_weight(w8, ws).T
-        expect(errors.item() == 0 and rel(out, ref) <= FP8_TOLERANCE, f"error {errors.item()}, {rel(out, ref):.3g}")
-        flags[5] = 4
+        expect(errors[0].item() == 0 and rel(out, ref) <= FP8_TOLERANCE, f"error {errors.tolist()}, {rel(out, ref):.3g}")
+        flags[5] = 0
         start = time.perf_counter()
         fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=plain,
-                     chunk_wait=fp8.ChunkWait(flags, rows, 2, 5, errors, 2_000_000))
+                     chunk_wait=fp8.ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=2, error_words=errors,
+                                              error_code_base=100, timeout_s=0.002))
         synchronize()
-        expect(errors.item() == 1 + 5, f"error word {errors.item()}, expected 6")
+        expect(errors[0].item() == 100 + 5, f"error words {errors.tolist()}, expected code 105")
         return f"timeout path {1e3 * (time.perf_counter() - start):.1f} ms"
 
     @check("bf16 stream-K (both layouts) vs cuBLAS, flags back at zero; a late contributor is recomputed")

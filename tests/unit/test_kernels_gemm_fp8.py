@@ -110,33 +110,34 @@ def test_fp8_gemm_agrees_with_the_reference_product_and_the_bf16_one():
     assert relative_error(ours, (x.float() @ w.float().T).cpu()) <= 6e-2
 
 
-def chunk_wait(world, rows_per_rank, chunks, epoch, flags_value=None):
-    flags = torch.full((world * chunks,), epoch if flags_value is None else flags_value, dtype=torch.int32,
-                       device=DEVICE)
-    return ChunkWait(flags, rows_per_rank, chunks, epoch, torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                     2_000_000_000)
+CODE_BASE = 100  # the error code of chunk flag 0 (the pool passes its device word's code)
 
 
-def test_chunk_wait_mode_with_ready_flags_matches_and_a_stale_chunk_is_named():
+def chunk_wait(world, rows_per_rank, chunks):
+    """Flags SET (1) for every chunk; error words = the control page [code, value, abort]."""
+    flags = torch.ones(world * chunks, dtype=torch.int32, device=DEVICE)
+    return ChunkWait(flags=flags, rows_per_rank=rows_per_rank, chunks_per_rank=chunks,
+                     error_words=torch.zeros(3, dtype=torch.int32, device=DEVICE), error_code_base=CODE_BASE,
+                     timeout_s=2.0)
+
+
+def test_chunk_wait_mode_with_ready_flags_matches_and_a_missing_chunk_is_named():
     world, rows_per_rank, chunks = 3, 23, 2
     x8, x_scales, w8, w_scales, expected = operands(world * rows_per_rank, 72, 1344, seed=7)
-    wait = chunk_wait(world, rows_per_rank, chunks, epoch=4)
+    wait = chunk_wait(world, rows_per_rank, chunks)
     out = torch.full((world * rows_per_rank, 72), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, out=out, num_programs=3, blocks=SMALL,
              tile_row_offset=ag_tile_row_offset(1, rows_per_rank, SMALL.block_m), chunk_wait=wait)
-    assert wait.errors.item() == 0
+    assert wait.error_words.tolist() == [0, 0, 0]
     assert relative_error(out, expected) <= FP8_TOLERANCE
-    stale = chunk_wait(world, rows_per_rank, chunks, epoch=4)
-    stale.flags[3] = 3                       # owner 1's second chunk is from the previous step
+    stale = chunk_wait(world, rows_per_rank, chunks)
+    stale.flags[3] = 0                       # owner 1's second chunk has not arrived
+    out.fill_(float("nan"))
     fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, out=out, num_programs=3, blocks=SMALL,
              chunk_wait=stale)
-    assert stale.errors.item() == 1 + 3
-    skipped = chunk_wait(world, rows_per_rank, chunks, epoch=1)
-    skipped.errors.fill_(9)                  # an earlier failure of this step: no tile is computed
-    out.fill_(float("nan"))
-    fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, out=out, num_programs=2, blocks=SMALL,
-             chunk_wait=skipped)
-    assert skipped.errors.item() == 9 and torch.isnan(out).all()
+    assert stale.error_words[0].item() == CODE_BASE + 3 and stale.error_words[1].item() == 1
+    first = rows_per_rank + (rows_per_rank + 1) // 2   # owner 1's second chunk: its rows were never computed
+    assert torch.isnan(out[first:2 * rows_per_rank].float()).all()
 
 
 def test_bad_operands_are_refused_with_their_shapes():
@@ -152,5 +153,5 @@ def test_bad_operands_are_refused_with_their_shapes():
     with pytest.raises(ValueError, match="BLOCK_K must be 128"):
         fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, blocks=GemmBlocks(16, 32, 64, 2, 4, 1))
     with pytest.raises(ValueError, match="chunk_wait needs blocks without ws"):
-        fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, chunk_wait=chunk_wait(2, 4, 1, 1),
+        fp8_gemm(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales, chunk_wait=chunk_wait(2, 4, 1),
                  blocks=GemmBlocks(16, 32, 128, 2, 4, 1, warp_specialize=True))

@@ -39,7 +39,7 @@ def launch(a, b, c, *, programs, split_tiles, workspace, flags, b_transposed=Fal
     m, k = a.shape
     n = c.shape[1]
     persistent_gemm_kernel[(programs,)](
-        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), 1, None, None, None, 0, 0, 1, 0,
+        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), 1, None, None, None, 0, 0, 0,
         BLOCK_M=BLOCK, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=2, EPILOGUE=EPILOGUE_LOCAL,
         USE_DESCRIPTORS=descriptors, B_TRANSPOSED=b_transposed, WARP_SPECIALIZE=False, timeout_ns=timeout_ns,
         stream_k_tiles=split_tiles, stream_k_workspace=workspace, stream_k_flags=flags, STREAM_K=split_tiles > 0,
