@@ -16,7 +16,7 @@ B; row-major [cdiv(N, 128), cdiv(K, 128)]). The layouts are those of ``kernels/q
         a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, tile_row_offset,
         BLOCK_M=..., BLOCK_N=..., GROUP_M=..., USE_DESCRIPTORS=True, WARP_SPECIALIZE=False,
         # optional, only read with WAIT_CHUNKS=True (the AllGather consumer):
-        rows_per_rank=1, chunk_flags_ptr=None, chunks_per_rank=1, chunk_epoch=0, error_ptr=None,
+        rows_per_rank=1, chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0,
         timeout_ns=0, WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>,
         FLATTEN=False, EPILOGUE_SUBTILE=1, num_warps=..., num_stages=...)
 
@@ -33,9 +33,9 @@ B; row-major [cdiv(N, 128), cdiv(K, 128)]). The layouts are those of ``kernels/q
 * ``WAIT_CHUNKS`` (the fused AllGather consumer): the same contract as ``persistent_gemm_kernel``'s --
   A is gathered while the kernel runs in owner blocks of ``rows_per_rank`` rows split into
   ``chunks_per_rank`` chunks; before a tile reads A it waits (acquire, bounded by ``timeout_ns`` with
-  ``USE_TIMER``, else one poll) for every chunk flag its rows touch to be ``>= chunk_epoch``; an expired
-  wait writes ``1 + chunk`` into ``error_ptr[0]`` (first failure wins) and every program skips all work
-  once that word is nonzero. The scales of A rows must be ready when their chunk's flag is (quantise before
+  ``USE_TIMER``, else one poll) for every chunk flag its rows touch to be SET; an expired wait stores
+  ``error_code_base + chunk`` into the control page ``error_ptr`` and that program skips its remaining
+  tiles. The scales of A rows must be ready when their chunk's flag is (quantise before
   the gather, or gather them with the rows). Tile rows in arrival order: ``tile_row_offset =
   ag_tile_row_offset(rank, rows_per_rank, BLOCK_M)``. Needs ``WARP_SPECIALIZE=False`` and ``FLATTEN=False``.
 * ``FLATTEN`` / ``EPILOGUE_SUBTILE``: as in ``persistent_gemm_kernel`` (tuning options, local store).
