@@ -25,6 +25,7 @@ _WAIT_EQ = 1
 _PARAMS_BYTES = 48  # sizeof(CUstreamBatchMemOpParams): a union padded to 6 x uint64
 _MAX_BATCH = 255    # the driver refuses 256 or more operations in one call
 _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 class MemOpError(RuntimeError):
@@ -91,6 +92,20 @@ class _Driver:
         self.device_pointer = lib.cuMemHostGetDevicePointer_v2
         self.device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         self.device_pointer.restype = ctypes.c_int
+        self.retain = lib.cuDevicePrimaryCtxRetain
+        self.retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self.retain.restype = ctypes.c_int
+        self.set_current = lib.cuCtxSetCurrent
+        self.set_current.argtypes = [ctypes.c_void_p]
+        self.set_current.restype = ctypes.c_int
+
+    def make_context_current(self) -> None:
+        """A thread that has made no CUDA runtime call yet (a fresh worker thread) has no current context:
+        make the current device's primary context current (the one torch's runtime calls use)."""
+        import torch
+        context = ctypes.c_void_p()
+        _check(self.retain(ctypes.byref(context), torch.cuda.current_device()), "cuDevicePrimaryCtxRetain")
+        _check(self.set_current(context), "cuCtxSetCurrent")
 
     @classmethod
     def get(cls) -> "_Driver":
@@ -130,6 +145,9 @@ class MemOpBatch:
     def enqueue(self, stream_handle: int) -> None:
         """Enqueue on the CUDA stream with this raw handle (`torch.cuda.Stream.cuda_stream`)."""
         code = self._driver.batch(stream_handle, self._count, self._pointer, 0)
+        if code == _INVALID_CONTEXT:
+            self._driver.make_context_current()
+            code = self._driver.batch(stream_handle, self._count, self._pointer, 0)
         if code:
             raise MemOpError(f"cuStreamBatchMemOp of {self._count} operations ({self.ops[0]}, ...) failed "
                              f"with CUresult {code}")
@@ -142,6 +160,8 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
 
 def host_register(address: int, nbytes: int) -> int:
     """Page-lock and map host memory for the device; returns its device address."""
+    import torch
+    torch.cuda.synchronize()  # the runtime's primary context exists and is current in this thread
     driver = _Driver.get()
     _check(driver.register(address, nbytes, _HOST_REGISTER_PORTABLE_MAPPED), "cuMemHostRegister")
     device_address = ctypes.c_uint64()

@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# For a one-GPU machine: correctness smoke of every CUDA path (2 processes on one GPU) and the
-# Triton-vs-cuBLAS GEMM table. JSON + logs under $OUT (default ./out).
+# For a one-GPU machine: every CUDA code path with W = 2, 4, 8 processes sharing the GPU (ipc pool backend;
+# correctness only), the zero-SM wait check, the eager host cost (2 processes), and the FP8 and offload
+# correctness checks. Each step runs under `timeout`; a failed step does not stop the others.
+#   bash tests/gpu/run_one_gpu.sh                 (ONLY=smoke,zero_sm,... to run some; WORLDS=2,4,8)
+# $OUT (default ./out) gets: summary.txt, smoke_one_gpu.json, zero_sm_wait.json, host_cost.json and
+# logs.tgz (every log). At most 8 files, as the device tool returns.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/out}; LOGS=${LOGS:-/tmp/one_gpu_logs}; mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 [ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
+ONLY=${ONLY:-zero_sm,fp8,offload,host_cost,smoke}
+SUMMARY=$OUT/summary.txt
 status=0
-timeout 420 python3 -m tests.gpu.smoke_one_gpu > "$OUT/smoke_one_gpu.log" 2>&1 || status=1
-TP=${TP:-2}
-if [[ -z ${SKIP_GEMM:-} ]]; then   # SKIP_GEMM=1: the smoke only
-  cmd="python -m launch.gemm_bench --tp $TP"
-  OVERLAP_COMMAND="$cmd" timeout 400 $cmd --out "$OUT/gemm_tp$TP.json" > "$OUT/gemm_tp$TP.log" 2>&1 || status=1
-  grep -E "^\|" "$OUT/gemm_tp$TP.log"; tail -5 "$OUT/gemm_tp$TP.log" | grep -v "^|"
-fi
-grep -E "^rank|Error|error" "$OUT/smoke_one_gpu.log" | cut -c1-400 | head -60
+echo "commit=${OVERLAP_GIT_COMMIT:-?} only=$ONLY $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)" \
+  | tee "$SUMMARY"
+
+step() {  # name, limit_s, command...: run it, keep its log, print its tail
+  local name=$1 limit=$2; shift 2
+  [[ ",$ONLY," == *",$name,"* ]] || return 0
+  local start=$SECONDS
+  echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
+  OVERLAP_COMMAND="$*" timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  [[ $rc -ne 0 ]] && status=1
+  echo "   rc=$rc after $((SECONDS - start)) s" | tee -a "$SUMMARY"
+  grep -vE "^\[rank|^W1201|^\s*$|OMP_NUM_THREADS|^\*+$" "$LOGS/$name.log" | tail -n 60 | cut -c1-600 | tee -a "$SUMMARY"
+}
+
+step zero_sm 45 python3 -m tests.gpu.check_zero_sm_wait --json "$OUT/zero_sm_wait.json"
+step fp8 60 python3 -m tests.gpu.check_fp8
+step offload 90 python3 -m tests.gpu.check_offload
+step host_cost 110 torchrun --standalone --nproc-per-node 2 -m launch.host_cost --out "$OUT/host_cost.json"
+step smoke 300 python3 -m tests.gpu.smoke_one_gpu --worlds "${WORLDS:-2,4,8}" --json "$OUT/smoke_one_gpu.json"
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $status
