@@ -21,10 +21,10 @@ import triton.language as tl
 # %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER of the kernels.
 TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 
-SET = 1
-ABORT_POLL_INTERVAL = 64  # polls between reads of the abort word (host memory: a PCIe round trip)
+SET = 1                    # the value a writer stores (Python side)
+SET_FLAG = tl.constexpr(1)  # the same, for @triton.jit code (kernels read only constexpr globals)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "read_globaltimer", "wait_for_flag", "wait_for_count", "record_error"]
+__all__ = ["TIMER_AVAILABLE", "SET", "SET_FLAG", "read_globaltimer", "wait_for_flag", "wait_for_count", "record_error"]
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def wait_for_flag(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
         while (seen != 1) & (now - start < timeout_ns) & (abort == 0):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             polls += 1
-            if polls % 64 == 0:
+            if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
                 abort = tl.load(error_ptr + 2, volatile=True)
             now = read_globaltimer()
     return seen == 1

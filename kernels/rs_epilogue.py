@@ -22,7 +22,7 @@ the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
 import triton
 import triton.language as tl
 
-from .flags import SET, TIMER_AVAILABLE, record_error, wait_for_flag
+from .flags import SET_FLAG, TIMER_AVAILABLE, record_error, wait_for_flag
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_cou
         for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
             owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
             flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
-            tl.atomic_xchg(owner_flags + flag_index, SET, sem="release", scope="sys")
+            tl.atomic_xchg(owner_flags + flag_index, SET_FLAG, sem="release", scope="sys")
 
 
 @triton.jit

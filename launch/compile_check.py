@@ -200,3 +200,37 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def compile_overlap_kernels(arch: int = 90) -> dict:
+    """The kernels the ops launch with flags (scatter epilogues, the chunk-waiting consumer, the reduction),
+    as their launchers call them: what the interpreter cannot check (it accepts a non-constexpr global the
+    compiler refuses)."""
+    from kernels.gemm import persistent_gemm_kernel
+    from kernels.rs_epilogue import reduce_partials_kernel
+
+    out = {}
+    base = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, USE_DESCRIPTORS=True, B_TRANSPOSED=True,
+                WARP_SPECIALIZE=False, USE_TIMER=True, STREAM_K=False, FLATTEN=False, EPILOGUE_SUBTILE=1,
+                stream_k_workspace=None, stream_k_flags=None)
+    for epilogue, wait in ((0, True), (1, False), (2, False), (1, True)):
+        types = dict(_GEMM_TYPES, a_ptr="*bf16:16", b_ptr="*bf16:16", c_ptr="*bf16:16", error_ptr="*i32")
+        constexprs = dict(base, EPILOGUE=epilogue, WAIT_CHUNKS=wait)
+        if epilogue:
+            types.update(dst_ptrs="*i64", flag_ptrs="*i64", tile_counters_ptr="*i32")
+        else:
+            constexprs.update(dst_ptrs=None, flag_ptrs=None, tile_counters_ptr=None)
+        if wait:
+            types.update(chunk_flags_ptr="*i32", chunks_per_rank="i32")
+        else:
+            constexprs.update(chunk_flags_ptr=None, chunks_per_rank=1)
+        out[f"gemm epilogue {epilogue}{' + chunk waits' if wait else ''}"] = compile_for_target(
+            persistent_gemm_kernel, types, constexprs, num_warps=8, num_stages=3, arch=arch)
+    types = {"partials_ptr": "*bf16:16", "out_ptr": "*bf16:16", "flags_ptr": "*i32", "error_ptr": "*i32",
+             **{name: "i32" for name in ("rows_per_rank", "N", "ld_out", "world_size", "flags_per_source",
+                                         "gemm_block_m", "owner_rank", "error_code_base")}, "timeout_ns": "i64"}
+    for wait in (False, True):
+        out[f"reduce{' (waits)' if wait else ''}"] = compile_for_target(
+            reduce_partials_kernel, types, dict(WAIT=wait, BLOCK_M=32, BLOCK_N=256, USE_TIMER=True), num_warps=4,
+            num_stages=2, arch=arch)
+    return out

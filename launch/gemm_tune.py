@@ -53,7 +53,9 @@ CANDIDATES = (
     "128x128x64w8s4", "128x128x64w4s5", "128x128x128w8s3", "64x256x64w4s4", "64x128x64w4s4o2",
     "128x256x64w4s3ws", "128x256x64w4s3g16ws", "128x128x64w4s5ws", "256x128x64w4s3ws", "128x128x128w4s3ws",
     "128x256x64w8s3fl", "128x128x64w8s4fl",
-    "128x256x64w8s3sk1", "128x256x64w8s3sk2", "128x128x64w8s4sk1", "128x128x64w8s4sk2", "64x128x64w4s4sk1",
+    # stream-K ("sk") configurations are left out: their late-contributor recompute gave wrong tiles on the
+    # H200 (tests/gpu/check_fp8.py, results/NOTES.md); the normal path was right, but a late contributor is what
+    # a time-sliced or busy GPU produces
 )
 
 # The FP8 GEMM's (kernels/gemm_fp8.py; BLOCK_K is the scale group), timed by launch.gemm_bench --fp8.

@@ -66,8 +66,8 @@ def _op_calls(ctx, pool, m, k, n):
                     config=AgGemmConfig(method=method, lead_fraction=lead), name=f"hc.ag.{method}.{lead}")
         calls[("ag_gemm", f"{method}" + (f" lead={lead}" if lead else ""))] = (
             lambda op=op: op(a_shard, w), lambda: torch.mm(a_full, w))
-    rs_methods = [("fused", dict(sm_margin=16, num_comm_sms=16)), ("epilogue_reduce", {}),
-                  ("decomposed", dict(num_comm_sms=8))] + ([("pair", {})] if world == 2 else [])
+    rs_methods = [("fused", dict(sm_margin=16, num_comm_sms=16)), ("epilogue_reduce", dict(num_comm_sms=0)),
+                  ("decomposed", dict(num_comm_sms=8))] + ([("pair", dict(num_comm_sms=0))] if world == 2 else [])
     for method, extra in rs_methods:
         op = GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=n, n=k, dtype=bf16,
                     config=GemmRsConfig(method=method, **extra), name=f"hc.rs.{method}")

@@ -105,8 +105,10 @@ class OpBase:
             side = self._side_graphs[key] = SideGraphs(driver.program, self._streams,
                                                       priority=self.config.comm_stream_priority) \
                 if graphable(driver.program) else False
+        if not side:
+            return False
         graph_key = self._graph_key(ctx)
-        return bool(side) and graph_key is not None and side.run(ctx, graph_key)
+        return graph_key is not None and side.run(ctx, graph_key)
 
     def _graph_key(self, ctx):
         """Data pointers of the call tensors that the prologue and side lanes read (None: never replay)."""

@@ -151,7 +151,8 @@ class AgGemm(OpBase):
         return program
 
     def _graph_key(self, ctx):
-        return (ctx.values["a_shard"].data_ptr(),)
+        a_shard = ctx.values.get("a_shard")
+        return None if a_shard is None else (a_shard.data_ptr(),)
 
     def _ring(self) -> list[int]:
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]

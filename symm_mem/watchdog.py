@@ -60,7 +60,8 @@ class Watchdog:
         try:
             while not self._stop.wait(PERIOD_S):
                 now = time.monotonic()
-                waiting = np.flatnonzero(own[first_board:first_board + n])
+                # a snapshot: the streams write the board while it is read
+                waiting = np.flatnonzero(own[first_board:first_board + n].copy())
                 failed = own[ABORT_WORD] != 0 or own[ERROR_CODE_WORD] != 0
                 if not failed and now >= next_liveness:
                     next_liveness = now + LIVENESS_PERIOD_S

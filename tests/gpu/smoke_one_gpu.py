@@ -84,7 +84,7 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True):
     return f"rel={worst:.1e}"
 
 
-def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False):
+def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False):  # comm: num_comm_sms
     from overlap.config import GemmRsConfig
     from overlap.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
@@ -125,7 +125,7 @@ def _captured(c, pool, kind, method, rows, k, n):
         x = torch.empty(rows, k, dtype=torch.bfloat16, device=dev)
     else:
         extra = dict(sm_margin=16, num_comm_sms=8) if method == "fused" else \
-            dict(num_comm_sms=4) if method == "decomposed" else {}
+            dict(num_comm_sms=4) if method == "decomposed" else dict(num_comm_sms=0)
         op = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16,
                     config=GemmRsConfig(method=method, **extra), name=f"cap.rs.{method}")
         x = torch.empty(rows * world, k, dtype=torch.bfloat16, device=dev)
@@ -173,7 +173,7 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     hidden, ffn, rows = 256, 384, 128
     rs_extra = dict(sm_margin=16, num_comm_sms=8) if rs_method == "fused" else \
-        dict(num_comm_sms=4) if rs_method == "decomposed" else {}
+        dict(num_comm_sms=4) if rs_method == "decomposed" else dict(num_comm_sms=0)
     base = load_preset("NVIDIA H200", 2) if world == 2 else load_preset("NVIDIA H200", world)
     cfg = dataclasses.replace(base, ag_gemm=OpPreset(default=AgGemmConfig(method=ag_method, lead_fraction=0.5
                                                                           if ag_method == "decomposed" else 0)),
@@ -334,8 +334,8 @@ def _checks(rank, world, full):
         c.run("ag_gemm decomposed without eager graphs",
               lambda: _ag_case(c, pool, "decomposed", 0.5, 1, 100, 264, 136, eager_graphs=False))
         os.environ["OVERLAP_EAGER_GRAPHS"] = "1"
-        rs_cases = [("fused", 100, dict(margin=16, comm=8)), ("epilogue_reduce", 256, {}),
-                    ("decomposed", 100, dict(comm=4))] + ([("pair", 100, {})] if world == 2 else [])
+        rs_cases = [("fused", 100, dict(margin=16, comm=8)), ("epilogue_reduce", 256, dict(comm=0)),
+                    ("decomposed", 100, dict(comm=4))] + ([("pair", 100, dict(comm=0))] if world == 2 else [])
         for method, rows, kw in rs_cases:
             c.run(f"gemm_rs {method} M/W={rows}", lambda m=method, r=rows, kw=kw: _rs_case(c, pool, m, r, 136, 264, **kw))
         c.run("gemm_rs bulk", lambda: _rs_case(c, pool, "decomposed", 100, 136, 264, comm=4, bulk=True))
