@@ -47,16 +47,24 @@ class AgGemm(OpBase):
     kind = "ag_gemm"
 
     def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k: int, n_local: int, dtype: torch.dtype,
-                 config: AgGemmConfig, name: str = "ag_gemm"):
+                 config: AgGemmConfig, name: str = "ag_gemm", fp8: bool = False):
         super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
-                         static={"max_m": max_m, "k": k, "n_local": n_local, "dtype": str(dtype)})
-        self.k, self.n_local, self.dtype = k, n_local, dtype
+                         static={"max_m": max_m, "k": k, "n_local": n_local, "dtype": str(dtype), "fp8": fp8})
+        self.k, self.n_local, self.dtype, self.fp8 = k, n_local, dtype, bool(fp8)
+        if fp8 and dtype != torch.bfloat16:
+            raise OpInputError(f"{name}: fp8=True quantises bf16 activations; dtype is {dtype}")
         if self.device.type == "cuda":
             config.validate(num_sms=num_sms(self.device))
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, config.chunks_per_rank)
-        self.gathered = pool.reserve(self.flags.region, (max_m, k), dtype, num_signals=self.flags.num_signals,
+        self.gathered = pool.reserve(self.flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
+                                     num_signals=self.flags.num_signals,
                                      num_device_flags=self.flags.num_device_flags, exclusive=True)
+        self.scales = None
+        if fp8:  # the gathered rows' scales: [max_m, cdiv(K, 128)] fp32, row-major, pulled with the rows
+            from ._fp8_ops import Fp8Weights, scale_groups
+            self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
+            self._weights = Fp8Weights()
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._claimed: int | None = None  # rows per rank of an input_slot handed out and not yet used
@@ -71,6 +79,9 @@ class AgGemm(OpBase):
         """
         self._check_live()
         self._check_m(m)
+        if self.fp8:
+            raise OpInputError(f"{self.name}: input_slot is not available with fp8=True (the slot holds the "
+                               f"quantised shard, which the call writes itself)")
         if self._claimed is not None:
             raise OpInputError(f"{self.name}: input_slot({m}) while the slot of a previous input_slot call is "
                                f"still unused; call the op first")
@@ -93,18 +104,32 @@ class AgGemm(OpBase):
         m = a_shard.shape[0] * self.world_size
         self._check_m(m)
         out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        self._call(m, self.config.method, CallContext({"a_shard": a_shard, "w": w, "out": out, "lead": lead}))
-        return (out, self.gathered[:m]) if return_gathered else out
+        ctx = CallContext({"a_shard": a_shard, "w": w, "out": out, "lead": lead})
+        if self.fp8:
+            ctx.values["w_fp8"] = self._weights.get(w)
+        self._call(m, self.config.method, ctx)
+        if not return_gathered:
+            return out
+        return out, (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
+
+    def gathered_bf16(self, m: int) -> torch.Tensor:
+        """The gathered a [m, K] of the last call as bf16 (fp8=True: dequantised, a new tensor; else the pool
+        view itself), on the current stream."""
+        self._check_live()
+        if not self.fp8:
+            return self.gathered[:m]
+        from .fp8 import dequantize_activation
+        return dequantize_activation(self.gathered[:m], self.scales[:m]).to(torch.bfloat16)
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
-        """The same schedule with no consumer: returns the gathered a [M, K] (a pool view, see above).
-        The "comm alone" of the k-factor and the benchmarks."""
+        """The same schedule with no consumer: returns the gathered a [M, K] (a pool view, see above; fp8: the
+        pair (e4m3 rows, scales)). The "comm alone" of the k-factor and the benchmarks."""
         self._check_live()
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         m = a_shard.shape[0] * self.world_size
         self._check_m(m)
         self._call(m, "none", CallContext({"a_shard": a_shard}))
-        return self.gathered[:m]
+        return (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
 
     def chunks(self, m: int) -> list[Chunk]:
         """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
@@ -163,8 +188,12 @@ class AgGemm(OpBase):
         if not claimed:
             for peer in self._ring():
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
-        if not zero_copy:
-            slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
+        slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
+        if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
+            from ._fp8_launch import launch_quantize_activation
+            slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
+            program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx.a_shard, slot, slot_scales))
+        elif not zero_copy:
             program.copy(COMPUTE, slot, lambda ctx: ctx.a_shard)
         if fused:
             for chunk in chunks:
@@ -187,6 +216,9 @@ class AgGemm(OpBase):
             source = self.pool.peer(self.flags.region, chunk.owner)
             lo, count = chunk.first_row, chunk.num_rows
             program.copy(COMM, self.gathered[lo:lo + count], source[lo:lo + count])
+            if self.fp8:
+                scales = self.pool.peer(f"{self.name}.s", chunk.owner)
+                program.copy(COMM, self.scales[lo:lo + count], scales[lo:lo + count])
             if fused:
                 program.set(COMM, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1])
             else:
@@ -214,6 +246,14 @@ class AgGemm(OpBase):
         local = gemm.wait < 0  # this rank's rows: straight from a_shard, no wait
         first = lo - self.rank * (m // self.world_size)
 
+        if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
+            from ._fp8_ops import fp8_rows_gemm
+
+            def mm_fp8(ctx) -> None:
+                fp8_rows_gemm(self.gathered[lo:lo + count], self.scales[lo:lo + count], ctx.w_fp8,
+                              ctx.out[lo:lo + count])
+            return mm_fp8
+
         def mm(ctx) -> None:
             a = ctx.a_shard[first:first + count] if local else self.gathered[lo:lo + count]
             with sm_carveout(margin):
@@ -235,6 +275,15 @@ class AgGemm(OpBase):
         def gemm(ctx) -> None:
             if ctx.values.get("lead") is not None:
                 self._run_lead(ctx)
+            if self.fp8:
+                from .fp8 import choose_fp8_blocks, fp8_gemm
+                w8, w_scales = ctx.w_fp8
+                fp8_blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False,
+                                               device_type=self.device.type)
+                fp8_gemm(a8=self.gathered[:m], a_scales=self.scales[:m], w8=w8, w_scales=w_scales, out=ctx.out,
+                         num_programs=programs, chunk_wait=wait, blocks=fp8_blocks,
+                         tile_row_offset=ag_tile_row_offset(self.rank, rows, fp8_blocks.block_m))
+                return
             blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
                                    sm_count=programs)
             launch_gemm(a=self.gathered[:m], w=ctx.w, out=ctx.out, num_programs=programs, blocks=blocks,
@@ -242,7 +291,7 @@ class AgGemm(OpBase):
         program.run(COMPUTE, gemm)
 
     def _release(self) -> None:
-        self.gathered = None
+        self.gathered = self.scales = None
         self.chunk_flags = None
 
 

@@ -83,7 +83,7 @@ class OverlapLayerOps(LayerOps):
 
     def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
                  ag_name: str, rs_name: str, save_gathered: str = "view", bulk_wgrad: bool = False,
-                 lead_wgrad: bool = False):
+                 lead_wgrad: bool = False, fp8: bool = False):
         from .ag_gemm import AgGemm
         from .gemm_rs import GemmRs
 
@@ -95,20 +95,25 @@ class OverlapLayerOps(LayerOps):
                                f"place of its lead GEMM); this preset has {ag_config.method}")
         self.world_size = dist.get_world_size(group)
         self.save_gathered, self.bulk_wgrad, self.lead_wgrad = save_gathered, bulk_wgrad, lead_wgrad
+        self.fp8 = fp8
         self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
-                         config=ag_config, name=ag_name)
+                         config=ag_config, name=ag_name, fp8=fp8)
         try:
             self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
-                             config=config.op_config("gemm_rs", max_m), name=rs_name)
+                             config=config.op_config("gemm_rs", max_m), name=rs_name, fp8=fp8)
         except BaseException:
             self.ag.close()
             raise
 
     def ag_gemm(self, x, w, *, keep: bool):
-        out, gathered = self.ag(x, w, return_gathered=True)
-        if keep and self.save_gathered == "copy":
-            return out, gathered.clone(), self.ag.calls
-        return out, gathered.new_empty(0, gathered.shape[1]) if keep else gathered, self.ag.calls
+        out = self.ag(x, w)
+        m = out.shape[0]
+        if keep and self.save_gathered == "copy":  # fp8: the dequantised gathered input (already a new tensor)
+            gathered = self.ag.gathered_bf16(m)
+            return out, gathered if self.fp8 else gathered.clone(), self.ag.calls
+        if keep:
+            return out, x.new_empty(0, x.shape[1]), self.ag.calls
+        return out, self.ag.gathered_bf16(m), self.ag.calls
 
     def saved_rows(self, m: int) -> int:
         return m if self.save_gathered == "copy" else 0
@@ -122,7 +127,7 @@ class OverlapLayerOps(LayerOps):
                 f"{self.name}: the gathered input saved by a forward was overwritten by {later} later forward(s) "
                 f"before its backward ran (the pool keeps one); build the layer with save_gathered='copy' for "
                 f"schedules with several forwards pending")
-        return self.ag.gathered[:m]
+        return self.ag.gathered_bf16(m)
 
     def gemm_rs(self, a, w):
         return self.rs(a, w)
@@ -141,8 +146,8 @@ class OverlapLayerOps(LayerOps):
         rows = dy.shape[0]
         lo, m = self.ag.rank * rows, rows * self.world_size
         grad_w = torch.empty(x.shape[1], dy.shape[1], dtype=dy.dtype, device=dy.device)
-        grad_x, dy_full = self.ag(dy, w, return_gathered=True,
-                                  lead=lambda: torch.mm(x[lo:lo + rows].t(), dy, out=grad_w))
+        grad_x = self.ag(dy, w, lead=lambda: torch.mm(x[lo:lo + rows].t(), dy, out=grad_w))
+        dy_full = self.ag.gathered_bf16(m)  # fp8: dequantised (the weight grad runs in bf16)
         for first, end in ((0, lo), (lo + rows, m)):
             if end > first:
                 grad_w.addmm_(x[first:end].t(), dy_full[first:end])

@@ -60,10 +60,17 @@ class GemmRs(OpBase):
     kind = "gemm_rs"
 
     def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k_local: int, n: int, dtype: torch.dtype,
-                 config: GemmRsConfig, name: str = "gemm_rs"):
+                 config: GemmRsConfig, name: str = "gemm_rs", fp8: bool = False):
         super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
-                         static={"max_m": max_m, "k_local": k_local, "n": n, "dtype": str(dtype)})
-        self.k_local, self.n, self.dtype = k_local, n, dtype
+                         static={"max_m": max_m, "k_local": k_local, "n": n, "dtype": str(dtype), "fp8": fp8})
+        self.k_local, self.n, self.dtype, self.fp8 = k_local, n, dtype, bool(fp8)
+        if fp8 and (dtype != torch.bfloat16 or config.method not in ("decomposed", "pair")):
+            raise OpInputError(f"{name}: fp8=True runs the FP8 GEMM per owner chunk and reduce-scatters bf16 "
+                               f"partials: it needs dtype bfloat16 and method decomposed or pair (this is "
+                               f"{dtype}, {config.method}: the scatter epilogues are bf16 kernels)")
+        if fp8:
+            from ._fp8_ops import Fp8Weights
+            self._weights = Fp8Weights()
         if self.device.type == "cuda":
             config.validate(num_sms=num_sms(self.device))
         elif config.method == "epilogue_reduce":
@@ -96,8 +103,15 @@ class GemmRs(OpBase):
                                f"blocks may not straddle owners); M = {m}, W = {self.world_size}. Use a by_m "
                                f"bucket with another method for this M")
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        self._execute((m, self.config.method), CallContext({"a": a, "w": w, "out": out}), m=m)
+        self._execute((m, self.config.method), self._context(a, w, out=out), m=m)
         return out
+
+    def _context(self, a, w, **values) -> CallContext:
+        ctx = CallContext({"a": a, "w": w, **values})
+        if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
+            from .fp8 import quantize_activation
+            ctx.values["a_fp8"], ctx.values["w_fp8"] = quantize_activation(a), self._weights.get(w)
+        return ctx
 
     def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
         """(out_shard, work()) with the reduce-scatter's pushes overlapped with `work` (no SM for the pushes)."""
@@ -106,7 +120,7 @@ class GemmRs(OpBase):
         if self._bulk_staging is None:
             self._bulk_staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        ctx = CallContext({"a": a, "w": w, "out": out, "work": work, "result": None})
+        ctx = self._context(a, w, out=out, work=work, result=None)
         self._execute((m, "bulk"), ctx, m=m)
         return out, ctx.values["result"]
 
@@ -219,11 +233,12 @@ class GemmRs(OpBase):
         for owner in self.owners():
             lo = owner * rows
             if owner == self.rank:
-                program.run(COMPUTE, _mm_into(lo, rows, lambda ctx, o=owner: self._slots(o, rows)[self.rank], margin))
+                program.run(COMPUTE, self._mm_into(lo, rows, lambda ctx, o=owner: self._slots(o, rows)[self.rank],
+                                                   margin))
                 program.record(COMPUTE, "own")
                 continue
             staged = self._staging[lo:lo + rows]
-            program.run(COMPUTE, _mm_into(lo, rows, lambda ctx, s=staged: s, margin))
+            program.run(COMPUTE, self._mm_into(lo, rows, lambda ctx, s=staged: s, margin))
             program.record(COMPUTE, f"staged{owner}")
             program.after(COMM, f"staged{owner}")
             self._push(program, owner, rows, staged)
@@ -235,11 +250,11 @@ class GemmRs(OpBase):
     def _pair(self, program: Program, m: int, rows: int) -> None:
         peer, margin = 1 - self.rank, self.config.sm_margin
         staged = self._staging[:rows]
-        program.run(COMPUTE, _mm_into(peer * rows, rows, lambda ctx: staged, margin))
+        program.run(COMPUTE, self._mm_into(peer * rows, rows, lambda ctx: staged, margin))
         program.record(COMPUTE, "staged")
         program.after(COMM, "staged")
         self._push(program, peer, rows, staged)
-        program.run(COMPUTE, _mm_into(self.rank * rows, rows, lambda ctx: ctx.out, margin))
+        program.run(COMPUTE, self._mm_into(self.rank * rows, rows, lambda ctx: ctx.out, margin))
         program.take(COMPUTE, self.flags.pushed(peer), peer=peer)
         slot = self._slots(self.rank, rows)[peer]
         program.run(COMPUTE, lambda ctx: ctx.out.add_(slot))
@@ -247,7 +262,7 @@ class GemmRs(OpBase):
 
     def _bulk(self, program: Program, m: int, rows: int) -> None:
         staged = self._bulk_staging[:m]
-        program.run(COMPUTE, lambda ctx: torch.mm(ctx.a, ctx.w, out=staged))
+        program.run(COMPUTE, self._mm_into(0, m, lambda ctx: staged, 0))
         program.record(COMPUTE, "staged")
         program.after(COMM, "staged")
         for owner in self._peers():
@@ -273,13 +288,21 @@ class GemmRs(OpBase):
     def _release(self) -> None:
         self.partials = self.row_flags = self._staging = self._bulk_staging = None
 
+    def _mm_into(self, lo: int, rows: int, dst, margin: int):
+        """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
+        the rows quantised at the call's start, bf16 out)."""
+        if self.fp8:
+            from ._fp8_ops import fp8_rows_gemm
 
-def _mm_into(lo: int, rows: int, dst, margin: int):
-    """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS limited to num_sms - margin SMs)."""
-    def mm(ctx) -> None:
-        with sm_carveout(margin):
-            torch.mm(ctx.a[lo:lo + rows], ctx.w, out=dst(ctx))
-    return mm
+            def mm_fp8(ctx) -> None:
+                a8, a_scales = ctx.a_fp8
+                fp8_rows_gemm(a8[lo:lo + rows], a_scales[lo:lo + rows], ctx.w_fp8, dst(ctx))
+            return mm_fp8
+
+        def mm(ctx) -> None:
+            with sm_carveout(margin):
+                torch.mm(ctx.a[lo:lo + rows], ctx.w, out=dst(ctx))
+        return mm
 
 
 def _sum_into(out: torch.Tensor, own: torch.Tensor, others: list[torch.Tensor]) -> None:

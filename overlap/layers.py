@@ -52,29 +52,32 @@ class PoolRequirements(NamedTuple):
 
 
 def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype, num_layers: int = 2,
-                      chunks_per_rank: int = 1) -> PoolRequirements:
+                      chunks_per_rank: int = 1, fp8: bool = False) -> PoolRequirements:
     """Exactly what `num_layers` overlapped layers of width `hidden` reserve in a pool:
 
         req = pool_requirements(hidden=4096, max_m=16384, world_size=W, dtype=torch.bfloat16)
         pool = SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words,
                              num_device_words=req.num_device_words, group=tp_group)
 
-    Each layer holds one AgGemm region [max_m, hidden] and one GemmRs region [W, max_m/W, hidden]
-    (independent of the FFN width) with their flags; `chunks_per_rank` is the preset's ag_gemm value (the
-    fused AllGather consumer keeps a device flag per chunk).
+    Each layer holds one AgGemm region [max_m, hidden] (fp8: e4m3 rows and a [max_m, hidden/128] fp32 scale
+    region) and one GemmRs region [W, max_m/W, hidden] (independent of the FFN width) with their flags;
+    `chunks_per_rank` is the preset's ag_gemm value (the fused AllGather consumer keeps a flag per chunk).
     """
     from . import protocol
     from .gemm_rs import FLAG_BLOCK_M
     check_divisible("max_m", max_m, world_size, "the group size")
     region = _align(max_m * hidden * dtype.itemsize)
+    ag_region = _align(max_m * hidden) + _align(max_m * -(-hidden // 128) * 4) if fp8 else region
     fps = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
     ag, rs = protocol.AgFlags("", world_size, chunks_per_rank), protocol.RsFlags("", world_size, fps)
-    per_layer = (2 * region, ag.num_signals + rs.num_signals, ag.num_device_flags + rs.num_device_flags)
+    per_layer = (ag_region + region, ag.num_signals + rs.num_signals, ag.num_device_flags + rs.num_device_flags)
     return PoolRequirements(*(num_layers * x for x in per_layer))
 
 
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
-              save_gathered, kind) -> custom_ops.LayerOps:
+              save_gathered, kind, fp8) -> custom_ops.LayerOps:
+    if fp8 and not overlap:
+        raise OpInputError(f"{name}: fp8=True runs our FP8 ops: it needs overlap=True (the baselines are bf16)")
     if overlap:
         if pool is None:
             raise OpInputError(f"{name}: overlap=True needs pool= (a SymmetricPool on group)")
@@ -86,7 +89,7 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
             ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered,
             bulk_wgrad=kind == "column" and config.role("fc1_dgrad", max_m).bulk_wgrad,
-            lead_wgrad=kind == "row" and config.role("fc2_dgrad", max_m).lead_wgrad)
+            lead_wgrad=kind == "row" and config.role("fc2_dgrad", max_m).lead_wgrad, fp8=fp8)
     if baseline == "nccl":
         return custom_ops.NcclLayerOps(group=group)
     if baseline == "torch_symm":
@@ -101,7 +104,9 @@ class _ParallelLinear(nn.Module):
     config is the preset's for max_m); dtype; pool (SymmetricPool on `group`, required when overlap=True;
     the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
     config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
-    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); device
+    "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); fp8 (the
+    forward and input-grad GEMMs in FP8 e4m3 with 1x128 / 128x128 scales, the AllGathers moving e4m3 rows
+    and their scales; weight grads in bf16 on the dequantised gathered inputs; overlap=True only); device
     (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
     Forward and backward can be captured in a CUDA graph and replayed (every op is capturable).
     Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
@@ -112,7 +117,7 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
                  dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
-                 overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view",
+                 overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view", fp8: bool = False,
                  device: torch.device | str | None = None, name: str | None = None):
         super().__init__()
         if group is None:
@@ -141,7 +146,7 @@ class _ParallelLinear(nn.Module):
         self.hidden, self.local = hidden, local
         self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
                              dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
-                             name=self.name, save_gathered=save_gathered, kind=self.kind)
+                             name=self.name, save_gathered=save_gathered, kind=self.kind, fp8=fp8)
         self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
         # A layer dropped without close() must not pin its op contexts (streams, pool views) forever.
