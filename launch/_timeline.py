@@ -9,13 +9,17 @@ copies as (start_ms, end_ms) intervals from the step's first GPU activity, the b
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["profile_steps", "stream_lanes", "summarise"]
+from .k_factor import _cpu_switch_interval, _PairRunner
+from .timing import mark_ms as _ms
+
+__all__ = ["profile_steps", "stream_lanes", "summarise", "step_timeline"]
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -83,3 +87,48 @@ def profile_steps(steps: dict[str, Callable[[], object]], *, group: dist.Process
             summaries[name] = summarise(lanes) | {"trace": str(path)}
             all_lanes[name] = lanes
     return summaries, all_lanes
+
+
+def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Callable[[], dict] | None = None,
+                  profile_path: str | None = None) -> dict[str, list[tuple[float, float]]]:
+    """One overlapped step (collective): {lane: [(start_ms, end_ms)]} from the step's start.
+
+    Lanes: "compute stream", "comm stream" and, from `lanes()` (e.g. RsCommOnly's push / reduce streams),
+    one lane each (CPU: "compute thread", "comm thread" and the comm thread's phases). With
+    `profile_path` this rank also records the step with torch.profiler (CPU activity, CUDA too on GPUs)
+    and writes a Chrome trace there.
+    """
+    runner = _PairRunner(comm_fn, comp_fn, device, None)
+    if runner.cuda:   # as measure_pair: the profiled step must start both sides at `go` too
+        runner.set_hold_from_enqueue_time(group)
+    for _ in range(2):   # warm: first calls compile kernels and open handles
+        runner.overlap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if group is not None:
+        dist.barrier(group=group)
+    with _cpu_switch_interval(device), _profiler(device, profile_path) as prof:
+        runner.overlap()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if prof is not None:
+        prof.export_chrome_trace(str(profile_path))
+    marks = runner.steps["both"][-1]
+    go = marks["go"]
+    unit = "stream" if device.type == "cuda" else "thread"
+    out = {f"compute {unit}": [marks["comp"]], f"comm {unit}": [marks["comm"]]}
+    for name, (start, end) in (lanes() if lanes else {}).items():
+        out[f"{name} stream" if device.type == "cuda" else f"comm thread: {name}"] = [(start, end)]
+    return {lane: [(_ms(go, s), _ms(go, e)) for s, e in spans] for lane, spans in out.items()}
+
+
+def _profiler(device: torch.device, path):
+    if path is None:
+        return nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:   # record the comm thread too (CPU mode); older torch lacks the option
+        from torch.profiler import _ExperimentalConfig
+        return profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    except (ImportError, TypeError):
+        return profile(activities=activities)

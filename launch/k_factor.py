@@ -39,7 +39,7 @@ import statistics
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -53,7 +53,7 @@ from overlap.triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 from ._comm_delay import inject_comm_delay
 from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
 
-__all__ = ["KFactor", "LATE_START_MS", "OpPair", "measure", "measure_pair", "op_pair", "trace_op", "step_timeline",
+__all__ = ["KFactor", "LATE_START_MS", "OpPair", "measure", "measure_pair", "op_pair", "trace_op",
            "inject_comm_delay", "k_from_trace"]
 
 HOLD_CYCLES = 1_000_000      # CUDA: at least ~0.5 ms spin before the step so that the host enqueues both sides
@@ -342,10 +342,6 @@ def trace_op(op, inputs, *, reps: int = 10) -> dict[str, float]:
     return {k: statistics.median(row) for k, row in zip(keys, table.tolist())}
 
 
-def _check_op_errors(op) -> None:
-    op.check_errors()
-
-
 def measure(op, inputs, *, reps: int = 20, warmup: int = 3, mode: str = "pair",
             overlap_flag: threading.Event | None = None,
             wrap_comm: Callable[[Callable], Callable] | None = None, flush_l2: bool = True) -> KFactor:
@@ -360,54 +356,9 @@ def measure(op, inputs, *, reps: int = 20, warmup: int = 3, mode: str = "pair",
     comm = wrap_comm(pair.comm) if wrap_comm else pair.comm
     kf = measure_pair(comm, pair.comp, device=op.device, group=op.group, reps=reps, warmup=warmup,
                       op_fn=pair.call, overlap_flag=overlap_flag, flush_l2=flush_l2)
-    _check_op_errors(op)
+    op.check_errors()
     if mode == "pair":
         return kf
     spans = trace_op(op, inputs, reps=reps)
-    _check_op_errors(op)
+    op.check_errors()
     return k_from_trace(spans, t_comm_solo=kf.t_comm_solo, t_comp_solo=kf.t_comp_solo, t_op=kf.t_op, reps=reps)
-
-
-def step_timeline(comm_fn, comp_fn, *, device: torch.device, group, lanes: Callable[[], dict] | None = None,
-                  profile_path: str | None = None) -> dict[str, list[tuple[float, float]]]:
-    """One overlapped step (collective): {lane: [(start_ms, end_ms)]} from the step's start.
-
-    Lanes: "compute stream", "comm stream" and, from `lanes()` (e.g. RsCommOnly's push / reduce streams),
-    one lane each (CPU: "compute thread", "comm thread" and the comm thread's phases). With
-    `profile_path` this rank also records the step with torch.profiler (CPU activity, CUDA too on GPUs)
-    and writes a Chrome trace there.
-    """
-    runner = _PairRunner(comm_fn, comp_fn, device, None)
-    if runner.cuda:   # as measure_pair: the profiled step must start both sides at `go` too
-        runner.set_hold_from_enqueue_time(group)
-    for _ in range(2):   # warm: first calls compile kernels and open handles
-        runner.overlap()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if group is not None:
-        dist.barrier(group=group)
-    with _cpu_switch_interval(device), _profiler(device, profile_path) as prof:
-        runner.overlap()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    if prof is not None:
-        prof.export_chrome_trace(str(profile_path))
-    marks = runner.steps["both"][-1]
-    go = marks["go"]
-    unit = "stream" if device.type == "cuda" else "thread"
-    out = {f"compute {unit}": [marks["comp"]], f"comm {unit}": [marks["comm"]]}
-    for name, (start, end) in (lanes() if lanes else {}).items():
-        out[f"{name} stream" if device.type == "cuda" else f"comm thread: {name}"] = [(start, end)]
-    return {lane: [(_ms(go, s), _ms(go, e)) for s, e in spans] for lane, spans in out.items()}
-
-
-def _profiler(device: torch.device, path):
-    if path is None:
-        return nullcontext()
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    try:   # record the comm thread too (CPU mode); older torch lacks the option
-        from torch.profiler import _ExperimentalConfig
-        return profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    except (ImportError, TypeError):
-        return profile(activities=activities)

@@ -46,7 +46,8 @@ from overlap.config import METHODS, ConfigError, OverlapConfig
 from overlap.presets import dump_config, load_config, load_preset, to_dict
 from overlap.gemm_rs import GemmRs
 from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
-                             step_timeline, trace_op)
+                             trace_op)
+from launch._timeline import step_timeline
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points

@@ -40,8 +40,8 @@ import torch
 
 from ._activation import SavedInputActivation, activation_forward
 from .host_pool import HostPool, OffloadError
-from .offload_config import CANDIDATES, OffloadConfig
-from .offload_plan import MLPShape, OffloadPlan, Rates, pacing_offset, plan_offload, tensor_bytes
+from .offload_config import CANDIDATES
+from .offload_plan import OffloadPlan, plan_for, tensor_bytes
 
 __all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "OffloadError"]
 
@@ -72,6 +72,16 @@ class _Offloaded:
 def _release_slot(slot, owner: str) -> None:
     if slot.owner == owner and not slot.pool.closed:
         slot.owner = None  # a graph dropped without backward: its slot is free again
+
+
+def _identity(t: torch.Tensor):
+    """A matcher for `t` itself (same address and shape) that keeps no reference to `t`.
+
+    torch keeps the pack hook of every tensor saved under `saved_tensors_hooks` (PySavedVariableHooks
+    holds pack_hook_ until the saved variable is released, i.e. after that node's backward), so anything
+    the hook's closure holds lives as long as the autograd graph: only plain ints here."""
+    ptr, shape = t.data_ptr(), tuple(t.shape)
+    return lambda u: u.data_ptr() == ptr and tuple(u.shape) == shape
 
 
 class _Recomputed:
@@ -139,15 +149,17 @@ class OffloadEngine:
         if rows > self.plan.shape.m and any(self._decision.get((layer, n)) == "offload" for n in CANDIDATES):
             raise OffloadError(f"{self.name}: M={rows} exceeds the plan's M={self.plan.shape.m} (its host slots "
                                f"are sized for it); plan for the largest M")
+        # matchers hold no tensor (see _identity): autograd keeps them as long as the graph
         self._save_point(3 * layer)
-        with self._saving(layer, "x", lambda t: tuple(t.shape) == (rows, x.shape[1])):
+        gathered = (rows, x.shape[1])
+        with self._saving(layer, "x", lambda t: tuple(t.shape) == gathered):
             h = mlp.fc1(x)
         self._save_point(3 * layer + 1)
-        with self._saving(layer, "h", lambda t, h=h: t.data_ptr() == h.data_ptr() and t.shape == h.shape):
+        with self._saving(layer, "h", _identity(h)):
             a = SavedInputActivation.apply(h, self.activation)
         del h  # from here the saved record (or the autograd graph) owns it
         self._save_point(3 * layer + 2)
-        with self._saving(layer, "a", lambda t, a=a: t.data_ptr() == a.data_ptr() and t.shape == a.shape):
+        with self._saving(layer, "a", _identity(a)):
             y = mlp.fc2(a)
         del a
         if y.requires_grad:
@@ -348,24 +360,6 @@ class OffloadEngine:
         if not self._closed:
             self.reset()
         self._closed = True
-
-
-def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: int = 0, local_rank: int = 0,
-             local_world: int = 1) -> OffloadPlan:
-    """The plan `config` asks for, for this stack of TPMLPs (forward order) at M tokens (the gathered rows).
-
-    Shapes, TP size, dtype and whether the column layer keeps a pool view of its gathered input come from
-    the modules (`hidden`, `ffn_hidden`, `activation`, `world_size`, the weights' dtype, fc1.ops)."""
-    first = mlps[0]
-    view = getattr(getattr(first.fc1, "ops", None), "save_gathered", "copy") == "view"
-    shape = MLPShape(hidden=first.hidden, ffn_hidden=first.ffn_hidden, m=m, activation=first.activation,
-                     world_size=first.world_size, dtype_bytes=first.fc1.weight.element_size(),
-                     num_layers=len(mlps), gathered_is_view=view)
-    forced = dict(config.forced)
-    candidates = tuple(n for n in config.candidates if not (view and n == "x" and n not in forced))
-    return plan_offload(shape, rates, budget_bytes=config.budget_bytes, candidates=candidates,
-                        prefetch_depth=config.prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
-                        pacing_offset=pacing_offset(config.pacing, local_rank, local_world))
 
 
 def enable_offload(mlps, plan: OffloadPlan, *, pool: HostPool, name: str = "offload") -> OffloadEngine:

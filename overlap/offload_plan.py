@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 from ._offload_sim import (SAVE_POINTS_PER_LAYER, LayerTimes, MLPShape, OffloadPlanError, Rates, SimResult,
                            layer_times, simulate, tensor_bytes)
-from .offload_config import CANDIDATES
+from .offload_config import CANDIDATES, OffloadConfig
 
 __all__ = ["MLPShape", "Rates", "LayerTimes", "PlanRow", "OffloadPlan", "OffloadPlanError", "plan_offload",
-           "simulate", "layer_times", "tensor_bytes", "pacing_offset", "AUTO_MAX_ADDED", "SAVE_POINTS_PER_LAYER"]
+           "simulate", "layer_times", "tensor_bytes", "pacing_offset", "plan_for", "AUTO_MAX_ADDED",
+           "SAVE_POINTS_PER_LAYER"]
 
 AUTO_MAX_ADDED = 0.01      # budget "auto": plans may add at most 1 % of the step
 _ORDER = {"keep": 0, "recompute": 1, "offload": 2}
@@ -224,3 +225,21 @@ def _rows(shape, rates, plan, depth, sim, allowed, forced, fixed_bytes, pacing_o
             rows.append(PlanRow(f"L{p}.{n}", b[n] if not (n == "x" and shape.gathered_is_view) else 0,
                                 copy_ms, t.recompute if n == "a" else None, here, why))
     return tuple(rows)
+
+
+def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: int = 0, local_rank: int = 0,
+             local_world: int = 1) -> OffloadPlan:
+    """The plan `config` asks for, for this stack of TPMLPs (forward order) at M tokens (the gathered rows).
+
+    Shapes, TP size, dtype and whether the column layer keeps a pool view of its gathered input come from
+    the modules (`hidden`, `ffn_hidden`, `activation`, `world_size`, the weights' dtype, fc1.ops)."""
+    first = mlps[0]
+    view = getattr(getattr(first.fc1, "ops", None), "save_gathered", "copy") == "view"
+    shape = MLPShape(hidden=first.hidden, ffn_hidden=first.ffn_hidden, m=m, activation=first.activation,
+                     world_size=first.world_size, dtype_bytes=first.fc1.weight.element_size(),
+                     num_layers=len(mlps), gathered_is_view=view)
+    forced = dict(config.forced)
+    candidates = tuple(n for n in config.candidates if not (view and n == "x" and n not in forced))
+    return plan_offload(shape, rates, budget_bytes=config.budget_bytes, candidates=candidates,
+                        prefetch_depth=config.prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
+                        pacing_offset=pacing_offset(config.pacing, local_rank, local_world))
