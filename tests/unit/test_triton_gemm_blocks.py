@@ -132,3 +132,13 @@ def test_a_good_table_file_loads_and_a_missing_one_is_an_error(tmp_path):
     with pytest.raises(BlockTableError, match="num_sms"):
         parse_block_table({"entries": []}, "x.yaml")
     assert block_table_path("h200").is_file()
+
+
+def test_a_cuda_device_finds_its_table_name(monkeypatch):
+    # The CUDA-only branch of gpu_name (the block table's key): off CUDA it is never reached, so fake the name
+    import torch
+
+    from overlap import triton_gemm
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    assert triton_gemm._cuda_gpu_name.__wrapped__(0) == "h200"
+    assert load_block_table(triton_gemm._cuda_gpu_name.__wrapped__(0)) is not None
