@@ -1,4 +1,5 @@
-"""k-factor on real GPUs (marker `gpu`; tests/gpu/run_all.sh): short sweeps over AG and RS table points."""
+"""k-factor on real GPUs (marker `gpu`; tests/gpu/run_all.sh): short sweeps over AG and RS table points, the
+op's own per-stream spans (mode "op"), an injected comm delay, and the launch.kfactor CLI."""
 
 import json
 import math
@@ -33,7 +34,7 @@ def _sweep(rank, world):
     ag_pt = ag_points(world, ms=(4096,), layers=["llama8b.qkv"])[0]
     rs_pt = rs_points(world, ms=(4096,), layers=["llama8b.o_proj"])[0]
     gen = torch.Generator().manual_seed(3 + rank)
-    rows = []
+    rows, ops = [], []
     with SymmetricPool(1 << 30, group=group) as pool:
         a_shard = torch.randn(ag_pt.m // world, ag_pt.k, generator=gen).to(dtype).to(dev)
         w_ag = (torch.randn(ag_pt.k, ag_pt.n, generator=gen) / ag_pt.k ** 0.5).to(dtype).to(dev)
@@ -45,22 +46,29 @@ def _sweep(rank, world):
             for sm_margin in (0, 16):
                 i += 1
                 ag = AgGemm(group=group, pool=pool, max_m=ag_pt.m, k=ag_pt.k, n_local=ag_pt.n, dtype=dtype,
-                            config=OpConfig(op="ag_gemm", method=method, sm_margin=sm_margin, chunks_per_rank=2),
+                            config=AgGemmConfig(method=method, sm_margin=sm_margin, chunks_per_rank=2),
                             name=f"ag{i}")
                 out, gathered = ag(a_shard, w_ag, return_gathered=True)   # correct (and compiled) before timing
                 assert _rel_err(out, gathered.float() @ w_ag.float()) < 1e-2
                 rows.append(("ag_gemm", method, sm_margin, measure(ag, (a_shard, w_ag), reps=10, warmup=3)))
-                rs = GemmRs(group=group, pool=pool, max_m=rs_pt.m, k_local=rs_pt.k, n=rs_pt.n, dtype=dtype,
-                            config=OpConfig(op="gemm_rs", method=method, sm_margin=sm_margin, num_comm_sms=sm_margin),
-                            name=f"rs{i}")
-                assert _rel_err(rs(a, w_rs), ref_rs) < 1e-2
-                rs.check_errors()
-                rows.append(("gemm_rs", method, sm_margin, measure(rs, (a, w_rs), reps=10, warmup=3)))
+                ops.append(ag)
+        # fused runs its reduction on reserved SMs (sm_margin >= num_comm_sms >= 1): its margins are 16 and 32
+        for method, sm_margin in (("decomposed", 0), ("decomposed", 16), ("fused", 16), ("fused", 32)):
+            rs = GemmRs(group=group, pool=pool, max_m=rs_pt.m, k_local=rs_pt.k, n=rs_pt.n, dtype=dtype,
+                        config=GemmRsConfig(method=method, sm_margin=sm_margin, num_comm_sms=16),
+                        name=f"rs.{method}.{sm_margin}")
+            assert _rel_err(rs(a, w_rs), ref_rs) < 1e-2
+            rs.check_errors()
+            rows.append(("gemm_rs", method, sm_margin, measure(rs, (a, w_rs), reps=10, warmup=3)))
+            ops.append(rs)
+        ag = ops[3]  # fused AG, sm_margin 16
         traced = measure(ag, (a_shard, w_ag), reps=10, warmup=3, mode="op")   # the op's own per-stream spans
         active = threading.Event()
         slowed = measure(ag, (a_shard, w_ag), reps=10, warmup=3, overlap_flag=active,
                          wrap_comm=lambda fn: inject_comm_delay(fn, delay_ms=2.0, active=active, device=dev))
         torch.cuda.synchronize()
+        for op in ops:
+            op.close()
         pool.barrier()
     return rows, traced, slowed
 
@@ -95,7 +103,8 @@ def test_kfactor_cli_on_gpus(tmp_path, num_gpus):
     stem = next(tmp_path.glob("kfactor_*_tp2.json")).stem
     doc = json.loads((tmp_path / f"{stem}.json").read_text())
     rows = doc["rows"]
-    assert len([r for r in rows if r["op"] == "ag_gemm"]) == 4 and len([r for r in rows if r["op"] == "gemm_rs"]) == 4
+    # gemm_rs: fused at sm_margin 0 is no config (its reduction needs reserved SMs): decomposed x 2, fused x 1
+    assert len([r for r in rows if r["op"] == "ag_gemm"]) == 4 and len([r for r in rows if r["op"] == "gemm_rs"]) == 3
     assert len([r for r in rows if r["op"] == "ag_regime"]) == 4
     assert all(math.isfinite(r["k_comm"]) and r["k_comm"] > 0.5 and r["k_comp"] > 0.5 for r in rows)
     assert all("k_comm_op" in r for r in rows if r["op"] == "ag_gemm")

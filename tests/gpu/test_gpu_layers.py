@@ -1,8 +1,12 @@
 """TP layers on 2 GPUs (NCCL + the torch symmetric-memory pool; marker `gpu`, run by tests/gpu/run_all.sh).
 
-Numerics against the full-weight reference, torch.compile(fullgraph=True), a CUDA-graph capture of a
-whole forward+backward step replayed 100 times with fresh inputs, the torch_symm baseline, and the
-launcher end to end.
+Numerics against the full-weight reference (the preset, the preset with every lead on, and both baselines),
+torch.compile(fullgraph=True), a CUDA-graph capture of a whole forward+backward step replayed 100 times with
+fresh inputs, and the launcher end to end.
+
+Deleted: "a capture of an op built without cuda_graphs=True is refused" -- every op call is capturable now
+(one protocol of toggled flags, no host epochs frozen into a graph), so there is no such op and no refusal;
+the replay test below covers captures.
 """
 
 import dataclasses
@@ -17,34 +21,37 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap.presets import load_preset
+from overlap.config import OpPreset, RoleConfig
 from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from overlap.presets import load_preset
 from symm_mem import SymmetricPool
-from tests.multiproc import run_ranks
+from tests.multiproc import GPU_SAFE_ENV, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-WARMUP_STEPS = 20  # past epoch 16: every Triton specialisation of the flag kernels is compiled before capture
+WARMUP_STEPS = 3  # every kernel compiled and every eager side graph recorded before the capture
 
 
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _pool(group, hidden, max_m, num_mlps=1, cuda_graphs=False):
-    world = dist.get_world_size(group)
-    nbytes, words = pool_requirements(hidden=hidden, max_m=max_m, world_size=world, dtype=torch.bfloat16,
-                                      cuda_graphs=cuda_graphs)
-    return SymmetricPool(num_mlps * nbytes, group=group, backend="torch", num_signal_words=num_mlps * words + 64)
+def _pool(group, hidden, max_m, num_mlps=1, timeout_s=30.0):
+    """Room for `num_mlps` MLPs of width `hidden`, exactly as pool_requirements counts it."""
+    req = pool_requirements(hidden=hidden, max_m=max_m, world_size=dist.get_world_size(group), dtype=torch.bfloat16)
+    return SymmetricPool(num_mlps * req.size_bytes, group=group, backend="torch", timeout_s=timeout_s,
+                         num_signal_words=num_mlps * req.num_signal_words,
+                         num_device_words=num_mlps * req.num_device_words)
 
 
 def _with_leads(cfg):
-    """The preset with the AG leads on at every M (the preset turns them off at small M): a lead GEMM
-    over half the local rows, and the row backward's weight-grad GEMM of the local rows as its lead."""
+    """The preset with the AG leads on at every M (the preset turns them off at small M): a lead GEMM over
+    half the local rows (fc1 forward), and the row backward's weight-grad GEMM of the local rows as its lead
+    (role fc2_dgrad)."""
     def lead(op):
-        return dataclasses.replace(op, lead_fraction=0.5, lead_wgrad=True) if op.method == "decomposed" else op
-    ag = cfg.ag_gemm
-    return dataclasses.replace(cfg, ag_gemm=dataclasses.replace(
-        ag, default=lead(ag.default), by_m=tuple(dataclasses.replace(b, config=lead(b.config)) for b in ag.by_m)))
+        return dataclasses.replace(op, lead_fraction=0.5) if op.method == "decomposed" else op
+    ag = OpPreset(default=lead(cfg.ag_gemm.default), by_m=tuple((m, lead(op)) for m, op in cfg.ag_gemm.by_m))
+    roles = {**cfg.roles, "fc2_dgrad": OpPreset(default=RoleConfig(lead_wgrad=True))}
+    return dataclasses.replace(cfg, ag_gemm=ag, roles=roles)
 
 
 def _mlp(group, pool, hidden, ffn, max_m, activation="swiglu", leads=False, **kwargs):
@@ -100,6 +107,7 @@ def _matches_reference(rank, world):
 
 def test_gpu_mlp_matches_full_reference_bf16(num_gpus):
     for errors in run_ranks(_matches_reference, 2, backend="nccl", timeout_s=600):
+        assert len(errors) == 2 * 7
         for key, err in errors.items():
             assert err <= 2e-2, (key, err)
 
@@ -107,7 +115,9 @@ def test_gpu_mlp_matches_full_reference_bf16(num_gpus):
 def _compile_matches_eager(rank, world):
     group, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     hidden, ffn, m = 1024, 2816, 2048 * world
-    with _pool(group, hidden, m) as pool:
+    # each rank compiles on its own (inductor, cold cache) and the first call of an op waits for the peer:
+    # give that wait room for one rank's compile finishing well after the other's
+    with _pool(group, hidden, m, timeout_s=240) as pool:
         mlp = _mlp(group, pool, hidden, ffn, m)
         ref = MLPReference(hidden, ffn, seed=3, dtype=torch.bfloat16, device=dev)
         mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
@@ -126,7 +136,7 @@ def _compile_matches_eager(rank, world):
 
 
 def test_gpu_compile_fullgraph_matches_eager(num_gpus):
-    for errors in run_ranks(_compile_matches_eager, 2, backend="nccl", timeout_s=600):
+    for errors in run_ranks(_compile_matches_eager, 2, backend="nccl", timeout_s=600, pg_timeout_s=300):
         assert max(errors) <= 1e-2, errors  # inductor fuses silu * up in fp32: not bit-equal
 
 
@@ -135,16 +145,16 @@ def _graph_replay(rank, world, num_replays, leads):
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     hidden, ffn, m = 1024, 2816, 2048 * world
     num_inputs = 4
-    with _pool(group, hidden, m, cuda_graphs=True) as pool:
-        mlp = _mlp(group, pool, hidden, ffn, m, cuda_graphs=True, leads=leads)
+    with _pool(group, hidden, m) as pool:
+        mlp = _mlp(group, pool, hidden, ffn, m, leads=leads)
         ref = MLPReference(hidden, ffn, seed=11, dtype=dtype, device=dev)
         mlp.load_full_weights(ref.fc1_weight.detach(), ref.fc2_weight.detach())
         gen = torch.Generator().manual_seed(100 + rank)
         inputs = [(torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev),
                    torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev)) for _ in range(num_inputs)]
-        # Warm-up, eager expectations and the capture all on one side stream: the ops' CallGuard makes a
-        # call on a new stream wait for the previous call's event, and a wait on an event recorded outside
-        # the capture would break it (cudaErrorStreamCaptureIsolation).
+        # Warm-up, eager expectations and the capture all on one side stream: an op's CallGuard makes a call
+        # on a new stream wait for the previous call's event, and a capture cannot wait on an event recorded
+        # outside it (overlap/_guard.py).
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -189,33 +199,9 @@ def test_gpu_cuda_graph_of_a_full_step_replays_100_times_like_eager(num_gpus, le
         assert mismatches == 0 and worst == 0.0, (worst, mismatches)
 
 
-def _eager_call_inside_capture_is_refused(rank, world):
-    group, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
-    with _pool(group, 256, 256 * world) as pool:
-        mlp = _mlp(group, pool, 256, 512, 256 * world)  # cuda_graphs=False
-        x = torch.randn(256, 256, dtype=torch.bfloat16, device=dev)
-        mlp(x)
-        torch.cuda.synchronize()
-        graph, message = torch.cuda.CUDAGraph(), ""
-        try:
-            with torch.cuda.graph(graph):
-                mlp(x)
-        except Exception as exc:  # the capture is invalidated by the raise; only the message matters
-            message = str(exc)
-        torch.cuda.synchronize()
-        mlp.close()
-        pool.barrier()
-    return message
-
-
-def test_gpu_capture_of_an_op_built_without_cuda_graphs_is_refused(num_gpus):
-    for message in run_ranks(_eager_call_inside_capture_is_refused, 2, backend="nccl", timeout_s=180):
-        assert "built without cuda_graphs=True" in message, message
-
-
 def test_gpu_tp_mlp_cli_llama8b(num_gpus, tmp_path):
     out = tmp_path / "tp_mlp.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": str(ROOT)}  # multicast stays off in the children too
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "1.0",
            "--out", str(out)]

@@ -1,5 +1,10 @@
-"""Pools on real GPUs (run by tests/gpu/run_all.sh on the GPU machine; marker `gpu`)."""
+"""Pools on real GPUs (run by tests/gpu/run_all.sh on the GPU machine; marker `gpu`): peer reads and control
+flags of every CUDA backend, a bounded wait reported by check_errors, the IPC pool, 1000 create/close cycles
+with op contexts (memory and handle counts stable) and the copy-engine pull bandwidth."""
 
+import time
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -10,7 +15,10 @@ from tests.multiproc import run_ranks
 WARMUP_CYCLES = 5  # create/close cycles before the free-memory baseline is taken
 
 
-def _peer_reads_and_device_flags(rank, world, backend):
+def _peer_reads_and_control_flags(rank, world, backend):
+    """100 steps of: scrambled own copy, a payload written into the right neighbour's copy, then the step number
+    written into its control flag (after the copy, same stream) and awaited from the left (a memory-operation
+    wait, bounded by the watchdog)."""
     group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     with SymmetricPool(64 << 20, group=group, backend=backend) as pool:
@@ -22,8 +30,8 @@ def _peer_reads_and_device_flags(rank, world, backend):
             payload = (torch.randn(1000, 77, generator=torch.Generator().manual_seed(step * 10 + rank))
                        .to(torch.bfloat16).to(dev))
             pool.peer("x", right).copy_(payload)
-            pool.signal("x", rank, step, rank=right)   # release after the copy, same stream
-            pool.wait("x", left, step, timeout_s=10)   # device-side, bounded
+            pool.signal("x", rank, step, rank=right)   # after the copy, same stream
+            pool.wait("x", left, step, timeout_s=10)   # a stream wait (no SM), bounded
             expect = (torch.randn(1000, 77, generator=torch.Generator().manual_seed(step * 10 + left))
                       .to(torch.bfloat16).to(dev))
             if not torch.equal(x, expect):
@@ -36,43 +44,52 @@ def _peer_reads_and_device_flags(rank, world, backend):
         return pool.stats().rendezvous_count, reads
 
 
-def test_torch_backend_peer_reads_and_epoch_flags(num_gpus):
-    results = run_ranks(_peer_reads_and_device_flags, 2, "torch", backend="nccl", timeout_s=240)
+def test_torch_backend_peer_reads_and_control_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_control_flags, 2, "torch", backend="nccl", timeout_s=240)
     assert all(r[0] == 1 for r in results)
     assert results[0][1] == results[1][1]  # both ranks read the same bytes of every copy
 
 
-def test_nvshmem_backend_peer_reads_and_epoch_flags(num_gpus):
-    results = run_ranks(_peer_reads_and_device_flags, 2, "nvshmem", backend="nccl", timeout_s=240)
+def test_nvshmem_backend_peer_reads_and_control_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_control_flags, 2, "nvshmem", backend="nccl", timeout_s=240)
     assert results[0][1] == results[1][1]
 
 
-def test_ipc_backend_peer_reads_and_epoch_flags(num_gpus):
-    results = run_ranks(_peer_reads_and_device_flags, 2, "ipc", backend="nccl", timeout_s=240)
+def test_ipc_backend_peer_reads_and_control_flags(num_gpus):
+    results = run_ranks(_peer_reads_and_control_flags, 2, "ipc", backend="nccl", timeout_s=240)
     assert results[0][1] == results[1][1]
 
 
 def _device_wait_times_out(rank, world):
     with SymmetricPool(1 << 20, group=dist.group.WORLD, backend="torch") as pool:
         pool.reserve("f", (16,), torch.float32, num_signals=1)
-        if rank == 0:  # rank 1 deliberately never signals
+        message, elapsed = "not waiting", 0.0
+        if rank == 0:  # rank 1 deliberately never signals: the watchdog releases the wait after 0.5 s
+            start = time.monotonic()
             pool.wait("f", 0, 7, timeout_s=0.5, peer=1)
             torch.cuda.synchronize()
+            elapsed = time.monotonic() - start
             try:
                 pool.check_errors()
+                message = "no error"
             except SignalTimeout as exc:
                 message = str(exc)
-            else:
-                message = "no error"
-        else:
-            message = "not waiting"
         dist.barrier()
-        return message
+        return message, elapsed
 
 
 def test_device_wait_is_bounded_and_reported(num_gpus):
-    msg = run_ranks(_device_wait_times_out, 2, backend="nccl", timeout_s=120)[0]
-    assert "flag f[0] >= 7" in msg and "last value 0" in msg, msg
+    msg, elapsed = run_ranks(_device_wait_times_out, 2, backend="nccl", timeout_s=120)[0]
+    assert "timed out after 0.5 s waiting from peer rank 1 for flag f[0] >= 7" in msg, msg
+    assert 0.5 <= elapsed < 0.5 + 5, elapsed  # released by the watchdog, not by luck or by the peer
+
+
+@pytest.mark.xfail(strict=True, reason="symm_mem bug: on CUDA the watchdog releases an expired wait by storing "
+                   "the awaited value into the flag before SignalTimeout reads it (the message says 'last value "
+                   "7'; CPU pools say 0, tests/mp/test_symm_pool.py)")
+def test_device_wait_timeout_reports_the_value_it_saw(num_gpus):
+    msg, _ = run_ranks(_device_wait_times_out, 2, backend="nccl", timeout_s=120)[0]
+    assert "last value 0" in msg, msg
 
 
 def _ipc_reads(rank, world):
@@ -107,6 +124,8 @@ def _cycles(rank, world, backend, n):
     group = dist.group.WORLD
     anchor = SymmetricPool(1 << 20, group=group, backend=backend) if backend == "nvshmem" else None
     x = torch.randn(1 << 20, device=dev)
+    w_ag = torch.randn(32, 16, device=dev, dtype=torch.bfloat16)
+    w_rs = torch.randn(32, 16, device=dev, dtype=torch.bfloat16)
     free_before = None
     samples = []
     from overlap.ag_gemm import AgGemm
@@ -121,9 +140,14 @@ def _cycles(rank, world, backend, n):
             pool.reserve("r", (1024,), torch.float32).fill_(i)
             # op contexts too (streams, events, pointer tables): built and closed every cycle
             ag = AgGemm(group=group, pool=pool, max_m=64, k=32, n_local=16, dtype=torch.bfloat16,
-                        config=OpConfig(op="ag_gemm", method="decomposed"))
+                        config=AgGemmConfig(method="decomposed"))
             rs = GemmRs(group=group, pool=pool, max_m=64, k_local=32, n=16, dtype=torch.bfloat16,
-                        config=OpConfig(op="gemm_rs", method="decomposed", sm_margin=8, num_comm_sms=8))
+                        config=GemmRsConfig(method="decomposed", sm_margin=8, num_comm_sms=8))
+            if i == -1 or i % 250 == 0:  # used now and then: programs, side streams and their memops too
+                # (cycle -1 initialises cuBLAS and the memop path before the baseline)
+                ag(torch.randn(32, 32, device=dev, dtype=torch.bfloat16), w_ag)
+                rs(torch.randn(64, 32, device=dev, dtype=torch.bfloat16), w_rs)
+                ag.check_errors()
             ag.close()
             rs.close()
         with IpcPool(group=group) as ipc:
