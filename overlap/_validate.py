@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most", "check_not_capturing",
+__all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
            "check_weight"]
 
 
@@ -56,10 +56,3 @@ def check_divisible(name: str, value: int, divisor: int, what: str) -> None:
 def check_at_most(name: str, value: int, limit: int, what: str) -> None:
     if value > limit:
         raise OpInputError(f"{name}={value} exceeds {what} ({limit}); build the op with a larger one")
-
-
-def check_not_capturing(name: str, device: torch.device, cuda_graphs: bool) -> None:
-    """An op built without cuda_graphs=True must not be captured: its host epochs would be frozen."""
-    if not cuda_graphs and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise OpInputError(f"{name}: called inside a CUDA-graph capture, but built without "
-                           f"cuda_graphs=True (its epochs would be frozen into the graph)")

@@ -112,8 +112,9 @@ def check_call(pool, flags, call: int, m: int, *, op: str) -> None:
     def timed_out():
         from symm_mem import SignalTimeout
         late = [r for r, page in enumerate(pages) if page[first] != call]
-        pool.record_timeout(flags.region, first, call)
-        return SignalTimeout(region=flags.region, index=first, expected=call, observed=int(pages[late[0]][first]),
+        observed = int(pages[late[0]][first])
+        pool.record_timeout(flags.region, first, call, observed)
+        return SignalTimeout(region=flags.region, index=first, expected=call, observed=observed,
                              timeout_s=pool.timeout_s, peer=late[0], op=op,
                              detail=f"rank {late[0]} has not issued call {call} of this op (it is stuck in an "
                                     f"earlier call, or calls the op fewer times than this rank)")

@@ -326,7 +326,7 @@ class HostDriver:
 
 def _timeout(pool, flag: Flag, observed: int, peer, op):
     from symm_mem import SignalTimeout
-    pool.record_timeout(flag.region, flag.index, SET)
+    pool.record_timeout(flag.region, flag.index, SET, observed)
     return SignalTimeout(region=flag.region, index=flag.index, expected=SET, observed=observed,
                          timeout_s=pool.timeout_s, peer=peer, op=op)
 

@@ -30,7 +30,8 @@ import torch
 
 from .errors import PoolError
 
-__all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "FIRST_FLAG_WORD",
+__all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
+           "FIRST_FLAG_WORD",
            "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
            "encode_abort", "decode_abort"]
 
@@ -38,6 +39,7 @@ ALIGN_BYTES = 256
 ERROR_CODE_WORD = 0
 ERROR_VALUE_WORD = 1
 ABORT_WORD = 2
+ERROR_OBSERVED_WORD = 3  # the flag's value when a host-side wait expired (before any release)
 FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
 DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ._layout import DEVICE_CODE_BASE, FIRST_FLAG_WORD, decode_abort
+from ._layout import DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FIRST_FLAG_WORD, decode_abort
 from .errors import PeerAbortError, PeerLostError, PoolError, SignalTimeout
 
 __all__ = ["WaitState", "agree", "ArgumentMismatch"]
@@ -88,7 +88,8 @@ class WaitState:
 
     def _timeout(self, name, index, expected, observed, timeout_s, peer, op) -> SignalTimeout:
         region = self.pool.region(name)
-        self.pool._control.record_error(FIRST_FLAG_WORD + region.first_control_word + index, expected)
+        self.pool._control.record_error(FIRST_FLAG_WORD + region.first_control_word + index, expected,
+                                        observed=observed)
         self.pool.abort(1)
         return SignalTimeout(region=name, index=index, expected=expected, observed=observed, timeout_s=timeout_s,
                              peer=peer, op=op)
@@ -123,7 +124,10 @@ class WaitState:
         word = code - FIRST_FLAG_WORD
         name, index, value, timeout_s, peer, op = self._info.get(word, ("?", word, expected, pool.timeout_s,
                                                                          None, None))
-        observed = int(pool._control.own[code]) if 0 <= code < len(pool._control.own) else -1
+        own = pool._control.own
+        observed = int(own[ERROR_OBSERVED_WORD]) if own[ERROR_CODE_WORD] == code else -1
+        if observed < 0 and 0 <= code < len(own):   # not recorded with the value seen: the flag as it is now
+            observed = int(own[code])
         return SignalTimeout(region=name, index=index, expected=expected, observed=observed, timeout_s=timeout_s,
                              peer=peer, op=op)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._layout import ABORT_WORD, ERROR_CODE_WORD, ERROR_VALUE_WORD, FIRST_FLAG_WORD, control_page_words
+from ._layout import (ABORT_WORD, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, FIRST_FLAG_WORD,
+                      control_page_words)
 from .rendezvous import Rendezvous
 from .shared import SharedSegments
 
@@ -81,10 +82,11 @@ class ControlPages:
         own = self.own
         return int(own[ERROR_CODE_WORD]), int(own[ERROR_VALUE_WORD]), int(own[ABORT_WORD])
 
-    def record_error(self, code: int, value: int) -> None:
-        """Keep the first failure only."""
+    def record_error(self, code: int, value: int, observed: int = -1) -> None:
+        """Keep the first failure only: the code, the value the wait expected and the one it last saw."""
         own = self.own
         if own[ERROR_CODE_WORD] == 0:
+            own[ERROR_OBSERVED_WORD] = observed
             own[ERROR_VALUE_WORD] = value
             own[ERROR_CODE_WORD] = code
 

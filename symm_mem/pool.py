@@ -306,10 +306,11 @@ class SymmetricPool:
         self._waits.host_wait(ready, timeout_s=self.timeout_s if timeout_s is None else timeout_s, peer=peer,
                               on_timeout=on_timeout, waiting_for=waiting_for)
 
-    def record_timeout(self, name: str, index: int, expected: int) -> None:
-        """Record an expired wait on control flag `index` of `name` and abort the group (for `on_timeout`)."""
+    def record_timeout(self, name: str, index: int, expected: int, observed: int = -1) -> None:
+        """Record an expired wait on control flag `index` of `name` (it expected `expected`, last saw
+        `observed`) and abort the group (for `on_timeout`)."""
         region = self.region(name)
-        self._control.record_error(FIRST_FLAG_WORD + region.first_control_word + index, expected)
+        self._control.record_error(FIRST_FLAG_WORD + region.first_control_word + index, expected, observed)
         self.abort(1)
 
     # ----- collective lifecycle ---------------------------------------------------------------------------

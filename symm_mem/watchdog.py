@@ -80,7 +80,8 @@ class Watchdog:
                 for flag in waiting.tolist():
                     since = seen_since.setdefault(flag, now)
                     if now - since > self._timeouts.get(flag, self._pool.timeout_s):
-                        control.record_error(control.flag_index(flag), self._expected.get(flag, 1))
+                        index = control.flag_index(flag)   # the value seen, before _release overwrites it
+                        control.record_error(index, self._expected.get(flag, 1), observed=int(own[index]))
                         self._pool.abort(TIMEOUT_REASON)
                         self._release(waiting)
                         break
