@@ -54,14 +54,15 @@ CANDIDATES = (
     "128x256x64w4s3ws", "128x256x64w4s3g16ws", "128x128x64w4s5ws", "256x128x64w4s3ws", "128x128x128w4s3ws",
     "128x256x64w8s3fl", "128x128x64w8s4fl",
     # stream-K ("sk") configurations are left out: their late-contributor recompute gave wrong tiles on the
-    # H200 (tests/gpu/check_fp8.py, results/NOTES.md); the normal path was right, but a late contributor is what
-    # a time-sliced or busy GPU produces
+    # H200 in one of two runs (tests/gpu/check_fp8.py, results/NOTES.md): a race; the normal path was right,
+    # but a late contributor is what a time-sliced or busy GPU produces
 )
 
 # The FP8 GEMM's (kernels/gemm_fp8.py; BLOCK_K is the scale group), timed by launch.gemm_bench --fp8.
 FP8_CANDIDATES = (
-    "128x128x128w8s4", "128x128x128w4s4ws", "128x128x128w4s5ws", "64x128x128w4s5", "64x128x128w4s4o2",
-    "128x128x128w8s4fl", "128x64x128w4s6",
+    "128x128x128w8s4", "64x128x128w4s5", "64x128x128w4s4o2", "128x128x128w8s4fl", "128x64x128w4s6",
+    # warp-specialised FP8 ("...w4s4ws", "...w4s5ws") is left out: compiled for the H200 it gave wrong tiles
+    # (relative error 0.28-0.77 and NaN against the dequantised product, runs 2 and 6 in results/NOTES.md)
 )
 
 REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (README tolerance policy)

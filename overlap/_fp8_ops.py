@@ -10,6 +10,7 @@ coarser rounding to every reduction (the reduction itself stays in fp32).
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -26,9 +27,10 @@ def scale_groups(k: int) -> int:
 
 class Fp8Weights:
     """(w8 [N, K], w_scales) of an op's weight operand w [K, N] (row-major or `weight.t()`), quantised once per
-    weight version: keyed on the data pointer, shape, strides and `_version` (views share their base's
-    version counter, so an optimizer step on the parameter invalidates the entry). Valid on the current
-    stream."""
+    weight version: keyed on the tensor that owns the memory (`w._base` for a view, held by weak reference:
+    a new tensor that the allocator puts at a freed weight's address is not that weight), the data pointer,
+    shape, strides and `_version` (views share their base's version counter, so an optimizer step on the
+    parameter invalidates the entry). Valid on the current stream."""
 
     def __init__(self):
         self._entries: OrderedDict = OrderedDict()
@@ -36,14 +38,15 @@ class Fp8Weights:
 
     def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from .fp8 import quantize_weight
-        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version)
-        entry = self._entries.get(key)
-        if entry is None:
+        owner = w._base if w._base is not None else w
+        key = (id(owner), w.data_ptr(), tuple(w.shape), tuple(w.stride()), w._version)
+        ref, entry = self._entries.get(key, (None, None))
+        if entry is None or ref() is not owner:
             self.misses += 1
             with torch.no_grad():
                 w_nk = w.detach().t()
                 entry = quantize_weight(w_nk if w_nk.stride(1) == 1 else w_nk.contiguous())
-            self._entries[key] = entry
+            self._entries[key] = (weakref.ref(owner), entry)
             if len(self._entries) > MAX_WEIGHTS:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)

@@ -100,7 +100,7 @@ class OverlapLayerOps(LayerOps):
                          config=ag_config, name=ag_name, fp8=fp8)
         try:
             self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
-                             config=config.op_config("gemm_rs", max_m), name=rs_name, fp8=fp8)
+                             config=config.op_config("gemm_rs", max_m), name=rs_name, fp8=fp8, bulk=bulk_wgrad)
         except BaseException:
             self.ag.close()
             raise

@@ -233,25 +233,14 @@ def dequantize_weight(w8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def scaled_mm_reference(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The same product by cuBLAS (CUDA: `torch._scaled_mm` with the block scales, on the current stream) or,
-    on CPU, by dequantising both operands and multiplying in fp32. Some torch builds want the rows of
-    scale_b padded to a multiple of 4 groups; a copy with that padding is tried when the first call is
-    refused (the refusal is remembered)."""
+    on CPU, by dequantising both operands and multiplying in fp32. scale_b's rows are padded to a multiple of
+    4 groups whenever K/128 is not one: cuBLAS reads them so, and without the padding it returned NaN
+    (K = 1344, 1792 on the H200) rather than refusing."""
     _check_gemm_operands(a8, a_scales, w8, w_scales, None)
     if not a8.is_cuda:
         return (dequantize_activation(a8, a_scales) @ dequantize_weight(w8, w_scales).T).to(out_dtype)
-    key = (a8.device.index, w_scales.shape[1] % 4 != 0)
-    if key not in _PADDED_SCALE_B:
-        try:
-            out = torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=w_scales.t(), out_dtype=out_dtype)
-            _PADDED_SCALE_B[key] = False
-            return out
-        except RuntimeError:
-            _PADDED_SCALE_B[key] = True
-    scale_b = w_scales.t() if not _PADDED_SCALE_B[key] else _padded_rows(w_scales).t()
-    return torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=scale_b, out_dtype=out_dtype)
-
-
-_PADDED_SCALE_B: dict = {}
+    scale_b = _padded_rows(w_scales) if w_scales.shape[1] % 4 else w_scales
+    return torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=scale_b.t(), out_dtype=out_dtype)
 
 
 def _padded_rows(scales: torch.Tensor) -> torch.Tensor:

@@ -54,13 +54,15 @@ class GemmRs(OpBase):
 
     The output is valid on the caller's current stream when the call returns (CUDA), or at once (CPU). Any
     call may be captured in a CUDA graph and replayed. A device-side wait that expired is raised by the next
-    call or by `check_errors()` (which synchronises; call it at step boundaries).
+    call or by `check_errors()` (which synchronises; call it at step boundaries). `bulk=True` allocates
+    bulk()'s [max_m, n] staging at construction (otherwise at its first call): needed when that first call
+    runs under torch.compile(mode="reduce-overhead").
     """
 
     kind = "gemm_rs"
 
     def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k_local: int, n: int, dtype: torch.dtype,
-                 config: GemmRsConfig, name: str = "gemm_rs", fp8: bool = False):
+                 config: GemmRsConfig, name: str = "gemm_rs", fp8: bool = False, bulk: bool = False):
         super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
                          static={"max_m": max_m, "k_local": k_local, "n": n, "dtype": str(dtype), "fp8": fp8})
         self.k_local, self.n, self.dtype, self.fp8 = k_local, n, dtype, bool(fp8)
@@ -90,7 +92,9 @@ class GemmRs(OpBase):
         protocol.initialise(pool, self.flags)
         needs_staging = config.method in ("decomposed", "pair")
         self._staging = torch.empty(max_m if needs_staging else 0, n, dtype=dtype, device=self.device)
-        self._bulk_staging = None
+        # bulk=True: bulk()'s staging now, not at its first call, which may run inside a warm-up whose
+        # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
+        self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
         self._tile_counters = torch.zeros(_cdiv(max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
 
     # ----- public --------------------------------------------------------------------------------------
