@@ -33,7 +33,7 @@ OPS = ("pool_bw", "ag_gemm", "gemm_rs")
 DEFAULT_SM_MARGINS = (0, 4, 8, 16, 24, 32)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--op", choices=OPS, default="pool_bw", help="what to benchmark")
     p.add_argument("--sizes-mb", type=int_list, default=None,
@@ -59,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="ag_gemm/gemm_rs: time every variant as a CUDA-graph replay (device time, no host cost)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def _points(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:

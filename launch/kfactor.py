@@ -98,7 +98,7 @@ def parse_sweep(items: list[str] | None) -> dict[str, tuple]:
     return {k: tuple(dict.fromkeys(v)) for k, v in grid.items()}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--config", default=None, help="base YAML preset (default: auto-selected by GPU and TP)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
@@ -122,6 +122,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inject-comm-delay-ms", type=float, default=0.0,
                    help="test aid: slow the comm path by this much, only while compute runs")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     try:
         args.grid = parse_sweep(args.sweep)

@@ -59,7 +59,7 @@ COLUMNS = ["run_kind", "model", "M", "variant", "peak_gib", "peak_vs_none", "t_s
            "pred_step_ms", "pred_peak_gib", "bitwise", "demand_fetches"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--models", default=None,
                    help=f"comma-separated names of {', '.join(MODELS)} (default: llama8b,llama70b on GPU; tiny on CPU)")
@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
                    ".json; results of record only with an explicit --out results/...)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     if args.layers < 1 or args.reps < 1 or args.warmup < 0 or args.time_budget_s <= 0:
         p.error("--layers and --reps must be >= 1, --warmup >= 0, --time-budget-s > 0")

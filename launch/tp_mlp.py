@@ -60,7 +60,7 @@ COLUMNS = ["run_kind", "model", "M", "activation", "t_step_overlap_ms", "t_step_
            "k_comm_fc2_bwd_ag", "k_comp_fc2_bwd_ag", "rel_err_max"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU name and TP size)")
     p.add_argument("--model", default=None, help=f"comma-separated names of {', '.join(MODELS)} "
@@ -87,7 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-dir", default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
                         "PNG and per-stream busy times go here (and into the row's `timeline`)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def _models(args, cfg, cuda: bool) -> list[ModelConfig]:
