@@ -63,7 +63,8 @@ def test_a_bad_argument_under_torchrun_is_one_line_from_rank_0(tmp_path):
 @pytest.mark.parametrize("module,args,line", [
     ("launch.tp_mlp", ["--tokens", "0"], "launch.tp_mlp: --tokens must be > 0, got 0"),
     ("launch.tp_mlp", ["--steps", "0"], "launch.tp_mlp: --steps must be > 0, got 0"),
-    ("launch.tp_mlp", ["--tokens", "x"], "launch.tp_mlp: argument --tokens: expected comma-separated integers, got 'x'"),
+    ("launch.tp_mlp", ["--tokens", "x"],
+     "launch.tp_mlp: argument --tokens: expected comma-separated integers, got 'x'"),
     ("launch.tp_mlp", ["--model", "llama9b"],
      "launch.tp_mlp: --model: unknown model 'llama9b'; known: llama8b, llama70b, tiny"),
     ("launch.bench", ["--op", "ag_gemm", "--tokens", "1024,x"],
@@ -122,7 +123,8 @@ def test_bench_on_cpu_defaults_to_tiny_shapes_and_a_run_folder(tmp_path):
     (written,) = tmp_path.glob("runs/bench-*/ag_gemm_cpu_tp2.json")
     assert not (tmp_path / "results").exists()
     rows = json.loads(written.read_text())["rows"]
-    assert [(r["layer"], r["M"], r["K"], r["N"]) for r in rows] == [("cpu.tiny", 256, 64, 64), ("cpu.tiny", 512, 64, 64)]
+    shapes = [(r["layer"], r["M"], r["K"], r["N"]) for r in rows]
+    assert shapes == [("cpu.tiny", 256, 64, 64), ("cpu.tiny", 512, 64, 64)]
     assert all(r["run_kind"] == "CPU check" for r in rows)
     assert CPU_NOTE in proc.stdout.splitlines() and "| CPU check | cpu.tiny | 256 |" in proc.stdout
 

@@ -3,10 +3,11 @@ every test it names exists, every launcher option its commands use exists, every
 
 import importlib
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
