@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 -m launch.bench --op ag_gemm [--tokens 1024,4096] [--methods fused]
     torchrun --standalone --nproc-per-node 2 -m launch.bench --op gemm_rs [--sm-margins 0,8,16]
 
-ag_gemm / gemm_rs run every point of DESIGN.md's shape table at the job's TP size (or --shape MxKxN):
+ag_gemm / gemm_rs run every point of the shape table (launch/shapes.py) at the job's TP size (or --shape MxKxN):
 ours (each method; gemm_rs fused also per sm_margin), NCCL-then-GEMM ("seq"), PyTorch async-TP
 ("torch"), GEMM alone (cuBLAS and Triton) and communication alone, with E and speedup columns. On CPU
 (gloo + the host pool; a functional check, labelled so) the default shapes are tiny: M = 256, 512 with

@@ -15,7 +15,7 @@ as the CE gather ("membound").
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
-chunks_per_rank is not used. Shapes: the DESIGN table at the job's TP size on GPUs, tiny ones on CPU
+chunks_per_rank is not used. Shapes: the table of launch/shapes.py at the job's TP size on GPUs, tiny ones on CPU
 (M = 256, 512; K = N = 64), or --shapes MxKxN (K, N local to a rank; applies to every op).
 
 Gate: exit status 1, naming op, shape, config and k, when a k_comm or k_comp of an op row exceeds --max-k

@@ -1,4 +1,4 @@
-"""The benchmark shape table of DESIGN.md (bf16; W = TP size), shared by benchmarks, sweeps and tests."""
+"""The benchmark shape table (bf16; W = TP size; docs/ARCHITECTURE.md), shared by benchmarks, sweeps and tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The timing harness every benchmark uses (DESIGN.md "Definitions").
+"""The timing harness every benchmark uses (docs/ARCHITECTURE.md, "Timing").
 
 Per repetition and per variant (variants interleaved round-robin, the order rotated each rep): the
 device is drained, the ranks meet at a barrier, L2 is flushed, then the variant runs between two events
