@@ -1,5 +1,5 @@
-"""Process-group set-up shared by the launchers: torchrun's environment, or a single local rank (no torchrun:
-an in-process store, no port)."""
+"""Process-group set-up shared by the launchers: torchrun's environment, or a single local rank (no torchrun;
+on CPU with an in-process store, so that no port can collide)."""
 
 from __future__ import annotations
 
@@ -69,10 +69,12 @@ def init(where: Placement | None = None, *, force_cpu: bool = False) -> DistCont
     # group outlive destroy_process_group ("terminate called without an active exception" at exit).
     importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=max(60.0, 4 * envs.timeout_s()))
-    if envs.torchrun_world() is None:  # one rank, no torchrun: an in-process store, no port to collide on
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout, **({"device_id": where.device} if use_cuda else {}))
+    if envs.torchrun_world() is None and not use_cuda:  # one CPU rank: an in-process store, no port to collide on
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
+        if envs.torchrun_world() is None:  # one GPU rank, no torchrun (as before: a local TCP store)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=where.rank, world_size=where.world_size,
                                 timeout=timeout, **({"device_id": where.device} if use_cuda else {}))
     return DistContext(where.rank, where.world_size, where.device, dist.group.WORLD)
