@@ -67,6 +67,7 @@ def test_a_bad_argument_under_torchrun_is_one_line_from_rank_0(tmp_path):
      "launch.tp_mlp: argument --tokens: expected comma-separated integers, got 'x'"),
     ("launch.tp_mlp", ["--model", "llama9b"],
      "launch.tp_mlp: --model: unknown model 'llama9b'; known: llama8b, llama70b, tiny"),
+    ("launch.tp_mlp", ["--cuda-graphs"], "launch.tp_mlp: --cuda-graphs needs CUDA devices"),
     ("launch.bench", ["--op", "ag_gemm", "--tokens", "1024,x"],
      "launch.bench: argument --tokens: expected comma-separated integers, got '1024,x'"),
     ("launch.bench", ["--cpu"], "launch.bench: needs at least 2 ranks, got 1 (run it under torchrun "
