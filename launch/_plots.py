@@ -30,7 +30,7 @@ def _grid(count: int) -> tuple[int, int]:
     return math.ceil(count / cols), cols
 
 
-def plot_sweep(rows: list[dict], path: str | Path, *, max_k: float, title: str = "") -> Path:
+def plot_sweep(rows: list[dict], path: str | Path, *, max_k: float | None, title: str = "") -> Path:
     """k_comm, k_comp, E vs sm_margin per (op, layer, M, K, N); returns the path written."""
     plt = _pyplot()
     panels: dict[tuple, list[dict]] = {}
@@ -51,7 +51,8 @@ def plot_sweep(rows: list[dict], path: str | Path, *, max_k: float, title: str =
                 ax.plot(xs, [r[metric] for r in points], color=color, linestyle=STYLES[i % len(STYLES)],
                         marker=MARKERS[i % len(MARKERS)], markersize=4,
                         label=f"{metric} {method} c{chunks}")
-        ax.axhline(max_k, color="tab:red", linestyle="--", linewidth=0.8, label=f"max_k {max_k}")
+        if max_k is not None:
+            ax.axhline(max_k, color="tab:red", linestyle="--", linewidth=0.8, label=f"max_k {max_k}")
         ax.axhline(1.0, color="grey", linewidth=0.5)
         ax.set_title(f"{op} {layer}\nM={m} K={k} N={n}", fontsize=8)
         ax.set_xlabel("sm_margin (SMs left free by the GEMM)", fontsize=7)

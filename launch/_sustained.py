@@ -127,7 +127,8 @@ def sustained_blocks(steps: dict[str, Callable[[], object]], *, seconds: float, 
     progress(f"{label}sustained: {len(order)} blocks of {n} steps ({' '.join(order)})", rank=rank)
     blocks: dict[str, list] = {name: [] for name in steps}
     with GpuSampler(device) as sampler:
-        for name in order:
+        for i, name in enumerate(order):
+            progress(f"{label}sustained block {i + 1}/{len(order)} ({name}, {n} steps)", rank=rank)
             barrier(group, device)
             ms, t0, t1 = _block(steps[name], n, device)
             blocks[name].append((ms, *sampler.window(t0, t1)))

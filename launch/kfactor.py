@@ -1,9 +1,9 @@
 """k-factor sweeps under torchrun: measure every overlap, sweep the SM partition, gate, plot, write a preset.
 
     torchrun --standalone --nproc-per-node 2 -m launch.kfactor [--ops ag_gemm,gemm_rs,regimes]
-        [--shapes 4096x4096x3072,...] [--m 1024,4096] [--layers llama8b.qkv,...]
+        [--shapes 4096x4096x3072,...] [--tokens 1024,4096] [--layers llama8b.qkv,...]
         [--sweep method=decomposed,fused --sweep sm_margin=0,8,16 --sweep chunks_per_rank=1,2]
-        [--max-k 1.15] [--gate all|best] [--write-config configs/h200_tp2.yaml] [--out-dir results]
+        [--max-k 1.15] [--gate all|best] [--write-config tuned.yaml] [--out-dir DIR]
 
 Ops: `ag_gemm` and `gemm_rs` are swept over the grid (one row per shape x config, definitions of solo and
 overlapped in launch/k_factor.py); `regimes` measures the seed's two regimes on the AG shapes: our
@@ -15,16 +15,20 @@ as the CE gather ("membound").
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
-chunks_per_rank is not used. Shapes: the DESIGN table at the job's TP size on GPUs, tiny ones on CPU
+chunks_per_rank is not used. Shapes: the table of launch/shapes.py at the job's TP size on GPUs, tiny ones on CPU
 (M = 256, 512; K = N = 64), or --shapes MxKxN (K, N local to a rank; applies to every op).
 
 Gate: exit status 1, naming op, shape, config and k, when a k_comm or k_comp of an op row exceeds --max-k
-(`--gate best`: only the configs written to the preset). --inject-comm-delay-ms is a test aid: the comm
-path sleeps (CPU) or spins (CUDA) that long, only during overlapped steps.
+(`--gate best`: only the configs written to the preset). The default gate is 1.15 on GPUs; on CPU there is
+none unless --max-k is given (CPU k values are host-scheduling noise: GIL hand-overs, 1 ms wait back-off).
+--inject-comm-delay-ms is a test aid: the comm path sleeps (CPU) or spins (CUDA) that long, only during
+overlapped steps.
 
-Writes (rank 0) into --out-dir: kfactor_<gpu>_tp<W>.json, .png (k_comm, k_comp, E vs sm_margin per shape),
+Writes (rank 0) into --out-dir (default: a new run folder runs/kfactor-<UTC time>/; results of record:
+--out-dir results): kfactor_<gpu>_tp<W>.json, .png (k_comm, k_comp, E vs sm_margin per shape),
 _timeline.png (per-stream Gantt of one overlapped step per op) and _<op>.trace.json (Chrome trace of that
-step). On CPU (gloo + host pool, comm on a thread next to torch.mm) the numbers only exercise the path.
+step). On CPU (gloo + host pool, comm on a thread next to torch.mm) the numbers only exercise the path: a
+functional check, labelled so in the table (`run_kind`) and above it.
 """
 
 from __future__ import annotations
@@ -49,21 +53,23 @@ from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, mea
                              trace_op)
 from launch._timeline import step_timeline
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
-from launch.report import device_slug, format_table, write_results
-from launch.shapes import M_VALUES, ShapePoint, ag_points, rs_points
+from launch.report import device_slug, format_table, run_labels, write_results
+from launch.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
+from ._cli import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
 from ._tune import best_configs, config_row, gate_failures, tuned_config
 
+PROG = "launch.kfactor"
 OPS = ("ag_gemm", "gemm_rs", "regimes")
 SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}
 GPU_GRID = {"method": ("decomposed", "fused"), "sm_margin": (0, 8, 16, 32), "chunks_per_rank": (1, 2)}
 CPU_GRID = {"sm_margin": (0, 8), "chunks_per_rank": (1, 2)}
-CPU_M, CPU_K, CPU_N = (256, 512), 64, 64
+GPU_MAX_K = 1.15
 MAX_MEMBOUND_PASSES = 256
-COLUMNS = ["op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "comm", "comp",
+COLUMNS = ["run_kind", "op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "comm", "comp",
            "t_comm_solo_ms", "t_comp_solo_ms", "k_comm", "k_comp", "E", "hidden_comm", "t_op_ms", "E_op"]
 
 
@@ -93,27 +99,35 @@ def parse_sweep(items: list[str] | None) -> dict[str, tuple]:
     return {k: tuple(dict.fromkeys(v)) for k, v in grid.items()}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.kfactor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--config", default=None, help="base YAML preset (default: auto-selected by GPU and TP)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--shapes", default=None, help="MxKxN,... (K, N local) instead of the shape table")
-    p.add_argument("--tokens", "--m", dest="m", default=None,
-                   help="M values of the shape table (default 1024,4096,16384; CPU 256,512)")
-    p.add_argument("--layers", default=None, help="layer names of the shape table (comma-separated)")
+    p.add_argument("--tokens", dest="m", type=int_list, default=None, metavar="M[,M...]",
+                   help="M values of the shape table (default: 1024,4096,16384 on GPU; 256,512 on CPU)")
+    p.add_argument("--m", dest="m", type=int_list, default=None, help=argparse.SUPPRESS)  # the old name
+    p.add_argument("--layers", default=None, help="layer names of the shape table (comma-separated; default: all)")
     p.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
-                   help="grid axis, repeatable (default GPU: method, sm_margin 0,8,16,32, chunks 1,2)")
-    p.add_argument("--max-k", type=float, default=1.15, help="gate: largest allowed k_comm and k_comp")
+                   help="grid axis, repeatable (default: GPU method=decomposed,fused sm_margin=0,8,16,32 "
+                        "chunks_per_rank=1,2; CPU sm_margin=0,8 chunks_per_rank=1,2)")
+    p.add_argument("--max-k", type=float, default=None,
+                   help=f"gate: largest allowed k_comm and k_comp (default: {GPU_MAX_K} on GPU, no gate on CPU)")
     p.add_argument("--gate", choices=("all", "best"), default="all", help="op rows the gate checks")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out-dir", default="results", help="where JSON, PNGs and the Chrome trace go")
+    p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up repetitions per measurement")
+    p.add_argument("--out-dir", default=None, help="where JSON, PNGs and the Chrome traces go (default: a new "
+                   "run folder runs/kfactor-<UTC time>/; results of record only with --out-dir results)")
     p.add_argument("--write-config", default=None, metavar="PATH", help="write the tuned YAML preset here")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs and the Chrome trace")
     p.add_argument("--inject-comm-delay-ms", type=float, default=0.0,
                    help="test aid: slow the comm path by this much, only while compute runs")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     try:
         args.grid = parse_sweep(args.sweep)
@@ -123,26 +137,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [o for o in args.ops if o not in OPS]
     if bad or not args.ops:
         p.error(f"--ops: unknown {bad}; allowed: {', '.join(OPS)}")
+    if args.reps < 1 or args.warmup < 0:
+        p.error(f"--reps must be > 0 and --warmup >= 0, got {args.reps} and {args.warmup}")
+    if args.max_k is not None and not args.max_k > 0:
+        p.error(f"--max-k must be > 0, got {args.max_k}")
     return args
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, k, n = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise UsageError(f"--shapes: expected MxKxN (three integers), got {text!r}") from None
+    return m, k, n
 
 
 def points_for(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
     shape_op = "gemm_rs" if op == "gemm_rs" else "ag_gemm"
     if args.shapes:
-        pts = [ShapePoint("custom", shape_op, *_ints(s.replace("x", ","))) for s in args.shapes.split(",")]
+        pts = [ShapePoint("custom", shape_op, *_shape(s)) for s in args.shapes.split(",") if s]
     elif cuda:
         layers = args.layers.split(",") if args.layers else None
         table = rs_points if op == "gemm_rs" else ag_points
-        pts = table(world, ms=_ints(args.m) if args.m else M_VALUES, layers=layers)
+        pts = table(world, ms=args.m or M_VALUES, layers=layers)
     else:
-        pts = [ShapePoint("cpu.tiny", shape_op, m, CPU_K, CPU_N) for m in (_ints(args.m) if args.m else CPU_M)]
+        pts = [ShapePoint("cpu.tiny", shape_op, m, CPU_K, CPU_N) for m in args.m or CPU_M_VALUES]
+    require(pts, f"no {op} shape selected (--layers / --shapes)")
     for pt in pts:
-        if pt.m % world:
-            raise SystemExit(f"launch.kfactor: M={pt.m} is not divisible by the TP size {world}")
+        require(min(pt.m, pt.k, pt.n) > 0, f"M, K and N must be > 0, got {pt.m}x{pt.k}x{pt.n}")
+        require(pt.m % world == 0, f"M={pt.m} is not divisible by the TP size {world}")
     return pts
 
 
@@ -170,7 +193,7 @@ def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sm
         if cfg not in out:
             out.append(cfg)
     if not out:
-        raise SystemExit(f"launch.kfactor: no swept method applies to {op} (allowed: {', '.join(METHODS[op])})")
+        raise UsageError(f"no swept method applies to {op} (allowed: {', '.join(METHODS[op])})")
     return out
 
 
@@ -289,7 +312,7 @@ def regimes_point(ctx, point: ShapePoint, base_cfg: OverlapConfig, env: dict) ->
     return rows
 
 
-def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: Path, num_sms) -> None:
+def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: Path, num_sms, labels) -> None:
     files = {}
     if not args.no_plots:
         from . import _plots
@@ -309,31 +332,42 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
         files["config"] = args.write_config
     extra = {"kind": "kfactor", "max_k": args.max_k, "gate": args.gate, "gate_failures": failures,
              "grid": {k: list(v) for k, v in args.effective_grid.items()}, "reps": args.reps, "warmup": args.warmup,
-             "inject_comm_delay_ms": args.inject_comm_delay_ms, "best": best, "files": files}
+             "inject_comm_delay_ms": args.inject_comm_delay_ms, "best": best, "files": files,
+             "run_kind": labels.kind, "run_notes": labels.header}
     write_results(stem.with_suffix(".json"), rows, device=ctx.device_name, tp=ctx.world_size, extra=extra)
     print(format_table(rows, COLUMNS))
     print(f"wrote {stem.with_suffix('.json')}" + "".join(f", {v}" for v in files.values() if isinstance(v, str)))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    with _dist.job("launch.kfactor", force_cpu=args.cpu) as ctx:
-        cuda = ctx.device.type == "cuda"
+def _run(args) -> int:
+    where = _dist.placement(force_cpu=args.cpu)
+    cuda = where.device.type == "cuda"
+    _dist.check_ranks(PROG, where, 2)
+    base_cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
+    base_cfg.check_world_size(where.world_size)
+    num_sms = torch.cuda.get_device_properties(where.device).multi_processor_count if cuda else None
+    plan = [(op, points_for(args, op, where.world_size, cuda)) for op in args.ops]
+    args.effective_grid = dict(args.grid or (GPU_GRID if cuda else CPU_GRID))
+    configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms)
+               for op in args.ops if op != "regimes"}
+    if args.max_k is None and cuda:
+        args.max_k = GPU_MAX_K
+    labels = run_labels(where.device.type, where.world_size)
+    gate_note = None if args.max_k is not None else (
+        "k-factor gate: off (CPU k values are host-scheduling noise, not contention; --max-k K applies one)")
+    for line in labels.header + ([gate_note] if gate_note else []):
+        progress(line, rank=where.rank)
+    with _dist.job(PROG, where=where) as ctx:
         if not cuda:
             torch.set_num_threads(1)   # 2+ ranks x 2 threads each already fill a small CI machine
-        base_cfg = load_config(args.config) if args.config else load_preset(ctx.device_name, ctx.world_size)
-        base_cfg.check_world_size(ctx.world_size)
-        num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if cuda else None
-        stem = Path(args.out_dir) / f"kfactor_{device_slug(ctx.device_name)}_tp{ctx.world_size}"
-        if ctx.rank == 0:
-            stem.parent.mkdir(parents=True, exist_ok=True)
+        stem = None
+        if ctx.rank == 0:  # only rank 0 writes
+            out_dir = Path(args.out_dir) if args.out_dir else run_dir("kfactor")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            stem = out_dir / f"kfactor_{device_slug(ctx.device_name)}_tp{ctx.world_size}"
         flag = threading.Event()
         wrap = (partial(inject_comm_delay, delay_ms=args.inject_comm_delay_ms, active=flag, device=ctx.device)
                 if args.inject_comm_delay_ms > 0 else None)
-        plan = [(op, points_for(args, op, ctx.world_size, cuda)) for op in args.ops]
-        args.effective_grid = dict(args.grid or (GPU_GRID if cuda else CPU_GRID))
-        configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms)
-                   for op in args.ops if op != "regimes"}
         total = sum(len(pts) * (4 if op == "regimes" else len(configs[op])) for op, pts in plan)
         env = {"reps": args.reps, "warmup": args.warmup, "flag": flag, "wrap": wrap, "bar": _Bar(total, ctx.rank),
                "trace_path": lambda op: str(stem.parent / f"{stem.name}_{op}.trace.json")}
@@ -348,14 +382,22 @@ def main(argv=None) -> int:
                 rows += new
                 if timeline:
                     timelines.append((op, timeline))
+        rows = [{"run_kind": labels.kind} | row for row in rows]
         best = best_configs(rows)
-        failures = gate_failures(rows, args.max_k, best if args.gate == "best" else None)
+        failures = gate_failures(rows, args.max_k, best if args.gate == "best" else None) \
+            if args.max_k is not None else []
         if ctx.rank == 0:
-            _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem, num_sms)
+            for line in labels.header + ([gate_note] if gate_note else []):
+                print(line)
+            _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem, num_sms, labels)
             for message in failures:
                 print(f"k-factor gate: {message}", file=sys.stderr)
         dist.barrier(group=ctx.group)   # torchrun stops every rank once one exits non-zero: rank 0 writes first
         return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 of AG+GEMM at small M. For each launch kind: host µs per launch (enqueue only, 2,000 launches) and device
 µs per launch (the same 2,000 back to back, timed with events).
 
-    python -m launch.launch_overhead [--out results/launch_overhead_<gpu>.json]
+    python -m launch.launch_overhead [--out FILE]   (default: runs/launch_overhead-<UTC time>/launch_overhead_<gpu>.json)
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from launch._cli import run_dir
 from launch.report import device_slug, format_table, write_results
 
 N = 2000
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         rows.append({"launch": name, "host_us_per_launch": host_us, "device_us_per_launch": device_us})
         print(f"{name:36s} host {host_us:7.2f} us   device {device_us:7.2f} us", flush=True)
     name = torch.cuda.get_device_name(dev)
-    path = args.out or f"results/launch_overhead_{device_slug(name)}.json"
+    path = args.out or run_dir("launch_overhead") / f"launch_overhead_{device_slug(name)}.json"
     write_results(path, rows, device=name, tp=1, extra={"op": "launch_overhead", "launches": N})
     print(format_table(rows, ["launch", "host_us_per_launch", "device_us_per_launch"]))
     return 0

@@ -2,7 +2,7 @@
 
     python -m launch.offload_bench [--models llama8b,llama70b] [--tokens 16384,65536] [--layers 4]
         [--reps 20] [--warmup 3] [--budget auto|<bytes>|<fraction>x] [--pacing none,stagger]
-        [--time-budget-s 200] [--out results/offload_<gpu>.json] [--cpu]
+        [--time-budget-s 200] [--out FILE] [--cpu]
 
 For every (model, M) that fits the device without offload and the time budget (cheapest first; what is
 skipped is noted with the reason): a stack of `--layers` MLPs (launch/_bench_mlp.py: the saved tensors of
@@ -22,7 +22,9 @@ bitwise equal to `none` (checked once before the timed steps). Per point: D2H/H2
 the planner's prediction next to the measurement, and the targets (planner peak <= 0.70 x none, step <= 1.03
 x none, copies >= 45 GB/s, planner within 2 % of the fastest hand variant that is as lean). The JSON
 (device, commit, command, rows, points, notes) is rewritten after every point. The whole run stops
-starting new points past --time-budget-s. Under torchrun with N local ranks every rank runs the same
+starting new points past --time-budget-s. Without --out the JSON goes into a new run folder,
+runs/offload_bench-<UTC time>/offload_<gpu>.json (results of record: --out results/...). On CPU it is a
+functional check (labelled so): the copies are host memcpys and the GEMMs torch.mm. Under torchrun with N local ranks every rank runs the same
 stack on its own GPU (max over ranks), which is how node-wide pacing is measured.
 """
 
@@ -42,37 +44,52 @@ from overlap.host_pool import HostPool, OffloadError
 from overlap.offload import OffloadEngine
 from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate,
                                   tensor_bytes)
-from launch.report import device_slug, format_table, write_results
+from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 
 from . import _dist
+from ._cli import ArgumentParser, int_list, run_dir, run_launcher
 from ._bench_mlp import BenchMLP
 from ._offload_measure import measure_copies, measure_layer_times, rates_from
 
+PROG = "launch.offload_bench"
 COPY_BYTES = 256 << 20
 TARGETS = {"peak_vs_none": 0.70, "time_vs_none": 1.03, "copy_gbps": 45.0, "planner_vs_best": 1.02}
-COLUMNS = ["model", "M", "variant", "peak_gib", "peak_vs_none", "t_step_ms", "spread", "time_vs_none",
+COLUMNS = ["run_kind", "model", "M", "variant", "peak_gib", "peak_vs_none", "t_step_ms", "spread", "time_vs_none",
            "pred_step_ms", "pred_peak_gib", "bitwise", "demand_fetches"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.offload_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help="llama8b,llama70b on GPU; tiny on CPU")
-    p.add_argument("--tokens", default=None, help="M values (default 16384,65536 GPU; 256,512 CPU)")
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated names of {', '.join(MODELS)} (default: llama8b,llama70b on GPU; tiny on CPU)")
+    p.add_argument("--tokens", type=int_list, default=None, metavar="M[,M...]",
+                   help="M values (default: 16384,65536 on GPU; 256,512 on CPU)")
     p.add_argument("--layers", type=int, default=4,
                    help="MLPs in the stack (an offloaded copy hides behind the later layers)")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant")
     p.add_argument("--budget", default="auto", help="auto | bytes | a fraction of none's peak, e.g. 0.7x")
     p.add_argument("--pacing", default="none,stagger", help="pacing modes for the planner variant (several ranks)")
-    p.add_argument("--time-budget-s", type=float, default=200.0)
+    p.add_argument("--time-budget-s", type=float, default=200.0, help="no new point starts past this")
     p.add_argument("--host-gib", type=float, default=None, help="host pool cap (default: half of MemAvailable)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--out", default=None, help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
+                   ".json; results of record only with an explicit --out results/...)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = make_parser()
     args = p.parse_args(argv)
     if args.layers < 1 or args.reps < 1 or args.warmup < 0 or args.time_budget_s <= 0:
         p.error("--layers and --reps must be >= 1, --warmup >= 0, --time-budget-s > 0")
+    names = (args.models or "").split(",") if args.models else []
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
+    if any(m <= 0 for m in args.tokens or ()):
+        p.error(f"--tokens must be > 0, got {','.join(map(str, args.tokens))}")
     return args
 
 
@@ -284,13 +301,16 @@ def _targets(rows, copies, cuda) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _run(args) -> int:
     start = time.monotonic()
-    with _dist.job("launch.offload_bench", force_cpu=args.cpu, min_ranks=1) as ctx:
+    where = _dist.placement(force_cpu=args.cpu)
+    labels = run_labels(where.device.type, 2)  # one GPU per rank by design: only the CPU note applies
+    for line in labels.header:
+        progress(line, rank=where.rank)
+    with _dist.job(PROG, min_ranks=1, where=where) as ctx:
         cuda = ctx.device.type == "cuda"
         names = (args.models or ("llama8b,llama70b" if cuda else "tiny")).split(",")
-        tokens = [int(t) for t in (args.tokens or ("16384,65536" if cuda else "256,512")).split(",")]
+        tokens = list(args.tokens or ((16384, 65536) if cuda else (256, 512)))
         local = _local_ranks(ctx)
         notes, chosen, spent = [], [], 0.0
         points = sorted(((_estimate(MODELS[n], m, args, cuda), n, m) for n in names for m in tokens),
@@ -313,9 +333,11 @@ def main(argv=None) -> int:
                  f"pinned={pool_stats.pinned} NUMA node {pool_stats.numa_node} ({pool_stats.numa_source}; "
                  f"{pool_stats.placement}; pages on {pool_stats.page_nodes}); {time.monotonic() - start:.1f} s",
                  rank=ctx.rank)
-        out = args.out or f"results/offload_{device_slug(ctx.device_name)}.json"
+        out = (args.out or run_dir("offload_bench") / f"offload_{device_slug(ctx.device_name)}.json") \
+            if ctx.rank == 0 else None  # rank 0 writes
         rows, done = [], []
-        extra = {"op": "offload_bench", "layers": args.layers, "reps": args.reps, "warmup": args.warmup,
+        extra = {"op": "offload_bench", "run_kind": labels.kind, "run_notes": labels.header,
+                 "layers": args.layers, "reps": args.reps, "warmup": args.warmup,
                  "local_ranks": local[1], "host_pool": pool_stats.__dict__, "targets": TARGETS}
         try:
             for est, n, m in chosen:
@@ -342,7 +364,9 @@ def main(argv=None) -> int:
             host.close()
         if ctx.rank == 0:
             write_results(out, rows, device=ctx.device_name, tp=1, extra=extra | {"points": done, "notes": notes})
-            print(format_table(rows, COLUMNS))
+            for line in labels.header:
+                print(line)
+            print(format_table([{"run_kind": labels.kind} | r for r in rows], COLUMNS))
             for point in done:
                 print(f"\n{point['model']} M={point['M']}: copies D2H {point['copies']['d2h_gbps']:.1f} GB/s, H2D "
                       f"{point['copies']['h2d_gbps']:.1f} GB/s, k_copy {point['copies']['k_copy_d2h']:.3f}/"
@@ -356,6 +380,10 @@ def main(argv=None) -> int:
                 print(f"note: {note}")
             print(f"wrote {out} in {time.monotonic() - start:.0f} s")
         return 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":

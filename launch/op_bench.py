@@ -28,6 +28,7 @@ from launch.shapes import ShapePoint
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
+from ._cli import UsageError
 from ._dist import DistContext
 from ._graphs import graph_variants
 
@@ -245,7 +246,7 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
 def run(ctx: DistContext, op: str, points: list[ShapePoint], configs: list, *, warmup: int,
         reps: int, cuda_graphs: bool = False) -> list[dict]:
     if cuda_graphs and ctx.device.type != "cuda":
-        raise SystemExit("--cuda-graphs needs CUDA devices")
+        raise UsageError("--cuda-graphs needs CUDA devices")
     bench_point = bench_ag_point if op == "ag_gemm" else bench_rs_point
     rows = []
     for i, point in enumerate(points):

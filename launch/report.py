@@ -9,10 +9,34 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from overlap import envs
 
-__all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug"]
+__all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug", "run_labels", "RunLabels",
+           "CPU_NOTE", "ONE_RANK_NOTE"]
+
+CPU_NOTE = ("CPU run: functional check, not a performance measurement (gloo + the host pool: the comm path is "
+            "a memcpy on a thread, GEMMs are torch.mm; times are host clocks, not comparable with GPU ones)")
+ONE_RANK_NOTE = ("1 rank: nothing to overlap (no peer to gather from or reduce to); the overlap columns time "
+                 "the ops' machinery alone")
+
+
+class RunLabels(NamedTuple):
+    kind: str            # the table's `run_kind` column: measurement | CPU check | 1 rank | CPU check, 1 rank
+    header: list[str]    # lines printed above the table (and stored in the JSON as `notes`)
+
+
+def run_labels(device_type: str, world_size: int) -> RunLabels:
+    """What a run's numbers are: a measurement only on GPUs with at least 2 ranks."""
+    kinds, header = [], []
+    if device_type != "cuda":
+        kinds.append("CPU check")
+        header.append(CPU_NOTE)
+    if world_size == 1:
+        kinds.append("1 rank")
+        header.append(ONE_RANK_NOTE)
+    return RunLabels(", ".join(kinds) or "measurement", header)
 
 
 def git_commit() -> str:

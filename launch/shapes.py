@@ -1,12 +1,15 @@
-"""The benchmark shape table of DESIGN.md (bf16; W = TP size), shared by benchmarks, sweeps and tests."""
+"""The benchmark shape table (bf16; W = TP size; docs/ARCHITECTURE.md), shared by benchmarks, sweeps and tests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ShapePoint", "AG_LAYERS", "RS_LAYERS", "M_VALUES", "ag_points", "rs_points"]
+__all__ = ["ShapePoint", "AG_LAYERS", "RS_LAYERS", "M_VALUES", "ag_points", "rs_points", "CPU_M_VALUES", "CPU_K",
+           "CPU_N"]
 
 M_VALUES = (1024, 4096, 16384)
+# CPU runs (functional checks): tiny [M, 64] @ [64, 64] points, seconds each instead of minutes
+CPU_M_VALUES, CPU_K, CPU_N = (256, 512), 64, 64
 # layer -> (hidden H, N_total for AG / K_total for RS)
 AG_LAYERS = {"llama8b.qkv": (4096, 6144), "llama8b.fc1": (4096, 28672),
              "llama70b.qkv": (8192, 10240), "llama70b.fc1": (8192, 57344)}

@@ -1,4 +1,4 @@
-"""The timing harness every benchmark uses (DESIGN.md "Definitions").
+"""The timing harness every benchmark uses (docs/ARCHITECTURE.md, "Timing").
 
 Per repetition and per variant (variants interleaved round-robin, the order rotated each rep): the
 device is drained, the ranks meet at a barrier, L2 is flushed, then the variant runs between two events
@@ -12,6 +12,7 @@ of the group, and each variant reports median / min / max of those maxima.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -23,10 +24,11 @@ import torch.distributed as dist
 
 from overlap import envs
 
-__all__ = ["Stats", "Timer", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
+__all__ = ["Stats", "Timer", "Ticker", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
 SLEEP_CYCLES_PER_US = 2000  # torch.cuda._sleep spins for clock cycles; ~1.98 GHz on an H200 (at least as long below)
+PROGRESS_INTERVAL_S = 2.0  # bench_interleaved with a label: at most one progress line per interval
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,25 @@ def mark_ms(start, end) -> float:
 def progress(message: str, *, rank: int = 0) -> None:
     if rank == 0 and envs.progress_enabled():
         print(f"[overlap] {message}", file=sys.stderr, flush=True)
+
+
+class Ticker:
+    """Progress of a long loop on rank 0: a line when a phase starts, when its last call starts, and at
+    most one per PROGRESS_INTERVAL_S in between, so that a slow run is never silent for long."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.rank = dist.get_rank() if label and dist.is_available() and dist.is_initialized() else 0
+        self.last, self.phase = -math.inf, None
+
+    def __call__(self, phase: str, i: int, total: int, name: str, *, last: bool | None = None) -> None:
+        if not self.label:
+            return
+        now = time.monotonic()
+        last = i == total - 1 if last is None else last
+        if phase != self.phase or last or now - self.last >= PROGRESS_INTERVAL_S:
+            self.last, self.phase = now, phase
+            progress(f"{self.label}{phase} {i + 1}/{total} ({name})", rank=self.rank)
 
 
 class Timer:
@@ -104,21 +125,26 @@ def barrier(group: dist.ProcessGroup | None, device: torch.device) -> None:
 def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.ProcessGroup | None,
                       device: torch.device, warmup: int = 3, reps: int = 20, flush_l2: bool = True,
                       hold_device_us: float = 0.0, label: str = "") -> dict[str, Stats]:
-    """Time every variant `reps` times, interleaved; returns Stats per variant (max over ranks)."""
+    """Time every variant `reps` times, interleaved; returns Stats per variant (max over ranks). With a
+    `label`, rank 0 reports progress ("<label>warm-up i/N", "<label>timed step i/N") on stderr."""
     if reps < 1 or warmup < 0:
         raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     names = list(variants)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) \
         if flush_l2 and device.type == "cuda" else None
-    for _ in range(warmup):
+    tick = Ticker(label)
+    for i in range(warmup):
         for name in names:
+            tick("warm-up", i, warmup, name, last=i == warmup - 1 and name == names[-1])
             variants[name]()
     barrier(group, device)
     timer = Timer(device)
     tickets: dict[str, list[int]] = {n: [] for n in names}
     for rep in range(reps):
         shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in order:
+            tick("timed step", rep, reps, name, last=rep == reps - 1 and name == order[-1])
             barrier(group, device)
             if flush is not None:
                 flush.zero_()

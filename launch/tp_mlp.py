@@ -10,9 +10,12 @@ GPU name and TP size); checks output and gradients against the `overlap=False` m
 training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on CUDA, PyTorch's async-TP
 fused ops, interleaved (launch.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
 its spans inside a step (CUDA streams; CPU: host clock on the caller's and the comm thread) over the op's
-solo comm / GEMM times. Prints a table on rank 0 and writes
-results/tp_mlp_<device-slug>_tp<W>.json (or --out). Without GPUs (or with --cpu) it runs on CPU ranks
-with gloo and the host pool. --cuda-graphs (CUDA) times each
+solo comm / GEMM times. Prints a table on rank 0 and writes its JSON into a new run folder,
+runs/tp_mlp-<UTC time>/tp_mlp_<device-slug>_tp<W>.json (or --out; results of record: --out results/...).
+Rank 0 reports progress on stderr within every point (building, numerics check, warm-up, timed step i/N,
+k, sustained blocks). Without GPUs (or with --cpu) it runs on CPU ranks with gloo and the host pool: a
+functional check, labelled so in the table (`run_kind`) and above it; one rank (plain `python -m
+launch.tp_mlp`) runs too, labelled "1 rank" (nothing to overlap). --cuda-graphs (CUDA) times each
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
 columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
 one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
@@ -30,63 +33,73 @@ import dataclasses
 import math
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from overlap import envs
-from overlap.config import MODELS, ModelConfig
+from overlap.config import ACTIVATIONS, MODELS, ModelConfig
 from overlap.presets import load_config, load_preset
-from overlap.layers import TPMLP, pool_requirements
-from launch.report import device_slug, format_table, write_results
+from overlap.layers import BASELINES, TPMLP, pool_requirements
+from launch.report import device_slug, format_table, run_labels, write_results
 from launch.k_factor import KFactor
-from launch.timing import barrier, bench_interleaved, progress
+from launch.timing import Ticker, barrier, bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
+from ._cli import ArgumentParser, int_list, require, run_dir, run_launcher
 from ._sustained import sustained_blocks
 
+PROG = "launch.tp_mlp"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
 TRACE_STEPS = 5
-COLUMNS = ["model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
+COLUMNS = ["run_kind", "model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
            "speedup", "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag",
            "k_comm_fc2_bwd_ag", "k_comp_fc2_bwd_ag", "rel_err_max"]
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launch.tp_mlp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU and TP size)")
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
+    p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU name and TP size)")
     p.add_argument("--model", default=None, help=f"comma-separated names of {', '.join(MODELS)} "
                    "(default: the preset's model section, else llama8b on GPU / tiny on CPU)")
-    p.add_argument("--activation", default=None, choices=("swiglu", "gelu"), help="override the model's")
-    p.add_argument("--tokens", type=_ints, default=None, help="token counts M (default 16384 GPU, 256 CPU)")
+    p.add_argument("--activation", default=None, choices=ACTIVATIONS,
+                   help="override the model's activation (default: the model's)")
+    p.add_argument("--tokens", type=int_list, default=None, metavar="M[,M...]",
+                   help="token counts M, each a multiple of the TP size (default: 16384 on GPU, 256 on CPU)")
     p.add_argument("--steps", "--reps", dest="steps", type=int, default=20, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 20 GPU, 2 CPU)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps per variant (default: 20 on GPU, 2 on CPU)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of weights and activations")
     p.add_argument("--baselines", default=None,
-                   help="nccl[,torch_symm] (default: both on GPU, nccl on CPU)")
+                   help="comma-separated subset of nccl,torch_symm (default: both on GPU, nccl on CPU and "
+                        "with --cuda-graphs; nccl is always run: the numerics check and the speedup use it)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
-    p.add_argument("--out", default=None, help="results JSON (default results/tp_mlp_<gpu>_tp<W>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default: runs/tp_mlp-<UTC time>/tp_mlp_<gpu>_tp<W>"
+                   "[_graphs].json; results of record only with an explicit --out results/...)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also time two blocks of about SECONDS of back-to-back steps per variant (A B C, "
-                        "C B A), with SM clock and power where nvidia-smi answers (default 0: off)")
+                        "C B A), with SM clock and power where nvidia-smi answers (0: off)")
     p.add_argument("--trace-dir", default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
                         "PNG and per-stream busy times go here (and into the row's `timeline`)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def _models(args, cfg, cuda: bool) -> list[ModelConfig]:
     if args.model:
-        models = [ModelConfig.named(name) for name in args.model.split(",")]
+        names = args.model.split(",")
+        unknown = [n for n in names if n not in MODELS]
+        require(not unknown, f"--model: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
+        models = [ModelConfig.named(name) for name in names]
     elif cfg.model is not None:
         models = [cfg.model]
     else:
@@ -119,13 +132,15 @@ def _grads(mlp: TPMLP, x, dy) -> tuple:
     return y, x.grad.clone(), mlp.fc1.weight.grad.clone(), mlp.fc2.weight.grad.clone()
 
 
-def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str) -> dict:
+def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") -> dict:
     """One forward+backward of every variant against the baseline; ours out of tolerance raises (the
     same error, max over ranks, on every rank); the torch_symm baseline's error is only recorded."""
+    progress(f"{label}numerics check: one training step of each variant against overlap=False", rank=ctx.rank)
     base = _grads(mlps["baseline"], x, dy)
     names = ("out", "grad_x", "grad_fc1", "grad_fc2")
     row = {}
     for variant in [v for v in mlps if v != "baseline"]:
+        progress(f"{label}numerics check: {variant}", rank=ctx.rank)
         got = _grads(mlps[variant], x, dy)
         errors = dict(zip(names, _max_over_ranks([_rel_err(a, b) for a, b in zip(got, base)], ctx)))
         if variant == "overlap":
@@ -138,7 +153,7 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str) -> dict:
     return row
 
 
-def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
+def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int, label: str = "") -> dict:
     """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) inside training steps: the
     op's traced spans (comm stream or thread; the whole call) over its gather alone and its GEMM alone."""
     keys = ("fc1_fwd_ag", "fc2_bwd_ag")
@@ -152,14 +167,18 @@ def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int) -> dict:
         if ctx.device.type == "cuda":  # CPU: the comm thread's span, below
             variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
         variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
+    progress(f"{label}k: each AllGather and GEMM alone", rank=ctx.rank)
     solo = {name: st.median_ms for name, st in
-            bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps).items()}
+            bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps,
+                              label=f"{label}k: ").items()}
     spans = {key: ([], []) for key in keys}
     for op in ops.values():
         op.enable_trace(True)
     if ctx.device.type != "cuda":
         solo |= _host_comm_solo(ctx, ops, shards, reps)
-    for _ in range(TRACE_STEPS):
+    tick = Ticker(f"{label}k: ")
+    for i in range(TRACE_STEPS):
+        tick("traced training step", i, TRACE_STEPS, "overlap")
         barrier(ctx.group, ctx.device)
         step()
         for key, op in ops.items():
@@ -233,9 +252,12 @@ def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
     return fields
 
 
-def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str]) -> dict:
+def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str], label: str = "") -> dict:
+    """One (model, M): build, check numerics, time (progress lines on rank 0 prefixed with `label`)."""
     dtype = DTYPES[args.dtype]
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
+    progress(f"{label}building the MLPs (ours, {', '.join(baselines)}; H={model.hidden}, "
+             f"FFN={model.ffn_hidden}, {model.activation})", rank=ctx.rank)
     ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
     mlps = {"overlap": ours}
     for name in baselines:
@@ -257,7 +279,7 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     dy = draw(m // ctx.world_size, model.hidden)
     row = {"model": model.name, "M": m, "hidden": model.hidden, "ffn_hidden": model.ffn_hidden,
            "activation": model.activation, "dtype": args.dtype}
-    row |= _check_numerics(ctx, mlps, x, dy, args.dtype)
+    row |= _check_numerics(ctx, mlps, x, dy, args.dtype, label)
     optimizers = {name: torch.optim.SGD(mlp.parameters(), lr=1e-4) for name, mlp in mlps.items()}
 
     def make_step(name):
@@ -271,12 +293,14 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     steps = {name: make_step(name) for name in mlps}
     if args.cuda_graphs:
         from ._graphs import graph_variants
+        progress(f"{label}capturing each variant's training step in a CUDA graph", rank=ctx.rank)
         steps = graph_variants(steps, group=ctx.group, rank=ctx.rank)
         if {"overlap", "baseline"} - set(steps):  # the drop was agreed: every rank raises this
             raise RuntimeError(f"{model.name} M={m}: a training step could not be captured in a CUDA graph "
                                f"(captured: {sorted(steps)}); run without --cuda-graphs")
         row["cuda_graphs"] = True
-    stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps)
+    stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps,
+                              label=label)
     ours.check_errors()
     for name in ("overlap", "baseline", "torch_symm"):
         s = stats.get(name)
@@ -286,13 +310,14 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
     if args.trace_dir:
+        progress(f"{label}profiling one step of ours and of the baseline", rank=ctx.rank)
         row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
         row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
     else:
-        row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2))
+        row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2), label=label)
     # last: its minutes of full load would change what the k and trace steps above measure
-    row |= _sustained(ctx, steps, stats, args, label=f"{model.name} M={m}: ")
+    row |= _sustained(ctx, steps, stats, args, label=label)
     ours.check_errors()
     row["ops"] = {role: dataclasses.asdict(op.config) for role, op in (
         ("fc1.fwd.ag", ours.fc1.ops.ag), ("fc1.bwd.rs", ours.fc1.ops.rs), ("fc2.fwd.rs", ours.fc2.ops.rs),
@@ -302,62 +327,87 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     return row
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    # (_dist imports torch._dynamo before the process group; a one-rank job is allowed: nothing to overlap)
-    with _dist.job("launch.tp_mlp", force_cpu=args.cpu, min_ranks=1) as ctx:
-        cuda = ctx.device.type == "cuda"
-        cfg = load_config(args.config) if args.config else load_preset(ctx.device_name, ctx.world_size)
-        cfg.check_world_size(ctx.world_size)
-        models = _models(args, cfg, cuda)
-        tokens = args.tokens or ((16384,) if cuda else (256,))
-        args.warmup = args.warmup if args.warmup is not None else (20 if cuda else 2)
-        if args.cuda_graphs and not cuda:
-            raise SystemExit("--cuda-graphs needs CUDA devices")
-        if not math.isfinite(args.sustained) or args.sustained < 0:
-            raise SystemExit(f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
-        if args.trace_dir and not cuda:
-            raise SystemExit("--trace-dir needs CUDA devices (it profiles GPU streams)")
-        default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
-        baselines = args.baselines.split(",") if args.baselines else default_baselines
-        if "nccl" not in baselines:
-            baselines.insert(0, "nccl")  # the numerics check and the speedup are against it
-        for model in models:
-            for m in tokens:
-                for what, value in (("ffn_hidden", model.ffn_hidden), ("--tokens", m)):
-                    if value % ctx.world_size:
-                        raise SystemExit(f"{model.name}: {what}={value} is not divisible by the TP size "
-                                         f"{ctx.world_size}")
+def _plan(args, where: _dist.Placement) -> SimpleNamespace:
+    """Everything a run needs that the arguments and the placement decide, validated before any process
+    group or pool exists (a bad value raises UsageError / ConfigError, the same on every rank)."""
+    cuda = where.device.type == "cuda"
+    require(args.steps > 0, f"--steps must be > 0, got {args.steps}")
+    require(args.warmup is None or args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    bad = [m for m in args.tokens or () if m <= 0]
+    require(not bad, f"--tokens must be > 0, got {','.join(map(str, bad))}")
+    require(math.isfinite(args.sustained) and args.sustained >= 0,
+            f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
+    require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
+    require(cuda or not args.trace_dir, "--trace-dir needs CUDA devices (it profiles GPU streams)")
+    cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
+    cfg.check_world_size(where.world_size)
+    models = _models(args, cfg, cuda)
+    tokens = args.tokens or ((16384,) if cuda else (256,))
+    default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
+    baselines = args.baselines.split(",") if args.baselines else default_baselines
+    unknown = [b for b in baselines if b not in BASELINES]
+    require(not unknown, f"--baselines: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(BASELINES)}")
+    require(cuda or "torch_symm" not in baselines, "--baselines torch_symm needs CUDA devices")
+    if "nccl" not in baselines:
+        baselines.insert(0, "nccl")  # the numerics check and the speedup are against it
+    for model in models:
+        require(model.ffn_hidden % where.world_size == 0,
+                f"{model.name}: ffn_hidden={model.ffn_hidden} is not divisible by the TP size {where.world_size}")
+    for m in tokens:
+        require(m % where.world_size == 0, f"--tokens={m} is not divisible by the TP size {where.world_size}")
+    return SimpleNamespace(cfg=cfg, models=models, tokens=tokens, baselines=baselines,
+                           warmup=args.warmup if args.warmup is not None else (20 if cuda else 2))
+
+
+def _run(args) -> int:
+    where = _dist.placement(force_cpu=args.cpu)
+    plan = _plan(args, where)
+    args.warmup = plan.warmup
+    cfg, models, tokens = plan.cfg, plan.models, plan.tokens
+    labels = run_labels(where.device.type, where.world_size)
+    for line in labels.header:
+        progress(line, rank=where.rank)
+    # a one-rank job is allowed (labelled: nothing to overlap); _dist imports torch._dynamo before the group
+    with _dist.job(PROG, min_ranks=1, where=where) as ctx:
         needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype],
                                    chunks_per_rank=cfg.op_config("ag_gemm", m).chunks_per_rank)
                  for mo in models for m in tokens]
         pool_bytes, signal_words, device_words = (sum(column) for column in zip(*needs))
-        progress(f"tp_mlp: {len(models) * len(tokens)} point(s) on {ctx.world_size} x {ctx.device_name}, "
+        points = [(model, m) for model in models for m in tokens]
+        progress(f"tp_mlp: {len(points)} point(s) on {ctx.world_size} x {ctx.device_name}, "
                  f"preset {cfg.source}, pool {pool_bytes / 2**20:.1f} MiB", rank=ctx.rank)
         rows = []
         with SymmetricPool(pool_bytes, group=ctx.group, device=ctx.device, num_signal_words=signal_words,
                            num_device_words=device_words, timeout_s=envs.timeout_s()) as pool:
-            for model in models:
-                for m in tokens:
-                    row = run_point(ctx, model, m, cfg, pool, args, baselines)
-                    rows.append(row)
-                    k = row["k_comm_fc1_fwd_ag"]
-                    progress(f"{model.name} M={m}: step {row['t_step_overlap_ms']:.3f} ms, overlap=False "
-                             f"{row['t_step_baseline_ms']:.3f} ms, speedup {row['speedup']:.3f}x, k_comm fc1 "
-                             f"{'-' if k is None else f'{k:.2f}'}, rel err {row['rel_err_max']:.2g}"
-                             + (f", sustained {row['speedup_sustained']:.3f}x" if args.sustained else ""),
-                             rank=ctx.rank)
+            for i, (model, m) in enumerate(points):
+                label = f"point {i + 1}/{len(points)} {model.name} M={m}: "
+                row = {"run_kind": labels.kind} | run_point(ctx, model, m, cfg, pool, args, plan.baselines, label)
+                rows.append(row)
+                k = row["k_comm_fc1_fwd_ag"]
+                progress(f"{label}step {row['t_step_overlap_ms']:.3f} ms, overlap=False "
+                         f"{row['t_step_baseline_ms']:.3f} ms, speedup {row['speedup']:.3f}x, k_comm fc1 "
+                         f"{'-' if k is None else f'{k:.2f}'}, rel err {row['rel_err_max']:.2g}"
+                         + (f", sustained {row['speedup_sustained']:.3f}x" if args.sustained else ""),
+                         rank=ctx.rank)
             pool.barrier()
         if ctx.rank == 0:
             suffix = "_graphs" if args.cuda_graphs else ""
-            out = args.out or f"results/tp_mlp_{device_slug(ctx.device_name)}_tp{ctx.world_size}{suffix}.json"
+            name = f"tp_mlp_{device_slug(ctx.device_name)}_tp{ctx.world_size}{suffix}.json"
+            out = args.out or run_dir("tp_mlp") / name
             write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
                           extra={"op": "tp_mlp", "preset": cfg.source, "steps": args.steps,
                                  "warmup": args.warmup, "step": "forward + backward + SGD step",
-                                 "cuda_graphs": args.cuda_graphs, "sustained_s": args.sustained})
+                                 "cuda_graphs": args.cuda_graphs, "sustained_s": args.sustained,
+                                 "run_kind": labels.kind, "run_notes": labels.header})
+            for line in labels.header:
+                print(line)
             print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
         return 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":

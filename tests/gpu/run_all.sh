@@ -8,6 +8,8 @@
 # $OUT (default ./out) gets two files: results_<phase>.tgz (JSON, PNG, traces, logs, written under $RES,
 # default /tmp/overlap_res, outside $OUT because the device tool returns only a few files per call) and
 # summary.txt; a short table is printed last. The GPU count comes from nvidia-smi.
+# Every launcher gets an explicit output under $RES (--out, kfactor --out-dir): without one a launcher
+# writes into runs/<launcher>-<UTC time>/ of the working directory, and results/ only on request.
 set -uo pipefail
 PHASE=${1:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

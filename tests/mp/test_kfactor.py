@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from launch._tune import best_configs, gate_failures, tuned_config
+from launch._cli import UsageError
 from launch.kfactor import configs_for, parse_sweep
 from overlap.config import AgGemmConfig, GemmRsConfig
 from overlap.presets import load_config, dump_config, parse_config
@@ -142,7 +143,7 @@ def test_a_swept_method_applies_only_to_the_ops_that_have_it():
     assert [(c.method, c.sm_margin) for c in ag] == [("decomposed", 0), ("decomposed", 16)]
     assert [(c.method, c.sm_margin) for c in rs] == [("decomposed", 0), ("decomposed", 16),
                                                      ("epilogue_reduce", 0), ("epilogue_reduce", 16)]
-    with pytest.raises(SystemExit, match="no swept method applies to ag_gemm"):
+    with pytest.raises(UsageError, match="no swept method applies to ag_gemm"):
         configs_for("ag_gemm", base, {"method": ("epilogue_reduce",)}, True, 132)
     # a lead GEMM only for the decomposed AG consumer; the preset's lead is dropped for fused
     lead = configs_for("ag_gemm", base, {"method": ("decomposed", "fused"), "lead_fraction": (0.0, 0.25)}, True, 132)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from launch.report import format_table, write_results
+from launch.bench import POOL_BW_CPU_NOTE
+from launch.report import CPU_NOTE, format_table, write_results
 from launch.timing import bench_interleaved
 from tests.multiproc import run_ranks
 
@@ -61,6 +62,9 @@ def test_bench_cli_runs_on_two_cpu_ranks(tmp_path):
         assert row["ce_pull_GBps"] > 0 and row["allgather_GBps"] > 0 and row["allgather_backend"] == "gloo"
         assert row["ce_pull_min_ms"] <= row["ce_pull_median_ms"] <= row["ce_pull_max_ms"]
     assert "| size_bytes |" in proc.stdout and "pool_bw 2/2" in proc.stderr
+    # CPU: a functional check, and its "copy engine" is a memcpy (said above the table)
+    assert CPU_NOTE in proc.stdout.splitlines() and POOL_BW_CPU_NOTE in proc.stdout.splitlines()
+    assert doc["run_kind"] == "CPU check" and all(row["run_kind"] == "CPU check" for row in doc["rows"])
 
 
 def test_bench_refuses_one_rank(tmp_path):

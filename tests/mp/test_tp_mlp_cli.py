@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from launch.report import CPU_NOTE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,7 +41,18 @@ def test_tp_mlp_cli_runs_on_two_cpu_ranks(tmp_path):
         assert row["speedup_sustained"] is None and row["t_step_overlap_sustained_ms"] is None  # not asked
         assert set(row["ops"]) == {"fc1.fwd.ag", "fc1.bwd.rs", "fc2.fwd.rs", "fc2.bwd.ag"}
         assert row["ops"]["fc1.fwd.ag"]["method"] == "decomposed"
-    assert "| model | M |" in proc.stdout and "tiny M=128: step" in proc.stderr
+    assert "| run_kind | model | M |" in proc.stdout and "point 2/2 tiny M=128: step" in proc.stderr
+    # a functional check on CPU, said above the table and in a column
+    assert CPU_NOTE in proc.stdout.splitlines() and doc["run_kind"] == "CPU check"
+    assert all(row["run_kind"] == "CPU check" for row in doc["rows"]) and "| CPU check | tiny | 64 |" in proc.stdout
+    # progress within every point, in order: never silent for a whole point
+    phases = ["building the MLPs", "numerics check: one training step", "numerics check: overlap", "warm-up 1/1",
+              "timed step 1/3", "timed step 3/3", "k: each AllGather and GEMM alone", "k: traced training step 1/5",
+              "k: traced training step 5/5", "step "]
+    for point in ("point 1/2 tiny M=64: ", "point 2/2 tiny M=128: "):
+        lines = [line for line in proc.stderr.splitlines() if point in line]
+        found = [next((i for i, line in enumerate(lines) if point + phase in line), None) for phase in phases]
+        assert None not in found and found == sorted(found), (point, found, lines)
 
 
 def test_tp_mlp_cli_sustained_blocks_time_every_variant(tmp_path):

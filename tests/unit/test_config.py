@@ -185,11 +185,12 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
     import torch
 
     from launch import op_bench
+    from launch._cli import UsageError
 
     class CpuContext:
         device = torch.device("cpu")
 
-    with pytest.raises(SystemExit, match="--cuda-graphs needs CUDA devices"):
+    with pytest.raises(UsageError, match="--cuda-graphs needs CUDA devices"):
         op_bench.run(CpuContext(), "ag_gemm", [], [], warmup=1, reps=1, cuda_graphs=True)
 
 

@@ -1,0 +1,152 @@
+"""The launchers' edges: argument parsing, one-line errors, run folders, labels of what a run measured.
+
+Errors. A launcher's `main(argv)` is `run_launcher(prog, parse_args, body, argv)`; whatever goes wrong is
+printed as ONE line, `<prog>: <message>`, on stderr, and the process exits non-zero:
+
+* usage errors (`UsageError`: a bad argument, found before the process group or any pool exists;
+  `ConfigError`: a preset): every rank finds the same error from the same arguments, so only rank 0
+  prints, with exit status 2. Under torchrun the other ranks then exit 0: torchrun still fails the job
+  (rank 0 failed) and reports one failed rank instead of one report per rank.
+* any other error: exit status 1 on every rank that raised it; rank 0 prints, and another rank prints
+  (`<prog>: rank R: ...`) unless its error is one every rank raises the same way (`OpInputError`,
+  `PeerAbortError`: a peer gave up, that peer says why).
+
+`--debug` (every launcher has it) prints the traceback as well. torchrun itself adds its own failure
+report (`ChildFailedError`, ~30 lines) after any job with a failed rank; that part is not ours to change.
+
+Outputs. Without `--out` / `--out-dir`, a launcher writes into a new run folder `runs/<launcher>-<UTC
+time>/` under the working directory (gitignored); `results/` holds results of record and is written only
+when asked for explicitly (`--out results/...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "run_launcher", "run_dir", "env_rank",
+           "under_torchrun", "RUNS_DIR"]
+
+RUNS_DIR = "runs"
+USAGE_EXIT, ERROR_EXIT = 2, 1
+
+
+class UsageError(Exception):
+    """A bad argument: the same on every rank, found before any communication."""
+
+
+def env_rank() -> int:
+    """This process's rank from torchrun's environment (0 for a plain `python -m`); needs no process group."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's layout; appends each option's default to its help unless the help already
+    says what the default is (defaults that depend on the device are spelled out in the help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        value = action.default
+        if (not action.option_strings or value is None or value is False or value is argparse.SUPPRESS
+                or "default" in text):
+            return text
+        shown = ",".join(str(v) for v in value) if isinstance(value, (tuple, list)) else str(value)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the launchers' conventions: errors raise UsageError (one line, rank 0), help and
+    defaults shown by rank 0 only, no abbreviations (an abbreviation that torchrun's own parser also
+    matches is swallowed by torchrun), and `--debug`."""
+
+    def __init__(self, prog: str, description: str | None = None, **kwargs):
+        super().__init__(prog=prog, description=description, formatter_class=HelpFormatter, allow_abbrev=False,
+                         **kwargs)
+        self.add_argument("--debug", action="store_true", help="on an error, print its traceback too")
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+    def _print_message(self, message, file=None):
+        if env_rank() == 0:  # --help under torchrun: once, not once per rank
+            super()._print_message(message, file)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type of a comma-separated list of integers: '1024,4096' -> (1024, 4096)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+def _quiet_on_other_ranks(exc: BaseException) -> bool:
+    """Errors that every rank raises the same way (rank 0's line says it)."""
+    from overlap import ConfigError, OpInputError
+    from symm_mem import PeerAbortError
+    return isinstance(exc, (UsageError, ConfigError, OpInputError, PeerAbortError))
+
+
+def _one_line(exc: BaseException) -> str:
+    from overlap import ConfigError
+    text = " ".join(str(exc).split())  # one line, whatever the message holds
+    if isinstance(exc, ConfigError) and exc.file in ("", "<config>"):  # not from a file: say what, not where
+        return " ".join((f"{exc.key}: {exc.detail}" if exc.key else exc.detail).split())
+    if isinstance(exc, (UsageError, ConfigError)):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> int:
+    """Parse, run `body(args)`, and turn any error into one line and an exit status (module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    rank = env_rank()
+    try:
+        args = parse_args(argv)
+        return body(args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the launcher's one place that reports errors
+        from overlap import ConfigError
+        usage = isinstance(exc, (UsageError, ConfigError))
+        if debug:
+            print(f"{prog}: rank {rank}: " + "".join(traceback.format_exception(exc)).rstrip(), file=sys.stderr)
+        if rank == 0:
+            print(f"{prog}: {_one_line(exc)}", file=sys.stderr, flush=True)
+        elif not _quiet_on_other_ranks(exc):
+            print(f"{prog}: rank {rank}: {_one_line(exc)}", file=sys.stderr, flush=True)
+        if usage:
+            return 0 if rank != 0 and under_torchrun() else USAGE_EXIT
+        return ERROR_EXIT
+
+
+def run_dir(launcher: str) -> Path:
+    """A new folder `runs/<launcher>-<UTC time>/` under the working directory (created; call on rank 0)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(RUNS_DIR) / f"{launcher}-{stamp}"
+    path, n = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")

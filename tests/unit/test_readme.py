@@ -1,0 +1,103 @@
+"""The README against the code: its two commands are the CI's and pin versions inside pyproject's bounds,
+every test it names exists, every launcher option its commands use exists, every env var is documented."""
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+
+
+def _bash_lines(text: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    joined = [b.replace("\\\n", " ") for b in blocks]
+    return [line.strip() for b in joined for line in b.splitlines() if line.strip()]
+
+
+def _two_commands() -> tuple[str, str]:
+    commands = [line for line in _bash_lines(README) if line.startswith("python3 -m venv .venv")]
+    (main_job,) = [c for c in commands if c.endswith("-m launch.tp_mlp")]
+    (tests,) = [c for c in commands if c.endswith("-m pytest -q")]
+    return main_job, tests
+
+
+def test_the_two_commands_share_the_install_and_ci_runs_the_test_command_as_written():
+    main_job, tests = _two_commands()
+    install = tests.rsplit(" && ", 1)[0]
+    assert main_job.rsplit(" && ", 1)[0] == install
+    assert 'pip install -q torch==2.13.0 triton==3.7.1 -e ".[test]"' in install
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci, "the CI must run the README's test command exactly"
+
+
+def test_the_pins_are_inside_the_pyproject_bounds():
+    from packaging.requirements import Requirement
+
+    _, tests = _two_commands()
+    pins = dict(re.findall(r"\b(torch|triton)==([\w.]+)", tests))
+    deps = {Requirement(d).name: Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())
+            ["project"]["dependencies"]}
+    for name, version in pins.items():
+        assert deps[name].specifier.contains(version), (name, version, str(deps[name].specifier))
+    # the versions of the GPU machine (torch 2.11 + Triton 3.6.0) are inside the bounds too
+    assert deps["torch"].specifier.contains("2.11.0") and deps["triton"].specifier.contains("3.6.0")
+
+
+def _referenced_tests(text: str) -> list[tuple[str, str | None]]:
+    """(file, test name or None) for every `tests/...py[::name]` and every `::name` after a file in a line."""
+    refs = []
+    for line in text.splitlines():
+        last = None
+        for path, name, cont in re.findall(r"`(tests/[\w/]+\.py)(?:::([\w*]+))?[^`]*`|`::([\w*]+)[^`]*`", line):
+            if path:
+                last = path
+                refs.append((path, name or None))
+            elif last:
+                refs.append((last, cont))
+    return refs
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/ARCHITECTURE.md"])
+def test_every_test_the_docs_name_exists(doc):
+    refs = _referenced_tests((ROOT / doc).read_text())
+    assert refs or doc != "README.md"
+    for path, name in refs:
+        source = ROOT / path
+        assert source.is_file(), path
+        if name:
+            pattern = r"def " + name.replace("*", r"\w*") + r"\b"
+            assert re.search(pattern, source.read_text()), f"{path}::{name} does not exist"
+
+
+def test_every_launcher_option_in_the_readme_exists():
+    checked = 0
+    for line in _bash_lines(README):
+        match = re.search(r"-m launch\.(\w+)(.*)", line)
+        if not match:
+            continue
+        name, rest = match.groups()
+        assert (ROOT / "launch" / f"{name}.py").is_file(), name
+        module = importlib.import_module(f"launch.{name}")
+        if not hasattr(module, "make_parser"):
+            continue
+        known = {s for a in module.make_parser()._actions for s in a.option_strings}
+        used = re.findall(r"(?<![\w-])(--[\w-]+)", rest.split("#")[0])
+        unknown = [u for u in used if u not in known]
+        assert not unknown, (line, unknown)
+        assert "--m" not in used, line
+        checked += 1
+    assert checked >= 8
+
+
+def test_every_env_var_is_documented_and_the_architecture_is_in_the_repo():
+    names = set(re.findall(r"\"(OVERLAP_\w+)\"", (ROOT / "overlap" / "envs.py").read_text()))
+    assert names
+    for name in names:
+        assert f"| `{name}` |" in README, name
+    assert "../shared" not in README and "(docs/ARCHITECTURE.md)" in README and ARCHITECTURE.is_file()
