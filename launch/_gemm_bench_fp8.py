@@ -20,6 +20,7 @@ import torch
 
 from overlap.fp8 import choose_fp8_blocks, fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference
 from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks
+from launch._cli import run_dir
 from launch.report import device_slug, format_table, write_results
 from launch.timing import bench_interleaved, progress
 from overlap.triton_gemm import gpu_name, num_sms
@@ -37,7 +38,7 @@ PER_CALL_OVERHEAD_S = 6e-4
 def run_fp8(args) -> int:
     started = time.monotonic()
     dev, device_name = bench_device(args.device)
-    out = args.out or f"results/gemm_fp8_{device_slug(device_name)}.json"
+    out = args.out or str(run_dir("gemm_bench") / f"gemm_fp8_{device_slug(device_name)}.json")
     candidates = {name: GemmBlocks.parse(name) for name in (args.configs or FP8_CANDIDATES)}
     failed: dict[str, str] = {}
     rows, skipped, entries = [], [], {}

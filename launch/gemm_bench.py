@@ -2,7 +2,7 @@
 AG and RS shape tables at the given TP sizes, in both layouts of B: what the fused ops can reach.
 
     python -m launch.gemm_bench --tp 2,4,8 [--m 1024,4096,16384] [--layouts kn,nk] [--table PATH]
-        [--configs NAME,...] [--time-budget-s 110] [--out results/gemm_<gpu>_tp2_4_8.json]
+        [--configs NAME,...] [--time-budget-s 110] [--out FILE (default runs/gemm_bench-<time>/...)]
     python -m launch.gemm_bench --fp8 --tp 2,4,8 [...] [--write-table PATH]     (launch/_gemm_bench_fp8.py)
 
 Single process, one GPU. Per (shape, layout) -- `kn`: B row-major [K, N]; `nk`: B = w.t() of a row-major
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from launch._cli import run_dir
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import M_VALUES, ag_points, rs_points
 from launch.timing import bench_interleaved, progress
@@ -115,7 +116,7 @@ def _run_bf16(args) -> int:
     dev, device_name = bench_device(args.device)
     table = load_block_table(path=args.table) if args.table else load_block_table(gpu_name(dev) or "cpu")
     tag = "_".join(str(w) for w in args.tp)
-    out = args.out or f"results/gemm_{device_slug(device_name)}_tp{tag}.json"
+    out = args.out or str(run_dir("gemm_bench") / f"gemm_{device_slug(device_name)}_tp{tag}.json")
     rows, skipped = [], []
     points = [(pt, layout) for pt in shape_points(args.tp, args.m, args.layers, args.shapes) for layout in args.layouts]
     for i, ((layer, op, world, m, n, k), layout) in enumerate(points):

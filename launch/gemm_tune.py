@@ -1,7 +1,7 @@
 """Tune the persistent Triton GEMM's blocks on one GPU and write the block table that choose_blocks reads.
 
     python -m launch.gemm_tune [--tp 2,4,8] [--m 1024,4096,16384] [--layouts kn,nk] [--time-budget-s 240]
-        [--out-table configs/gemm_blocks/<gpu>.yaml] [--out results/gemm_tune_<gpu>.json]
+        [--out-table FILE] [--out FILE]   (default: a run folder, runs/gemm_tune-<time>/)
 
 For every local GEMM of DESIGN.md's table at the given TP sizes and M, and for both layouts of B (`kn`:
 row-major [K, N]; `nk`: `w.t()` of a row-major [N, K], the nn.Linear layout), every candidate block
@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from overlap.gemm_blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, GemmBlocks, block_table_path,
+from overlap.gemm_blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, GemmBlocks,
                                  heuristic_blocks, load_block_table)
+from launch._cli import run_dir
 from launch.report import device_slug, write_results
 from launch.shapes import M_VALUES, ag_points, rs_points
 from launch.timing import bench_interleaved, progress
@@ -189,9 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--hold-us", type=float, default=300.0)
     p.add_argument("--time-budget-s", type=float, default=240.0, help="wall-clock cap of the whole run")
-    p.add_argument("--out-table", default=None, help="default: configs/gemm_blocks/<gpu>.yaml")
+    p.add_argument("--out-table", default=None, help="default: runs/gemm_tune-<time>/<gpu>.yaml (copy it to "
+                   "configs/gemm_blocks/<gpu>.yaml to use it)")
     p.add_argument("--merge-table", default=None, help="entries kept unless re-measured (default: the GPU's table)")
-    p.add_argument("--out", default=None, help="results JSON (default results/gemm_tune_<gpu>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default runs/gemm_tune-<time>/gemm_tune_<gpu>.json)")
     p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the Triton interpreter: a smoke test)")
     p.add_argument("--canary-shape", type=lambda s: parse_shapes(s)[0], default=CANARY_SHAPE,
@@ -213,8 +215,9 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     gpu, sms = gpu_name(dev) or "cpu", num_sms(dev)
-    out_table = args.out_table or str(block_table_path(gpu))
-    out_json = args.out or f"results/gemm_tune_{device_slug(device_name)}.json"
+    folder = None if (args.out_table and args.out) else run_dir("gemm_tune")
+    out_table = args.out_table or str(folder / f"{gpu}.yaml")
+    out_json = args.out or str(folder / f"gemm_tune_{device_slug(device_name)}.json")
     base = load_block_table(path=args.merge_table) if args.merge_table else load_block_table(gpu)
     entries = {(e.layout, e.m, e.n, e.k): e for e in (base.entries if isinstance(base, BlockTable) else ())}
     work = [(m, n, k, names, layout) for (m, n, k, names) in tune_points(args.tp, args.m, args.shapes)

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node N -m launch.tp_mlp [--config FILE] [--model llama8b,llama70b]
              [--tokens 4096,16384] [--steps S] [--warmup W] [--dtype bf16|fp32] [--cpu] [--out FILE]
-             [--cuda-graphs] [--sustained SECONDS] [--trace-dir DIR]
+             [--cuda-graphs] [--sustained SECONDS] [--trace-dir DIR] [--fp8] [--offload auto|LIST]
 
 For every (model, M): builds the MLP from the model dims (--model, else the preset's `model` section, else
 llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
@@ -23,7 +23,11 @@ each stream's busy time in the row's `timeline` (launch/_timeline.py). --sustain
 variant as two blocks of about S seconds of back-to-back steps (order A B C, C B A), with rank 0's GPU's
 SM clock and power per variant where nvidia-smi answers (launch/_sustained.py): a training loop does not
 pause between steps, which on a power-capped GPU costs the faster variant clock and, where the eager step is
-host-bound, lets the host run ahead (`speedup_sustained`, `speedup_sustained_vs_torch_symm`).
+host-bound, lets the host run ahead (`speedup_sustained`, `speedup_sustained_vs_torch_symm`). --fp8 adds
+our MLP with FP8 GEMMs (variant overlap_fp8: e4m3 rows gathered with their scales, bf16 partials reduced;
+checked against overlap=False within FP8_TOLERANCE; `speedup_fp8`, `speedup_fp8_vs_bf16`). --offload
+times our step without and with activation offload of that MLP (launch/_offload_report.py: measured copy
+rates, the plan, `offload_time_ratio`, `offload_peak_ratio`).
 """
 
 from __future__ import annotations
@@ -31,30 +35,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from overlap import envs
 from overlap.config import ACTIVATIONS, MODELS, ModelConfig
 from overlap.presets import load_config, load_preset
 from overlap.layers import BASELINES, TPMLP, pool_requirements
 from launch.report import device_slug, format_table, run_labels, write_results
-from launch.k_factor import KFactor
-from launch.timing import Ticker, barrier, bench_interleaved, progress
+from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
 from . import _dist
+from ._offload_report import add_offload_argument, offload_report
 from ._cli import ArgumentParser, int_list, require, run_dir, run_launcher
+from ._step_k import max_over_ranks, step_k_factors
 from ._sustained import sustained_blocks
 
 PROG = "launch.tp_mlp"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
-TRACE_STEPS = 5
+# e4m3 costs ~4e-2 per GEMM on Gaussian data and a gradient chains up to three quantised GEMMs
+FP8_TOLERANCE = 0.15
+FP8_COLUMNS = ["t_step_overlap_fp8_ms", "speedup_fp8", "speedup_fp8_vs_bf16", "rel_err_overlap_fp8_max"]
+OFFLOAD_COLUMNS = ["offload_time_ratio", "offload_peak_ratio"]
 COLUMNS = ["run_kind", "model", "M", "activation", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
            "speedup", "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag",
            "k_comm_fc2_bwd_ag", "k_comp_fc2_bwd_ag", "rel_err_max"]
@@ -87,6 +93,10 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--trace-dir", default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
                         "PNG and per-stream busy times go here (and into the row's `timeline`)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time our MLP with FP8 GEMMs (e4m3, 1x128 activation and 128x128 weight scales; "
+                        f"variant overlap_fp8, checked against overlap=False within {FP8_TOLERANCE})")
+    add_offload_argument(p)
     return p
 
 
@@ -113,12 +123,6 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def _max_over_ranks(values: list[float], ctx) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    return t.tolist()
-
-
 def _fwd_bwd(mlp: TPMLP, x: torch.Tensor, dy: torch.Tensor):
     x.grad = None
     mlp.zero_grad(set_to_none=True)
@@ -142,7 +146,7 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") ->
     for variant in [v for v in mlps if v != "baseline"]:
         progress(f"{label}numerics check: {variant}", rank=ctx.rank)
         got = _grads(mlps[variant], x, dy)
-        errors = dict(zip(names, _max_over_ranks([_rel_err(a, b) for a, b in zip(got, base)], ctx)))
+        errors = dict(zip(names, max_over_ranks([_rel_err(a, b) for a, b in zip(got, base)], ctx)))
         if variant == "overlap":
             row |= {f"rel_err_{k}": v for k, v in errors.items()} | {"rel_err_max": max(errors.values())}
         else:
@@ -150,64 +154,10 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") ->
     tol = TOLERANCE[dtype_name] if ctx.device.type == "cpu" or dtype_name == "bf16" else 1e-3
     if row["rel_err_max"] > tol:
         raise RuntimeError(f"overlap vs overlap=False: relative errors {row} exceed {tol}")
+    if row.get("rel_err_overlap_fp8_max", 0.0) > FP8_TOLERANCE:
+        raise RuntimeError(f"overlap_fp8 vs overlap=False: relative error {row['rel_err_overlap_fp8_max']:.3g} "
+                           f"exceeds {FP8_TOLERANCE}")
     return row
-
-
-def _k_factors(ctx, mlp: TPMLP, x, dy, step, warmup: int, reps: int, label: str = "") -> dict:
-    """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) inside training steps: the
-    op's traced spans (comm stream or thread; the whole call) over its gather alone and its GEMM alone."""
-    keys = ("fc1_fwd_ag", "fc2_bwd_ag")
-    ops = {"fc1_fwd_ag": mlp.fc1.ops.ag, "fc2_bwd_ag": mlp.fc2.ops.ag}
-    shards = {"fc1_fwd_ag": x.detach(), "fc2_bwd_ag": dy}
-    weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t()}  # as backward passes it
-    variants = {}
-    for key, op in ops.items():
-        full = op.all_gather(shards[key]).clone()
-        out = torch.empty(full.shape[0], weights[key].shape[1], dtype=full.dtype, device=full.device)
-        if ctx.device.type == "cuda":  # CPU: the comm thread's span, below
-            variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
-        variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
-    progress(f"{label}k: each AllGather and GEMM alone", rank=ctx.rank)
-    solo = {name: st.median_ms for name, st in
-            bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps,
-                              label=f"{label}k: ").items()}
-    spans = {key: ([], []) for key in keys}
-    for op in ops.values():
-        op.enable_trace(True)
-    if ctx.device.type != "cuda":
-        solo |= _host_comm_solo(ctx, ops, shards, reps)
-    tick = Ticker(f"{label}k: ")
-    for i in range(TRACE_STEPS):
-        tick("traced training step", i, TRACE_STEPS, "overlap")
-        barrier(ctx.group, ctx.device)
-        step()
-        for key, op in ops.items():
-            trace = op.last_trace_ms()
-            spans[key][0].append(trace["comm_ms"])
-            spans[key][1].append(trace["compute_ms"])
-    for op in ops.values():
-        op.enable_trace(False)
-    medians = _max_over_ranks([statistics.median(v) for key in keys for v in spans[key]], ctx)
-    out = {}
-    for i, key in enumerate(keys):  # the one k definition (launch/k_factor.py)
-        kf = KFactor.from_times(t_comm_solo=solo[f"comm_{key}"], t_comp_solo=solo[f"gemm_{key}"],
-                                t_comm_overlap=medians[2 * i], t_comp_overlap=medians[2 * i + 1],
-                                t_total=medians[2 * i + 1])
-        out[f"k_comm_{key}"], out[f"k_comp_{key}"] = kf.k_comm, kf.k_comp
-    return out
-
-
-def _host_comm_solo(ctx, ops: dict, shards: dict, reps: int) -> dict[str, float]:
-    """CPU: each op's gather alone as the comm thread's traced span (median, max over ranks), the span that
-    the step is traced with; the whole call's host time would add starting and joining the thread."""
-    spans = {key: [] for key in ops}
-    for _ in range(reps):
-        for key, op in ops.items():
-            barrier(ctx.group, ctx.device)
-            op.all_gather(shards[key])
-            spans[key].append(op.last_trace_ms()["comm_ms"])
-    medians = _max_over_ranks([statistics.median(spans[key]) for key in ops], ctx)
-    return {f"comm_{key}": ms for key, ms in zip(ops, medians)}
 
 
 def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict, str | None]:
@@ -260,6 +210,9 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
              f"FFN={model.ffn_hidden}, {model.activation})", rank=ctx.rank)
     ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
     mlps = {"overlap": ours}
+    if args.fp8:
+        mlps["overlap_fp8"] = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}.fp8",
+                                                      fp8=True, **common)
     for name in baselines:
         mlps[name if name != "nccl" else "baseline"] = TPMLP.from_model_config(
             model, overlap=False, baseline=name, **common)
@@ -302,20 +255,26 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps,
                               label=label)
     ours.check_errors()
-    for name in ("overlap", "baseline", "torch_symm"):
+    for name in ("overlap", "baseline", "torch_symm") + (("overlap_fp8",) if args.fp8 else ()):
         s = stats.get(name)
         row[f"t_step_{name}_ms"] = s.median_ms if s else None
         row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = (s.min_ms, s.max_ms) if s else (None, None)
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
+    if args.fp8:
+        row["speedup_fp8"] = row["t_step_baseline_ms"] / row["t_step_overlap_fp8_ms"]
+        row["speedup_fp8_vs_bf16"] = row["t_step_overlap_ms"] / row["t_step_overlap_fp8_ms"]
     if args.trace_dir:
         progress(f"{label}profiling one step of ours and of the baseline", rank=ctx.rank)
         row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
     if args.cuda_graphs:  # eager traced calls after a capture are not what was timed
         row |= {f"k_{kind}_{key}": None for key in ("fc1_fwd_ag", "fc2_bwd_ag") for kind in ("comm", "comp")}
     else:
-        row |= _k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2), label=label)
+        row |= step_k_factors(ctx, ours, x, dy, steps["overlap"], warmup=2, reps=max(5, args.steps // 2), label=label)
+    if args.offload.enabled:
+        progress(f"{label}activation offload: rates, plan, the step without and with it", rank=ctx.rank)
+        row |= offload_report(ctx, ours, x, dy, args.offload, warmup=args.warmup, reps=args.steps)
     # last: its minutes of full load would change what the k and trace steps above measure
     row |= _sustained(ctx, steps, stats, args, label=label)
     ours.check_errors()
@@ -338,6 +297,7 @@ def _plan(args, where: _dist.Placement) -> SimpleNamespace:
     require(math.isfinite(args.sustained) and args.sustained >= 0,
             f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
     require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
+    require(not args.fp8 or args.dtype == "bf16", "--fp8 needs --dtype bf16 (the FP8 GEMMs write bf16)")
     require(cuda or not args.trace_dir, "--trace-dir needs CUDA devices (it profiles GPU streams)")
     cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
     cfg.check_world_size(where.world_size)
@@ -370,8 +330,8 @@ def _run(args) -> int:
     # a one-rank job is allowed (labelled: nothing to overlap); _dist imports torch._dynamo before the group
     with _dist.job(PROG, min_ranks=1, where=where) as ctx:
         needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype],
-                                   chunks_per_rank=cfg.op_config("ag_gemm", m).chunks_per_rank)
-                 for mo in models for m in tokens]
+                                   chunks_per_rank=cfg.op_config("ag_gemm", m).chunks_per_rank, fp8=fp8)
+                 for mo in models for m in tokens for fp8 in (False, True)[:1 + args.fp8]]
         pool_bytes, signal_words, device_words = (sum(column) for column in zip(*needs))
         points = [(model, m) for model in models for m in tokens]
         progress(f"tp_mlp: {len(points)} point(s) on {ctx.world_size} x {ctx.device_name}, "
@@ -398,10 +358,11 @@ def _run(args) -> int:
                           extra={"op": "tp_mlp", "preset": cfg.source, "steps": args.steps,
                                  "warmup": args.warmup, "step": "forward + backward + SGD step",
                                  "cuda_graphs": args.cuda_graphs, "sustained_s": args.sustained,
+                                 "fp8": args.fp8, "offload": repr(args.offload),
                                  "run_kind": labels.kind, "run_notes": labels.header})
             for line in labels.header:
                 print(line)
-            print(format_table(rows, COLUMNS))
+            print(format_table(rows, COLUMNS + FP8_COLUMNS * args.fp8 + OFFLOAD_COLUMNS * args.offload.enabled))
             print(f"wrote {out}")
         return 0
 

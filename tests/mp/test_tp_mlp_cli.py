@@ -96,3 +96,25 @@ def test_tp_mlp_cli_takes_the_model_and_partition_from_the_yaml(tmp_path):
 def test_tp_mlp_cli_refuses_tokens_not_divisible_by_tp(tmp_path):
     proc = _run(["--tokens", "65", "--out", str(tmp_path / "x.json")], tmp_path)
     assert proc.returncode != 0 and "--tokens=65 is not divisible by the TP size 2" in proc.stderr
+
+
+def test_tp_mlp_cli_fp8_and_offload_columns(tmp_path):
+    out = tmp_path / "fp8_offload.json"
+    proc = _run(["--tokens", "64", "--steps", "2", "--warmup", "1", "--fp8", "--offload", "auto", "--out", str(out)],
+                tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert doc["fp8"] is True and "auto" in doc["offload"]
+    # FP8 is its own variant, checked against overlap=False within the FP8 tolerance and timed with the others
+    assert 0 < row["rel_err_overlap_fp8_max"] <= 0.15, row["rel_err_overlap_fp8_max"]
+    assert row["rel_err_overlap_fp8_max"] > row["rel_err_max"]  # e4m3 is coarser than bf16: it really ran
+    assert abs(row["speedup_fp8"] - row["t_step_baseline_ms"] / row["t_step_overlap_fp8_ms"]) < 1e-9
+    assert abs(row["speedup_fp8_vs_bf16"] - row["t_step_overlap_ms"] / row["t_step_overlap_fp8_ms"]) < 1e-9
+    assert "numerics check: overlap_fp8" in proc.stderr and "| speedup_fp8 |" in proc.stdout
+    # offload: the plan and both steps timed; peaks only on CUDA
+    assert row["offload_plan"] and row["t_step_offload_on_ms"] > 0 and row["t_step_offload_off_ms"] > 0
+    assert abs(row["offload_time_ratio"] - row["t_step_offload_on_ms"] / row["t_step_offload_off_ms"]) < 1e-9
+    assert row["offload_peak_ratio"] is None and "activation offload: rates, plan" in proc.stderr
+    proc = _run(["--tokens", "64", "--fp8", "--dtype", "fp32", "--out", str(tmp_path / "x.json")], tmp_path)
+    assert proc.returncode != 0 and "launch.tp_mlp: --fp8 needs --dtype bf16" in proc.stderr
