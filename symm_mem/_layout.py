@@ -91,11 +91,15 @@ def align(n: int, a: int = ALIGN_BYTES) -> int:
     return (n + a - 1) // a * a
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, group_backend: str = "nccl") -> str:
+    """`auto`: torch symmetric memory on CUDA with an NCCL group; CUDA IPC with another group (gloo: ranks
+    that share a GPU, which NCCL refuses); the host pool on CPU."""
     if backend not in BACKENDS:
         raise PoolError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        return "torch" if device.type == "cuda" else "host"
+        if device.type != "cuda":
+            return "host"
+        return "torch" if group_backend == "nccl" else "ipc"
     if (backend == "host") != (device.type == "cpu"):
         raise PoolError(f"backend={backend!r} does not serve device {device}; host is for cpu, "
                         f"torch, nvshmem and ipc for cuda")
