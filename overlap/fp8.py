@@ -233,19 +233,15 @@ def dequantize_weight(w8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def scaled_mm_reference(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The same product by cuBLAS (CUDA: `torch._scaled_mm` with the block scales, on the current stream) or,
-    on CPU, by dequantising both operands and multiplying in fp32. scale_b's rows are padded to a multiple of
-    4 groups whenever K/128 is not one: cuBLAS reads them so, and without the padding it returned NaN
-    (K = 1344, 1792 on the H200) rather than refusing."""
+    on CPU, by dequantising both operands and multiplying in fp32.
+
+    CUDA needs K/128 (the scale groups) to be a multiple of 4: on the H200 with torch 2.11, unpadded scales
+    with 11 or 14 groups gave NaN and scale_b padded to 12 groups was refused, so such K raise ValueError
+    here (compare against the dequantised product instead)."""
     _check_gemm_operands(a8, a_scales, w8, w_scales, None)
     if not a8.is_cuda:
         return (dequantize_activation(a8, a_scales) @ dequantize_weight(w8, w_scales).T).to(out_dtype)
-    scale_b = _padded_rows(w_scales) if w_scales.shape[1] % 4 else w_scales
-    return torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=scale_b.t(), out_dtype=out_dtype)
-
-
-def _padded_rows(scales: torch.Tensor) -> torch.Tensor:
-    """The same [rows, groups] values with the row stride rounded up to a multiple of 4."""
-    rows, groups = scales.shape
-    storage = torch.zeros(rows, -(-groups // 4) * 4, dtype=scales.dtype, device=scales.device)
-    storage[:, :groups] = scales
-    return storage[:, :groups]
+    if w_scales.shape[1] % 4:
+        raise ValueError(f"scaled_mm_reference: K = {a8.shape[1]} has {w_scales.shape[1]} scale groups; "
+                         f"torch._scaled_mm's block scales need a multiple of 4")
+    return torch._scaled_mm(a8, w8.t(), scale_a=a_scales, scale_b=w_scales.t(), out_dtype=out_dtype)

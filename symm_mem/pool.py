@@ -63,7 +63,8 @@ class SymmetricPool:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.backend_name = resolve_backend(backend, self.device, str(dist.get_backend(group)))
+        group_backend = str(dist.get_backend(group)) if backend == "auto" and self.device.type == "cuda" else "nccl"
+        self.backend_name = resolve_backend(backend, self.device, group_backend)
         self.group, self.timeout_s = group, float(timeout_s)
         self.arena_bytes = align(size_bytes)
         self.num_signal_words, self.num_device_words = num_signal_words, num_device_words
