@@ -42,7 +42,7 @@ import torch
 
 from overlap import envs
 from overlap.config import ACTIVATIONS, MODELS, ModelConfig
-from overlap.presets import load_config, load_preset
+from overlap.presets import FP8_RS_METHODS, load_config, load_preset
 from overlap.layers import BASELINES, TPMLP, pool_requirements
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
@@ -149,7 +149,8 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") ->
         errors = dict(zip(names, max_over_ranks([_rel_err(a, b) for a, b in zip(got, base)], ctx)))
         if variant == "overlap":
             row |= {f"rel_err_{k}": v for k, v in errors.items()} | {"rel_err_max": max(errors.values())}
-        else:
+        else:  # per tensor too: FP8's error differs between the output and each gradient
+            row |= {f"rel_err_{variant}_{k}": v for k, v in errors.items()}
             row[f"rel_err_{variant}_max"] = max(errors.values())
     tol = TOLERANCE[dtype_name] if ctx.device.type == "cpu" or dtype_name == "bf16" else 1e-3
     if row["rel_err_max"] > tol:
@@ -208,7 +209,7 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
     progress(f"{label}building the MLPs (ours, {', '.join(baselines)}; H={model.hidden}, "
              f"FFN={model.ffn_hidden}, {model.activation})", rank=ctx.rank)
-    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", **common)
+    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", fp8=False, **common)
     mlps = {"overlap": ours}
     if args.fp8:
         mlps["overlap_fp8"] = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}.fp8",
@@ -297,10 +298,11 @@ def _plan(args, where: _dist.Placement) -> SimpleNamespace:
     require(math.isfinite(args.sustained) and args.sustained >= 0,
             f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
     require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
-    require(not args.fp8 or args.dtype == "bf16", "--fp8 needs --dtype bf16 (the FP8 GEMMs write bf16)")
     require(cuda or not args.trace_dir, "--trace-dir needs CUDA devices (it profiles GPU streams)")
     cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
     cfg.check_world_size(where.world_size)
+    args.fp8 = args.fp8 or cfg.fp8   # the preset's `fp8: true` adds the FP8 variant too
+    require(not args.fp8 or args.dtype == "bf16", "--fp8 needs --dtype bf16 (the FP8 GEMMs write bf16)")
     models = _models(args, cfg, cuda)
     tokens = args.tokens or ((16384,) if cuda else (256,))
     default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
@@ -315,6 +317,10 @@ def _plan(args, where: _dist.Placement) -> SimpleNamespace:
                 f"{model.name}: ffn_hidden={model.ffn_hidden} is not divisible by the TP size {where.world_size}")
     for m in tokens:
         require(m % where.world_size == 0, f"--tokens={m} is not divisible by the TP size {where.world_size}")
+        method = cfg.op_config("gemm_rs", m).method
+        require(not args.fp8 or method in FP8_RS_METHODS,
+                f"--fp8: the preset's gemm_rs method at M={m} is {method}; FP8 needs {' or '.join(FP8_RS_METHODS)} "
+                f"(set ops.gemm_rs.method, or a by_m bucket, in a --config YAML)")
     return SimpleNamespace(cfg=cfg, models=models, tokens=tokens, baselines=baselines,
                            warmup=args.warmup if args.warmup is not None else (20 if cuda else 2))
 

@@ -223,6 +223,7 @@ class OverlapConfig:
     roles: dict = dataclasses.field(default_factory=dict)   # role -> OpPreset of RoleConfig
     model: ModelConfig | None = None
     offload: object | None = None
+    fp8: bool = False   # the layers' default for fp8= (FP8 GEMM+RS runs decomposed or pair)
     source: str = "<config>"
 
     def op_config(self, op: str, m: int):

@@ -84,6 +84,7 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
         if config is None:
             name_of = torch.cuda.get_device_name(pool.device) if pool.device.type == "cuda" else "cpu"
             config = load_preset(name_of, dist.get_world_size(group))
+        fp8 = config.fp8 if fp8 is None else fp8   # None: the preset's `fp8` key
         ag_role, rs_role = ("fwd", "bwd") if kind == "column" else ("bwd", "fwd")
         return custom_ops.OverlapLayerOps(
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
@@ -106,7 +107,8 @@ class _ParallelLinear(nn.Module):
     config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
     "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); fp8 (the
     forward and input-grad GEMMs in FP8 e4m3 with 1x128 / 128x128 scales, the AllGathers moving e4m3 rows
-    and their scales; weight grads in bf16 on the dequantised gathered inputs; overlap=True only); device
+    and their scales; weight grads in bf16 on the dequantised gathered inputs; overlap=True only; None: the
+    config's `fp8` key); device
     (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
     Forward and backward can be captured in a CUDA graph and replayed (every op is capturable).
     Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
@@ -117,7 +119,7 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
                  dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
-                 overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view", fp8: bool = False,
+                 overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view", fp8: bool | None = None,
                  device: torch.device | str | None = None, name: str | None = None):
         super().__init__()
         if group is None:

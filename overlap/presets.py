@@ -19,6 +19,7 @@ __all__ = ["load_config", "parse_config", "to_dict", "preset_path", "load_preset
 _NODE_KEYS = {"gpu_name": str, "tp_size": (int, type(None)), "num_sms": (int, type(None)), "pool_bytes": int}
 _OP_KEYS = {op: {f.name for f in dataclasses.fields(cls)} for op, cls in OP_CLASSES.items()}
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RoleConfig)}
+FP8_RS_METHODS = ("decomposed", "pair")   # GemmRs(fp8=True): the FP8 GEMM per owner chunk (overlap/gemm_rs.py)
 
 
 def _check_keys(mapping, allowed, key, file) -> None:
@@ -143,7 +144,7 @@ def migrate(raw: dict) -> dict:
 
 def parse_config(raw, *, file: str = "<config>") -> OverlapConfig:
     raw = migrate(raw)
-    _check_keys(raw, {"node", "ops", "roles", "model", "offload"}, "", file)
+    _check_keys(raw, {"node", "ops", "roles", "model", "offload", "fp8"}, "", file)
     if "node" not in raw or "ops" not in raw:
         raise ConfigError("a preset needs the sections 'node' and 'ops'", file=file)
     node = _parse_node(raw["node"], file)
@@ -160,7 +161,16 @@ def parse_config(raw, *, file: str = "<config>") -> OverlapConfig:
     if raw.get("offload") is not None:
         from .offload_config import parse_offload_section
         offload = parse_offload_section(raw["offload"], file=file)
-    return OverlapConfig(node=node, roles=roles, model=model, offload=offload, source=file, **ops)
+    fp8 = raw.get("fp8", False)
+    if not isinstance(fp8, bool):
+        raise ConfigError(f"got {fp8!r}; allowed: true | false", file=file, key="fp8")
+    if fp8:
+        rs = ops["gemm_rs"]
+        bad = sorted({c.method for c in (rs.default, *(c for _, c in rs.by_m))} - set(FP8_RS_METHODS))
+        if bad:
+            raise ConfigError(f"true needs ops.gemm_rs.method in {' | '.join(FP8_RS_METHODS)} (the FP8 GEMM "
+                              f"runs per owner chunk); got {', '.join(bad)}", file=file, key="fp8")
+    return OverlapConfig(node=node, roles=roles, model=model, offload=offload, fp8=fp8, source=file, **ops)
 
 
 def _parse_model(raw, file) -> ModelConfig:
@@ -235,6 +245,8 @@ def to_dict(cfg: OverlapConfig) -> dict:
         out["model"] = dataclasses.asdict(cfg.model)
     if cfg.offload is not None and hasattr(cfg.offload, "as_dict"):
         out["offload"] = cfg.offload.as_dict()
+    if cfg.fp8:
+        out["fp8"] = True
     return out
 
 

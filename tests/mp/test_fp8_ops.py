@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -83,8 +85,9 @@ def _mlp(rank, world):
     req = pool_requirements(hidden=hidden, max_m=rows * world, world_size=world, dtype=torch.bfloat16, fp8=True)
     with SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words, num_device_words=req.num_device_words,
                        group=group) as pool:
-        mlp = TPMLP(hidden, ffn, group=group, max_m=rows * world, dtype=torch.bfloat16, pool=pool,
-                    config=load_preset("cpu", world), fp8=True)
+        # fp8 from the config's `fp8` key (the YAML form), not the keyword: the layers' default follows it
+        config = dataclasses.replace(load_preset("cpu", world), fp8=True)
+        mlp = TPMLP(hidden, ffn, group=group, max_m=rows * world, dtype=torch.bfloat16, pool=pool, config=config)
         ref = MLPReference(hidden, ffn, seed=2, dtype=torch.float64)
         mlp.load_full_weights(ref.fc1_weight.detach().bfloat16(), ref.fc2_weight.detach().bfloat16())
         gen = torch.Generator().manual_seed(9)

@@ -253,3 +253,22 @@ def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it(
     rs = GemmRsConfig(method="pair", sm_margin=0, num_comm_sms=0)
     assert rs.with_method("fused") == GemmRsConfig(method="fused", sm_margin=16, num_comm_sms=16)
     assert rs.with_method("decomposed").num_comm_sms == 8 and rs.with_method("epilogue_reduce").num_comm_sms == 0
+
+
+def test_fp8_key_parses_validates_and_round_trips(tmp_path):
+    raw = _base()
+    assert parse_config(raw, file="f.yaml").fp8 is False
+    raw["ops"]["gemm_rs"] = {"method": "decomposed", "num_comm_sms": 4}
+    raw["fp8"] = True
+    cfg = parse_config(raw, file="f.yaml")
+    assert cfg.fp8 is True
+    out = tmp_path / "f.yaml"
+    dump_config(cfg, out)
+    assert load_config(out).fp8 is True
+    raw["fp8"] = "yes"
+    with pytest.raises(ConfigError, match=r"f.yaml: fp8: got 'yes'; allowed: true \| false"):
+        parse_config(raw, file="f.yaml")
+    raw["fp8"] = True   # the FP8 GEMM+RS runs per owner chunk: a fused bucket cannot serve it
+    raw["ops"]["gemm_rs"]["by_m"] = [{"m_max": 4096, "method": "fused", "sm_margin": 16, "num_comm_sms": 8}]
+    with pytest.raises(ConfigError, match=r"f.yaml: fp8: true needs ops.gemm_rs.method in decomposed \| pair .*fused"):
+        parse_config(raw, file="f.yaml")
