@@ -22,6 +22,14 @@ SECTIONS = [  # (file prefix, title, columns)
     ("gemm", "Persistent Triton GEMM (local epilogue, all SMs) vs cuBLAS",
      ["layer", "op", "tp", "layout", "M", "K", "N", "t_cublas_ms", "t_triton_best_ms", "best_blocks",
       "triton_over_cublas", "t_table_ms", "table_blocks", "table_over_cublas", "heuristic_over_cublas"]),
+    ("gemm_fp8", "FP8 block-scaled Triton GEMM vs torch._scaled_mm and bf16 cuBLAS (one GPU)",
+     ["layer", "tp", "M", "K", "N", "t_cublas_bf16_ms", "t_scaled_mm_ms", "best_blocks", "t_best_ms",
+      "best_over_scaled_mm", "best_over_bf16", "default_rel_err"]),
+    ("host_cost", "Host time of one eager call vs one torch.mm (device held busy; 2 processes on one GPU)",
+     ["op", "method", "eager_graphs", "host_us", "mm_host_us", "ratio_to_mm", "host_min_us", "host_max_us"]),
+    ("offload", "Activation offload: peak memory and step time per variant (one GPU)",
+     ["model", "M", "layers", "variant", "peak_gib", "peak_vs_none", "t_step_ms", "time_vs_none", "bitwise",
+      "pred_step_ms", "pred_peak_gib"]),
     ("ag_gemm", "AllGather + GEMM",
      ["layer", "M", "K", "N", "method", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms", "t_comm_ms",
       "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch", "k_comm", "k_comp"]),
@@ -74,7 +82,7 @@ def render(directory: Path) -> str:
              "--sustained) is from blocks of back-to-back steps instead, without pauses or flushes.", ""]
     for prefix, title, columns in SECTIONS:
         for path in sorted(directory.glob(f"{prefix}_*.json")):
-            if (prefix == "gemm" and path.name.startswith("gemm_rs")) or path.name.endswith(".trace.json"):
+            if (prefix == "gemm" and path.name.startswith(("gemm_rs", "gemm_fp8"))) or path.name.endswith(".trace.json"):
                 continue
             doc = json.loads(path.read_text())
             graphs = " (CUDA-graph replays)" if doc.get("cuda_graphs") else ""
