@@ -269,6 +269,7 @@ def _reliability(c, dev):
             assert "different M" in str(exc), exc
         out = op(_fresh((16, 64), rank, dev), w)   # still usable: nothing was enqueued by the refused call
         torch.cuda.synchronize()
+        assert out.shape[0] == 16 * c.world and bool(torch.isfinite(out).all()), "the call after a refusal failed"
         notes.append("mismatch raised on every rank")
         op.close()
         for call in (lambda: op(_fresh((16, 64), rank, dev), w), lambda: op.all_gather(_fresh((16, 64), rank, dev)),
