@@ -337,7 +337,7 @@ def _run(args) -> int:
     with _dist.job(PROG, min_ranks=1, where=where) as ctx:
         needs = [pool_requirements(hidden=mo.hidden, max_m=m, world_size=ctx.world_size, dtype=DTYPES[args.dtype],
                                    chunks_per_rank=cfg.op_config("ag_gemm", m).chunks_per_rank, fp8=fp8)
-                 for mo in models for m in tokens for fp8 in (False, True)[:1 + args.fp8]]
+                 for mo in models for m in tokens for fp8 in ([False, True] if args.fp8 else [False])]
         pool_bytes, signal_words, device_words = (sum(column) for column in zip(*needs))
         points = [(model, m) for model in models for m in tokens]
         progress(f"tp_mlp: {len(points)} point(s) on {ctx.world_size} x {ctx.device_name}, "

@@ -62,9 +62,9 @@ class AgGemm(OpBase):
                                      num_device_flags=self.flags.num_device_flags, exclusive=True)
         self.scales = None
         if fp8:  # the gathered rows' scales: [max_m, cdiv(K, 128)] fp32, row-major, pulled with the rows
-            from ._fp8_ops import Fp8Weights, scale_groups
+            from .fp8 import Fp8WeightCache, scale_groups
             self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
-            self._weights = Fp8Weights()
+            self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._claimed: int | None = None  # rows per rank of an input_slot handed out and not yet used
@@ -106,7 +106,7 @@ class AgGemm(OpBase):
         out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
         ctx = CallContext({"a_shard": a_shard, "w": w, "out": out, "lead": lead})
         if self.fp8:
-            ctx.values["w_fp8"] = self._weights.get(w)
+            ctx.values["w_fp8"] = self._weights.get(w.t())
         self._call(m, self.config.method, ctx)
         if not return_gathered:
             return out
@@ -247,11 +247,12 @@ class AgGemm(OpBase):
         first = lo - self.rank * (m // self.world_size)
 
         if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
-            from ._fp8_ops import fp8_rows_gemm
+            from .fp8 import fp8_gemm
 
             def mm_fp8(ctx) -> None:
-                fp8_rows_gemm(self.gathered[lo:lo + count], self.scales[lo:lo + count], ctx.w_fp8,
-                              ctx.out[lo:lo + count])
+                w8, w_scales = ctx.w_fp8
+                fp8_gemm(a8=self.gathered[lo:lo + count], a_scales=self.scales[lo:lo + count], w8=w8,
+                         w_scales=w_scales, out=ctx.out[lo:lo + count])
             return mm_fp8
 
         def mm(ctx) -> None:

@@ -30,8 +30,8 @@ import torch
 from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
 from .gemm_blocks import GemmBlocks, load_block_table
 
-__all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "quantize_activation", "quantize_weight",
-           "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
+__all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "quantize_activation",
+           "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
            "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -40,7 +40,8 @@ _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _groups(size: int) -> int:
+def scale_groups(size: int) -> int:
+    """Scale groups of `size` elements (one per 128, the last possibly partial)."""
     return -(-size // SCALE_GROUP)
 
 
@@ -61,7 +62,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_matrix("quantize_activation: x", x, _FLOAT_INPUTS)
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(_groups(k), m, dtype=torch.float32, device=x.device).t()
+    scales = torch.empty(scale_groups(k), m, dtype=torch.float32, device=x.device).t()
     if m and k:
         launch_quantize_activation(x, q, scales)
     return q, scales
@@ -73,17 +74,19 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_matrix("quantize_weight: w", w, _FLOAT_INPUTS)
     n, k = w.shape
     q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
-    scales = torch.empty(_groups(n), _groups(k), dtype=torch.float32, device=w.device)
+    scales = torch.empty(scale_groups(n), scale_groups(k), dtype=torch.float32, device=w.device)
     if n and k:
         launch_quantize_weight(w, q, scales)
     return q, scales
 
 
 class Fp8WeightCache:
-    """Quantised weights, recomputed only when a weight changes: keyed on the tensor itself (a weak
-    reference), its data_ptr, shape, strides, dtype and `_version` (bumped by every in-place update, e.g. an
-    optimizer step). Writes through `weight.data` do not bump `_version`: call `invalidate()` after them.
-    `hits` / `misses` count lookups (one miss per weight per optimizer step is the expected rate)."""
+    """Quantised weights, recomputed only when a weight changes. Keyed on the tensor that owns the memory
+    (`weight._base` for a view such as an op's `w.t()`, held by weak reference: a new tensor that the allocator
+    puts at a freed weight's address is not that weight) and on the view's data_ptr, shape, strides, dtype and
+    `_version` (shared with its base, bumped by every in-place update, e.g. an optimizer step). Writes through
+    `weight.data` do not bump `_version`: call `invalidate()` after them. One entry per owner; `hits` / `misses`
+    count lookups (one miss per weight per optimizer step is the expected rate)."""
 
     def __init__(self):
         self._entries: dict[int, tuple] = {}
@@ -95,25 +98,32 @@ class Fp8WeightCache:
         return (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, weight.device,
                 weight._version)
 
+    @staticmethod
+    def _owner(weight: torch.Tensor) -> torch.Tensor:
+        return weight._base if weight._base is not None else weight
+
     def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w8, w_scales) of `weight` [N, K], quantised on the current stream when not cached."""
-        entry = self._entries.get(id(weight))
-        if entry is not None and entry[0]() is weight and entry[1] == self._key(weight):
+        """(w8, w_scales) of `weight` [N, K] (any strides: a transposed view is copied before quantising),
+        quantised on the current stream when not cached."""
+        owner = self._owner(weight)
+        entry = self._entries.get(id(owner))
+        if entry is not None and entry[0]() is owner and entry[1] == self._key(weight):
             self.hits += 1
             return entry[2], entry[3]
         self.misses += 1
         with torch.no_grad():
-            w8, scales = quantize_weight(weight.detach())
-        ref = weakref.ref(weight, lambda _, key=id(weight): self._entries.pop(key, None))
-        self._entries[id(weight)] = (ref, self._key(weight), w8, scales)
+            source = weight.detach()
+            w8, scales = quantize_weight(source if source.stride(-1) == 1 else source.contiguous())
+        ref = weakref.ref(owner, lambda _, key=id(owner): self._entries.pop(key, None))
+        self._entries[id(owner)] = (ref, self._key(weight), w8, scales)
         return w8, scales
 
     def invalidate(self, weight: torch.Tensor | None = None) -> None:
-        """Forget `weight` (or every weight)."""
+        """Forget `weight`'s owner (or every weight)."""
         if weight is None:
             self._entries.clear()
         else:
-            self._entries.pop(id(weight), None)
+            self._entries.pop(id(self._owner(weight)), None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -126,8 +136,8 @@ def _check_gemm_operands(a8, a_scales, w8, w_scales, out) -> tuple[int, int, int
     n = w8.shape[0]
     if w8.shape[1] != k:
         raise ValueError(f"fp8_gemm: a8 {tuple(a8.shape)} and w8 {tuple(w8.shape)} disagree on K (w8 is [N, K])")
-    for name, scales, shape in (("a_scales", a_scales, (m, _groups(k))), ("w_scales", w_scales,
-                                                                         (_groups(n), _groups(k)))):
+    for name, scales, shape in (("a_scales", a_scales, (m, scale_groups(k))), ("w_scales", w_scales,
+                                                                         (scale_groups(n), scale_groups(k)))):
         if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != shape:
             got = f"{scales.dtype} {tuple(scales.shape)}" if isinstance(scales, torch.Tensor) else type(scales).__name__
             raise ValueError(f"fp8_gemm: {name} must be float32 {shape} for a8 {tuple(a8.shape)}, w8 "
@@ -200,7 +210,8 @@ def quantize_activation_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Plain torch, the oracle of `quantize_activation`: (x8 [M, K], scales [M, cdiv(K, 128)] contiguous),
     the same bytes and scales (up to the sign of zeros) on CPU and CUDA."""
     m, k = x.shape
-    groups = torch.nn.functional.pad(x.float(), (0, _groups(k) * SCALE_GROUP - k)).view(m, _groups(k), SCALE_GROUP)
+    kb = scale_groups(k)
+    groups = torch.nn.functional.pad(x.float(), (0, kb * SCALE_GROUP - k)).view(m, kb, SCALE_GROUP)
     scale, inverse = _reference_groups(groups, groups.abs().amax(-1))
     q = (groups * inverse[..., None]).clamp(-448, 448).to(FP8_DTYPE)
     return q.view(m, -1)[:, :k], scale
@@ -209,7 +220,7 @@ def quantize_activation_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def quantize_weight_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, the oracle of `quantize_weight`: (w8 [N, K], scales [cdiv(N, 128), cdiv(K, 128)])."""
     n, k = w.shape
-    nb, kb = _groups(n), _groups(k)
+    nb, kb = scale_groups(n), scale_groups(k)
     blocks = torch.nn.functional.pad(w.float(), (0, kb * SCALE_GROUP - k, 0, nb * SCALE_GROUP - n))
     blocks = blocks.view(nb, SCALE_GROUP, kb, SCALE_GROUP)
     scale, inverse = _reference_groups(blocks, blocks.abs().amax((1, 3)))

@@ -21,6 +21,9 @@ Schedules (config.method; the same stream operations eager or replayed):
 `bulk(a, w, work)` (a column layer's backward with bulk_wgrad): the whole GEMM on cuBLAS, the pushes of
 `decomposed`, the caller's `work` (the weight-grad GEMM) meanwhile, then the reduction on the compute stream.
 `reduce_scatter(partials)` is the decomposed schedule with no GEMM: the measured comm path.
+fp8=True (decomposed, pair): the input is quantised once, the FP8 GEMM runs per owner chunk, and the
+partials stay bf16: they are sums already rounded once, and e4m3 partials would add a second, coarser
+rounding to every reduction.
 Every wait of the push path is a memory operation: the copy engine starts while a GEMM holds every SM.
 """
 
@@ -71,8 +74,8 @@ class GemmRs(OpBase):
                                f"partials: it needs dtype bfloat16 and method decomposed or pair (this is "
                                f"{dtype}, {config.method}: the scatter epilogues are bf16 kernels)")
         if fp8:
-            from ._fp8_ops import Fp8Weights
-            self._weights = Fp8Weights()
+            from .fp8 import Fp8WeightCache
+            self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
         if self.device.type == "cuda":
             config.validate(num_sms=num_sms(self.device))
         elif config.method == "epilogue_reduce":
@@ -114,7 +117,7 @@ class GemmRs(OpBase):
         ctx = CallContext({"a": a, "w": w, **values})
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
             from .fp8 import quantize_activation
-            ctx.values["a_fp8"], ctx.values["w_fp8"] = quantize_activation(a), self._weights.get(w)
+            ctx.values["a_fp8"], ctx.values["w_fp8"] = quantize_activation(a), self._weights.get(w.t())
         return ctx
 
     def bulk(self, a: torch.Tensor, w: torch.Tensor, work):
@@ -296,11 +299,11 @@ class GemmRs(OpBase):
         """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
         the rows quantised at the call's start, bf16 out)."""
         if self.fp8:
-            from ._fp8_ops import fp8_rows_gemm
+            from .fp8 import fp8_gemm
 
             def mm_fp8(ctx) -> None:
-                a8, a_scales = ctx.a_fp8
-                fp8_rows_gemm(a8[lo:lo + rows], a_scales[lo:lo + rows], ctx.w_fp8, dst(ctx))
+                (a8, a_scales), (w8, w_scales) = ctx.a_fp8, ctx.w_fp8
+                fp8_gemm(a8=a8[lo:lo + rows], a_scales=a_scales[lo:lo + rows], w8=w8, w_scales=w_scales, out=dst(ctx))
             return mm_fp8
 
         def mm(ctx) -> None:

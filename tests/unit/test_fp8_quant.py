@@ -99,19 +99,19 @@ def test_weight_cache_quantises_once_per_version_and_follows_in_place_updates():
     assert cache.misses == 4
 
 
-def test_op_weight_cache_does_not_mistake_a_new_tensor_at_a_freed_weights_address():
+def test_weight_cache_does_not_mistake_a_new_tensor_at_a_freed_weights_address():
     # The caching allocator hands a freed weight's address to the next tensor of that size: same data_ptr,
-    # shape, strides and _version, other values. The ops' cache must quantise it again.
-    from overlap._fp8_ops import Fp8Weights
-    cache = Fp8Weights()
-    first = varied(130, 256, seed=3)                 # an nn.Linear weight [N, K]; the op gets first.t()
+    # shape, strides and _version, other values. The ops pass views (w.t()): the cache keys on their owner.
+    cache = Fp8WeightCache()
+    first = varied(256, 130, seed=3)                 # an op's operand w [K, N]; the cache gets w.t()
     with torch.no_grad():
         first.add_(0)                                 # _version 1, as the stand-in below will have
     cache.get(first.t())
+    assert cache.get(first.t()) is not None and (cache.hits, cache.misses) == (1, 1)   # a fresh view: a hit
     second = torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), 0, first.shape, first.stride())
     assert (second.data_ptr(), second._version) == (first.data_ptr(), first._version)
     del first
-    second.data.copy_(varied(130, 256, seed=4))       # new values; .data writes leave _version alone
+    second.data.copy_(varied(256, 130, seed=4))       # new values; .data writes leave _version alone
     _, scales = cache.get(second.t())
-    assert cache.misses == 2
-    assert torch.equal(scales, reference_weight(second)[1])
+    assert cache.misses == 2 and len(cache) == 1      # the dead owner's entry went with it
+    assert torch.equal(scales, reference_weight(second.t().contiguous())[1])
