@@ -6,8 +6,9 @@ the launcher resets the flags with stream memory operations after the kernel, be
 lets the writer set them again (overlap/protocol.py), so the awaited value is the same in every call and a
 captured CUDA graph replays the same protocol.
 
-The wait is bounded by wall time read from %globaltimer (not by a spin count: a peer that is still
-JIT-compiling can take seconds). It also ends early when the pool's abort word is set (another rank gave
+The wait is bounded by a count of polls worth about `timeout_ns` (every thread must leave the loop at the
+same poll, which a per-thread %globaltimer read does not give; the bound is in time units so that a peer
+still JIT-compiling, seconds, stays well inside it). It also ends early when the pool's abort word is set (another rank gave
 up). `error_ptr` is the pool's control page (host memory mapped for the device): [code, value, abort].
 On expiry the kernel stores its error code and the value it waited for there; the pool's watchdog sees
 it, aborts the group, and the host raises on every rank.
@@ -24,7 +25,10 @@ TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 SET = 1                    # the value a writer stores (Python side)
 SET_FLAG = tl.constexpr(1)  # the same, for @triton.jit code (kernels read only constexpr globals)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "SET_FLAG", "read_globaltimer", "wait_for_flag", "wait_for_count", "record_error"]
+__all__ = ["TIMER_AVAILABLE", "SET", "SET_FLAG", "MISMATCH_BIT", "read_globaltimer", "wait_for_flag", "wait_for_value",
+           "wait_for_count", "record_error", "record_mismatch"]
+
+MISMATCH_BIT = tl.constexpr(1 << 30)  # symm_mem/_layout.py: the flag held another nonzero value
 
 
 @triton.jit
@@ -33,39 +37,74 @@ def read_globaltimer():
                                      is_pure=False, pack=1)
 
 
+POLL_NS = tl.constexpr(250)  # the assumed cost of one poll: the bound in polls is timeout_ns // POLL_NS
+
+
+@triton.jit
+def _poll_until(flag_ptr, error_ptr, timeout_ns, ANY_NONZERO: tl.constexpr):
+    """The one bounded poll loop. Every value that decides when the loop ends comes from a scalar atomic,
+    which one thread performs and every thread receives, so all threads leave at the same poll: a per-thread
+    clock (%globaltimer) lets warps leave at different polls near the bound and take different branches
+    after it, and their barriers fall out of step. The bound is a count of polls (timeout_ns / POLL_NS)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    max_polls = timeout_ns // POLL_NS
+    abort = seen * 0
+    polls = seen * 0
+    while ((seen == 0) if ANY_NONZERO else (seen != 1)) & (polls < max_polls) & (abort == 0):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        polls += 1
+        if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
+            abort = _uniform_load(error_ptr + 2)
+    return seen
+
+
+@triton.jit
+def _uniform_load(ptr):
+    """A volatile load whose value every thread of the program agrees on: loaded by every thread (host
+    memory takes no atomics over PCIe), then reduced across the whole block (at least as many elements as
+    threads, so no warp reduces a private copy)."""
+    values = tl.load(ptr + tl.zeros([256], dtype=tl.int32), volatile=True)
+    return tl.max(values, axis=0)
+
+
 @triton.jit
 def wait_for_flag(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
     """Acquire-polls ``*flag_ptr`` (scope sys) until it is SET; returns whether it got there.
 
-    USE_TIMER: for at most ``timeout_ns`` of %globaltimer time from the first poll, or until the abort word
-    ``error_ptr[2]`` is nonzero. Otherwise (the interpreter) one poll.
+    USE_TIMER: for at most about ``timeout_ns`` (counted in polls), or until the abort word ``error_ptr[2]``
+    is nonzero. Otherwise (the interpreter) one poll.
     """
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if USE_TIMER:
-        start = read_globaltimer()
-        now = start
-        abort = seen * 0
-        polls = seen * 0
-        while (seen != 1) & (now - start < timeout_ns) & (abort == 0):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            polls += 1
-            if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
-                abort = tl.load(error_ptr + 2, volatile=True)
-            now = read_globaltimer()
+        seen = _poll_until(flag_ptr, error_ptr, timeout_ns, False)
+    else:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     return seen == 1
 
 
 @triton.jit
+def wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
+    """Acquire-polls ``*flag_ptr`` (scope sys) until it is nonzero; returns the value seen (0: the wait
+    expired, or the group aborted). The caller compares it with the value it awaits (a call's M: another
+    nonzero value is a peer that called with another M). Bounds as in `wait_for_flag`."""
+    if USE_TIMER:
+        seen = _poll_until(flag_ptr, error_ptr, timeout_ns, True)
+    else:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    return seen
+
+
+@triton.jit
 def wait_for_count(flag_ptr, value, timeout_ns, USE_TIMER: tl.constexpr):
-    """Acquire-polls a flag that programs of the SAME launch raise, until it is >= value (at most timeout_ns
-    of %globaltimer time; one poll without USE_TIMER). No peer is involved, so no abort word is read."""
+    """Acquire-polls a flag that programs of the SAME launch raise, until it is >= value (at most about
+    timeout_ns, counted in polls as in `_poll_until`; one poll without USE_TIMER). No peer is involved, so no
+    abort word is read."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     if USE_TIMER:
-        start = read_globaltimer()
-        now = start
-        while (seen < value) & (now - start < timeout_ns):
+        max_polls = timeout_ns // POLL_NS
+        polls = seen * 0
+        while (seen < value) & (polls < max_polls):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            now = read_globaltimer()
+            polls += 1
     return seen >= value
 
 
@@ -75,3 +114,13 @@ def record_error(error_ptr, code):
     if tl.load(error_ptr, volatile=True) == 0:
         tl.store(error_ptr + 1, 1)
         tl.store(error_ptr, code)
+
+
+@triton.jit
+def record_mismatch(error_ptr, code, expected, seen):
+    """Store a disagreement (the flag held `seen`, not `expected`) in the control page, unless a failure is
+    there: word 3 the value seen, word 1 the value awaited, word 0 the code with MISMATCH_BIT."""
+    if tl.load(error_ptr, volatile=True) == 0:
+        tl.store(error_ptr + 3, seen)
+        tl.store(error_ptr + 1, expected)
+        tl.store(error_ptr, code | MISMATCH_BIT)

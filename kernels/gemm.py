@@ -23,10 +23,12 @@ output in C's dtype).
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
 * M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank`` are runtime ints (M and the
   rank-dependent ints are excluded from specialisation, so they never recompile).
-* Flags are toggles (overlap/protocol.py): a writer stores SET (1), a waiter waits until it reads SET; the
-  launcher resets them with stream memory operations after the kernel. ``error_ptr`` is the pool's control
-  page [code, value, abort]: an expired wait stores ``error_code_base + <flag index>`` and the value 1, and
-  a wait ends early when the abort word is set (another rank gave up).
+* Flags are toggles (overlap/protocol.py): a writer stores a nonzero value (SET for the chunk flags,
+  ``flag_value`` -- the call's M -- for the scatter epilogues' row-block flags), a waiter waits until it
+  reads it; the launcher resets them with stream memory operations after the kernel. ``error_ptr`` is the
+  pool's control page [code, value, abort, seen]: an expired wait stores ``error_code_base + <flag index>``,
+  a row-block flag at another nonzero value (a peer with another M) the same code with MISMATCH_BIT and the
+  two values, and a wait ends early when the abort word is set (another rank gave up).
 * ``USE_DESCRIPTORS=True`` loads A and B (and stores C in epilogue 0) through ``tl.make_tensor_descriptor``
   (TMA on Hopper; out-of-bounds loads read zero, so M/N/K tails are free). It requires 16-byte-aligned
   base pointers and row strides (bf16/fp16: multiples of 8 elements) and, on the GPU, an allocator for
@@ -73,11 +75,11 @@ Completion protocol (toggle flags, last-tile detection, robust to M changing bet
   release fence finds the stores already landed; EPILOGUE 2 counts before any of its own waits;
   the program that completes the row block's last column tile resets the word to 0 (so it is zero
   again for the next launch, which is stream-ordered after this one) and, for every owner o whose
-  rows the row block covers, writes SET with ``atomic_xchg(sem="release", scope="sys")`` into
+  rows the row block covers, writes ``flag_value`` with ``atomic_xchg(sem="release", scope="sys")`` into
   ``flag_ptrs[o]`` (an int32 array [world_size, flags_per_source] on owner o) at
   ``[src_rank, row_block - (o * rows_per_rank) // BLOCK_M]``.
 * ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; the owner resets its flags to 0
-  after reading them, before it lets the sources write its slots again. A flag that is SET means every
+  after reading them, before it lets the sources write its slots again. A flag that holds the value means every
   column tile of that row block has been stored by that source in this call.
 
 WAIT_CHUNKS (the AllGather consumer, "fused" AG+GEMM; normally with EPILOGUE 0, but both epilogues work):
@@ -217,7 +219,7 @@ def _wait_for_chunks(chunk_flags_ptr, error_ptr, error_code_base, first_row, las
 
 
 @triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "timeout_ns",
-                               "error_code_base", "stream_k_tiles"])
+                               "error_code_base", "stream_k_tiles", "flag_value"])
 def persistent_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
@@ -231,7 +233,7 @@ def persistent_gemm_kernel(
     chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
     WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
     stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False, EPILOGUE_SUBTILE: tl.constexpr = 1,
+    FLATTEN: tl.constexpr = False, EPILOGUE_SUBTILE: tl.constexpr = 1, flag_value=1,
 ):
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     # the scatter epilogues carry a pending tile across iterations and barrier inside a branch: not run
@@ -322,7 +324,7 @@ def persistent_gemm_kernel(
                 # before any wait of an own tile (EPILOGUE 2): counting never depends on a peer
                 if pending_row_block >= 0:
                     publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                                      num_col_blocks, flags_per_source, BLOCK_M)
+                                      num_col_blocks, flags_per_source, flag_value, BLOCK_M)
                 pending_row_block = program_id * 0 - 1
             if EPILOGUE == 0:
                 if FLATTEN:
@@ -340,7 +342,7 @@ def persistent_gemm_kernel(
             elif (row_block >= own_first_row_block) & (row_block < own_first_row_block + own_row_blocks):
                 arrived = reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr,
                                           dst_ptrs, flag_ptrs, error_ptr, error_code_base, rows_per_rank, src_rank,
-                                          flags_per_source, timeout_ns, failed, USE_TIMER)
+                                          flags_per_source, timeout_ns, failed, flag_value, USE_TIMER)
                 failed = not arrived
             else:
                 scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
@@ -352,4 +354,4 @@ def persistent_gemm_kernel(
     if EPILOGUE != 0:
         if pending_row_block >= 0:
             publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                              num_col_blocks, flags_per_source, BLOCK_M)
+                              num_col_blocks, flags_per_source, flag_value, BLOCK_M)

@@ -22,7 +22,7 @@ the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
 import triton
 import triton.language as tl
 
-from .flags import SET_FLAG, TIMER_AVAILABLE, record_error, wait_for_flag
+from .flags import TIMER_AVAILABLE, record_error, record_mismatch, wait_for_value
 
 
 @triton.jit
@@ -72,9 +72,9 @@ def scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank,
 
 @triton.jit
 def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr, num_col_blocks,
-                      flags_per_source, BLOCK_M: tl.constexpr):
+                      flags_per_source, flag_value, BLOCK_M: tl.constexpr):
     """Count one tile of `row_block` whose stores this program issued earlier; the row block's last tile
-    releases the flags of every owner its rows belong to."""
+    releases the flags of every owner its rows belong to, with `flag_value` (the call's M)."""
     # Every thread's stores must precede the single-thread release below.
     tl.debug_barrier()
     counter = tile_counters_ptr + row_block
@@ -88,12 +88,12 @@ def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_cou
         for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
             owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
             flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
-            tl.atomic_xchg(owner_flags + flag_index, SET_FLAG, sem="release", scope="sys")
+            tl.atomic_xchg(owner_flags + flag_index, flag_value, sem="release", scope="sys")
 
 
 @triton.jit
 def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs, flag_ptrs, error_ptr,
-                    error_code_base, rows_per_rank, src_rank, flags_per_source, timeout_ns, failed,
+                    error_code_base, rows_per_rank, src_rank, flags_per_source, timeout_ns, failed, flag_value,
                     USE_TIMER: tl.constexpr):
     """EPILOGUE 2, own rows: wait for every other source's partial of this row block, add them to the fp32
     accumulator, store the sum into C (the output shard). Returns False (nothing stored) if a wait expired."""
@@ -104,9 +104,8 @@ def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs
     for src in range(world_size):
         if arrived & (src != src_rank):
             flag_index = src * flags_per_source + local_row_block
-            arrived = wait_for_flag(own_flags + flag_index, error_ptr, timeout_ns, USE_TIMER)
-            if not arrived:
-                record_error(error_ptr, error_code_base + flag_index)
+            arrived = _arrived(own_flags + flag_index, error_ptr, error_code_base + flag_index, flag_value,
+                               timeout_ns, USE_TIMER)
     # Order the other threads' partial loads after the single-thread acquire.
     tl.debug_barrier()
     if arrived:
@@ -122,11 +121,23 @@ def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs
     return arrived
 
 
-@triton.jit(do_not_specialize=["rows_per_rank", "owner_rank", "timeout_ns", "error_code_base"])
+@triton.jit
+def _arrived(flag_ptr, error_ptr, code, flag_value, timeout_ns, USE_TIMER: tl.constexpr):
+    """Wait for a row-block flag to hold `flag_value`; record an expired wait or a disagreement (another
+    nonzero value: the source called with another M)."""
+    seen = wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER)
+    if seen == 0:
+        record_error(error_ptr, code)
+    elif seen != flag_value:
+        record_mismatch(error_ptr, code, flag_value, seen)
+    return seen == flag_value
+
+
+@triton.jit(do_not_specialize=["rows_per_rank", "owner_rank", "timeout_ns", "error_code_base", "flag_value"])
 def reduce_partials_kernel(
     partials_ptr, out_ptr, flags_ptr, error_ptr,
     rows_per_rank, N, ld_out, world_size, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
-    error_code_base,
+    error_code_base, flag_value,
     WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
 ):
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -154,10 +165,8 @@ def reduce_partials_kernel(
                 for flag_index in range(first_flag, last_flag + 1):
                     if all_arrived:
                         word = src * flags_per_source + flag_index
-                        arrived = wait_for_flag(flags_ptr + word, error_ptr, timeout_ns, USE_TIMER)
-                        if not arrived:
-                            record_error(error_ptr, error_code_base + word)
-                        all_arrived = arrived
+                        all_arrived = _arrived(flags_ptr + word, error_ptr, error_code_base + word, flag_value,
+                                               timeout_ns, USE_TIMER)
             # Order the other threads' partial loads after the single-thread acquire.
             tl.debug_barrier()
 

@@ -72,7 +72,7 @@ def resource_usage(compiled) -> dict:
 
 
 _GEMM_TYPES = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "src_rank", "error_code_base",
-                                        "timeout_ns", "stream_k_tiles")}
+                                        "timeout_ns", "stream_k_tiles", "flag_value")}
 _GEMM_TYPES.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc", "flags_per_source")})
 
 
@@ -228,7 +228,8 @@ def compile_overlap_kernels(arch: int = 90) -> dict:
             persistent_gemm_kernel, types, constexprs, num_warps=8, num_stages=3, arch=arch)
     types = {"partials_ptr": "*bf16:16", "out_ptr": "*bf16:16", "flags_ptr": "*i32", "error_ptr": "*i32",
              **{name: "i32" for name in ("rows_per_rank", "N", "ld_out", "world_size", "flags_per_source",
-                                         "gemm_block_m", "owner_rank", "error_code_base")}, "timeout_ns": "i64"}
+                                         "gemm_block_m", "owner_rank", "error_code_base", "flag_value")},
+             "timeout_ns": "i64"}
     for wait in (False, True):
         out[f"reduce{' (waits)' if wait else ''}"] = compile_for_target(
             reduce_partials_kernel, types, dict(WAIT=wait, BLOCK_M=32, BLOCK_N=256, USE_TIMER=True), num_warps=4,

@@ -1,20 +1,27 @@
-"""Host time of one eager call of each op and method, against one `torch.mm` in the same process.
+"""Host time of one eager call of each op and method, and of a TP MLP training step, against their references.
 
-    torchrun --standalone --nproc-per-node 2 -m launch.host_cost [--out FILE] [--reps 30]
+    torchrun --standalone --nproc-per-node 2 -m launch.host_cost [--out FILE] [--reps 30]   (needs a GPU)
 
 Every call is timed on the host (perf_counter around the call, no synchronisation) while the device is held
-busy by a spin kernel, so the number is the enqueue cost alone: validation, the per-call M check, the
-program's stream operations, the GEMM launches. Each op and method runs with and without the eager-call
-graphs (OVERLAP_EAGER_GRAPHS). Also a whole TP MLP training step (forward + backward) against the same step's
-GEMM calls alone. Median of `--reps` per rank, max over ranks. On one GPU several processes may share it
-(pool backend ipc); it measures host time only, which sharing does not make meaningless (the other process
-does slow every CUDA call a little: the ratio to torch.mm in the same process is what to read).
+busy by a spin kernel, so the number is the enqueue cost alone. Median of `--reps` per rank, max over ranks.
+
+* ops: each op and method with the eager-call graphs (the default: a call is one replay of a CUDA graph
+  recorded from its plan) and without them (OVERLAP_EAGER_GRAPHS=0: the plan enqueued step by step),
+  against one `torch.mm` of the op's whole GEMM in the same process; `py_calls` is the number of Python
+  function calls of one eager call (cProfile, builtins included, mean over `--reps` calls).
+* the MLP step (forward + backward of `TPMLP` with the preset) against the same step with `overlap=False`
+  on NCCL. Ranks sharing one GPU cannot form an NCCL group (NCCL refuses two ranks on one device), so the
+  NCCL step runs on a one-rank NCCL group per process: the same calls (collectives, GEMMs, autograd) with
+  the same host path; its enqueue cost does not depend on the number of ranks.
+
+Several processes may share one GPU (pool backend ipc): host time stays meaningful (the other process does
+slow every CUDA call a little: the ratios within one process are what to read).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -22,12 +29,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from launch.report import device_slug, format_table, write_results
+from launch.report import format_table, write_results
 from launch.timing import progress
 
 from . import _dist
+from ._cli import ArgumentParser, require, run_dir, run_launcher
 
+PROG = "launch.host_cost"
 HOLD_CYCLES = 40_000_000  # ~20 ms: the device stays busy through the timed call
+COLUMNS = ["op", "method", "eager_graphs", "host_us", "ref", "ref_host_us", "ratio", "py_calls", "host_min_us",
+           "host_max_us"]
 
 
 def _host_us(fn, group, reps: int) -> list[float]:
@@ -43,14 +54,27 @@ def _host_us(fn, group, reps: int) -> list[float]:
     return samples
 
 
-def _max_median(samples, group, device) -> tuple[float, float, float]:
+def _py_calls(fn, group, reps: int) -> float:
+    """Python function calls per call of `fn` (cProfile counts builtins too), mean over `reps` calls."""
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(reps):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(profile).total_calls / reps
+
+
+def _max_median(samples, group) -> tuple[float, float, float]:
     t = torch.tensor([statistics.median(samples), min(samples), max(samples)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # CPU tensor: gloo when processes share a GPU
     return tuple(t.tolist())
 
 
 def _op_calls(ctx, pool, m, k, n):
-    """{(op, method): (call, the consumer's GEMM as one torch.mm)} on llama8b.qkv / o_proj-like shapes."""
+    """{(op, method): (op, call, the op's whole GEMM as one torch.mm)} on llama8b.qkv / o_proj-like shapes."""
     from overlap.ag_gemm import AgGemm
     from overlap.config import AgGemmConfig, GemmRsConfig
     from overlap.gemm_rs import GemmRs
@@ -65,95 +89,104 @@ def _op_calls(ctx, pool, m, k, n):
         op = AgGemm(group=ctx.group, pool=pool, max_m=m, k=k, n_local=n, dtype=bf16,
                     config=AgGemmConfig(method=method, lead_fraction=lead), name=f"hc.ag.{method}.{lead}")
         calls[("ag_gemm", f"{method}" + (f" lead={lead}" if lead else ""))] = (
-            lambda op=op: op(a_shard, w), lambda: torch.mm(a_full, w))
+            op, lambda op=op: op(a_shard, w), lambda: torch.mm(a_full, w))
     rs_methods = [("fused", dict(sm_margin=16, num_comm_sms=16)), ("epilogue_reduce", dict(num_comm_sms=0)),
                   ("decomposed", dict(num_comm_sms=8))] + ([("pair", dict(num_comm_sms=0))] if world == 2 else [])
     for method, extra in rs_methods:
         op = GemmRs(group=ctx.group, pool=pool, max_m=m, k_local=n, n=k, dtype=bf16,
                     config=GemmRsConfig(method=method, **extra), name=f"hc.rs.{method}")
-        calls[("gemm_rs", method)] = (lambda op=op: op(a_rs, w_rs), lambda: torch.mm(a_rs, w_rs))
+        calls[("gemm_rs", method)] = (op, lambda op=op: op(a_rs, w_rs), lambda: torch.mm(a_rs, w_rs))
     return calls
 
 
-def _step_calls(ctx, pool, m, hidden, ffn):
-    """A TP MLP step (forward + backward) and the same step's GEMM calls alone (6 torch.mm)."""
-    from overlap.layers import TPMLP
-    dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
-    mlp = TPMLP(hidden, ffn, group=ctx.group, max_m=m, dtype=bf16, pool=pool, name="hc.mlp")
-    x = torch.randn(m // world, hidden, device=dev, dtype=bf16, requires_grad=True)
-    dy = torch.randn(m // world, hidden, device=dev, dtype=bf16)
-    local = ffn // world
-    g = {name: torch.randn(*shape, device=dev, dtype=bf16) for name, shape in {
-        "x": (m, hidden), "w1": (hidden, 2 * local), "h": (m, local), "w2": (local, hidden), "dy": (m, hidden),
-        "dh": (m, 2 * local)}.items()}
-
+def _step(mlp, x, dy):
     def step():
         mlp(x).backward(dy)
-
-    def gemms():
-        torch.mm(g["x"], g["w1"])            # fc1 forward
-        torch.mm(g["h"], g["w2"])            # fc2 forward
-        torch.mm(g["dy"], g["w2"].t())       # fc2 input grad
-        torch.mm(g["h"].t(), g["dy"])        # fc2 weight grad
-        torch.mm(g["dh"], g["w1"].t())       # fc1 input grad
-        torch.mm(g["x"].t(), g["dh"])        # fc1 weight grad
-    return step, gemms, mlp
+    return step
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="launch.host_cost", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _mlp_steps(ctx, pool, m, hidden, ffn, nccl_self):
+    """(our step, the overlap=False step on NCCL, our MLP): forward + backward of a TPMLP with the preset."""
+    from overlap.layers import TPMLP
+    dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
+    ours = TPMLP(hidden, ffn, group=ctx.group, max_m=m, dtype=bf16, pool=pool, name="hc.mlp")
+    x = torch.randn(m // world, hidden, device=dev, dtype=bf16, requires_grad=True)
+    dy = torch.randn(m // world, hidden, device=dev, dtype=bf16)
+    nccl = TPMLP(hidden, ffn, group=nccl_self, max_m=m, dtype=bf16, overlap=False, baseline="nccl",
+                 device=dev, name="hc.nccl")
+    x1 = torch.randn(m, hidden, device=dev, dtype=bf16, requires_grad=True)
+    dy1 = torch.randn(m, hidden, device=dev, dtype=bf16)
+    return _step(ours, x, dy), _step(nccl, x1, dy1), ours
+
+
+def _measure(rows, op, method, graphs, call, ref_name, ref, ctx, args):
+    for _ in range(args.warmup):
+        call()
+        ref()
+    ours = _max_median(_host_us(call, ctx.group, args.reps), ctx.group)
+    base = _max_median(_host_us(ref, ctx.group, args.reps), ctx.group)
+    py = _py_calls(call, ctx.group, args.reps)
+    rows.append({"op": op, "method": method, "eager_graphs": graphs, "host_us": ours[0], "ref": ref_name,
+                 "ref_host_us": base[0], "ratio": ours[0] / base[0], "py_calls": py, "host_min_us": ours[1],
+                 "host_max_us": ours[2]})
+    progress(f"{op} {method} graphs={graphs}: {ours[0]:.0f} us = {ours[0] / base[0]:.2f} x {ref_name} "
+             f"({base[0]:.0f} us), {py:.0f} Python calls", rank=ctx.rank)
+
+
+def _parse(argv):
+    p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--tokens", type=int, default=4096, help="M of the op calls and of the MLP step")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--reps", type=int, default=30, help="timed calls per variant")
+    p.add_argument("--warmup", type=int, default=8, help="untimed calls per variant first")
     p.add_argument("--backend", default="ipc", help="pool backend (ipc: several processes may share a GPU)")
     p.add_argument("--out", default=None, help="results JSON (default: runs/host_cost-<time>/host_cost.json)")
     args = p.parse_args(argv)
+    require(args.tokens > 0 and args.reps >= 3 and args.warmup >= 2,
+            "--tokens must be > 0, --reps >= 3 and --warmup >= 2 (a call's graph is recorded on its second call)")
+    where = _dist.placement()
+    require(where.device.type == "cuda", "launch.host_cost measures the host cost of CUDA calls: it needs a GPU")
+    require(args.tokens % where.world_size == 0,
+            f"--tokens {args.tokens} must be a multiple of the number of ranks ({where.world_size})")
+    return args
+
+
+def _run(args) -> int:
     from symm_mem import SymmetricPool
-    with _dist.job("launch.host_cost", force_cpu=False) as ctx:
-        if ctx.device.type != "cuda":
-            raise SystemExit("launch.host_cost measures CUDA enqueue cost: it needs a GPU")
+    with _dist.job(PROG, force_cpu=False) as ctx:
         rows = []
+        nccl_groups = [dist.new_group([r], backend="nccl") for r in range(ctx.world_size)]
         with SymmetricPool(2 << 30, group=ctx.group, device=ctx.device, backend=args.backend,
                            num_device_words=1 << 14) as pool:
             calls = _op_calls(ctx, pool, args.tokens, 4096, 3072 // max(1, ctx.world_size // 2))
-            step, gemms, mlp = _step_calls(ctx, pool, args.tokens, 4096, 14336)
-            for (op, method), (call, mm) in calls.items():
-                for eager_graphs in ("1", "0"):
-                    os.environ["OVERLAP_EAGER_GRAPHS"] = eager_graphs
-                    for _ in range(args.warmup):
-                        call()
-                    ours = _max_median(_host_us(call, ctx.group, args.reps), ctx.group, ctx.device)
-                    ref = _max_median(_host_us(mm, ctx.group, args.reps), ctx.group, ctx.device)
-                    rows.append({"op": op, "method": method, "eager_graphs": eager_graphs == "1",
-                                 "host_us": ours[0], "host_min_us": ours[1], "host_max_us": ours[2],
-                                 "mm_host_us": ref[0], "ratio_to_mm": ours[0] / ref[0]})
-                    progress(f"{op} {method} graphs={eager_graphs}: {ours[0]:.0f} us = {ours[0] / ref[0]:.2f} x "
-                             f"torch.mm ({ref[0]:.0f} us)", rank=ctx.rank)
-            os.environ["OVERLAP_EAGER_GRAPHS"] = "1"
-            for _ in range(args.warmup):
-                step()
-                gemms()
-            ours = _max_median(_host_us(step, ctx.group, args.reps), ctx.group, ctx.device)
-            ref = _max_median(_host_us(gemms, ctx.group, args.reps), ctx.group, ctx.device)
-            rows.append({"op": "tp_mlp step (fwd+bwd)", "method": "preset", "eager_graphs": True,
-                         "host_us": ours[0], "host_min_us": ours[1], "host_max_us": ours[2],
-                         "mm_host_us": ref[0], "ratio_to_mm": ours[0] / ref[0]})
+            for (op_name, method), (op, call, mm) in calls.items():
+                for graphs in (True, False):
+                    op.set_eager_graphs(graphs)
+                    _measure(rows, op_name, method, graphs, call, "torch.mm", mm, ctx, args)
+                op.close()
+            step, nccl_step, mlp = _mlp_steps(ctx, pool, args.tokens, 4096, 14336, nccl_groups[ctx.rank])
+            _measure(rows, "tp_mlp step (fwd+bwd)", "preset", True, step, "overlap=False step (NCCL)", nccl_step,
+                     ctx, args)
             mlp.check_errors()
             mlp.close()
             pool.barrier()
         if ctx.rank == 0:
-            out = args.out or f"runs/host_cost-{time.strftime('%Y%m%d-%H%M%S')}/host_cost.json"
+            out = args.out or str(run_dir("host_cost") / "host_cost.json")
             write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
                           extra={"op": "host_cost", "tokens": args.tokens, "reps": args.reps,
                                  "definitions": "host_us: perf_counter around one eager call with the device held "
-                                                "busy, median over reps per rank, max over ranks; mm_host_us: the "
-                                                "op's consumer GEMM as one torch.mm in the same process (for the "
-                                                "MLP row: the step's 6 GEMMs); ratio_to_mm = host_us / mm_host_us"})
-            print(format_table(rows, ["op", "method", "eager_graphs", "host_us", "mm_host_us", "ratio_to_mm",
-                                      "host_min_us", "host_max_us"]))
+                                                "busy, median over reps per rank, max over ranks; ref_host_us: the "
+                                                "reference the same way in the same process (an op: its whole GEMM "
+                                                "as one torch.mm; the MLP step: the same step with overlap=False on "
+                                                "a one-rank NCCL group); ratio = host_us / ref_host_us; py_calls: "
+                                                "Python function calls per eager call (cProfile, builtins "
+                                                "included)"})
+            print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, _parse, _run, argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class Scatter(NamedTuple):
     error_words: torch.Tensor
     error_code_base: int         # code of the own flags' word 0 (EPILOGUE 2's waits)
     timeout_s: float
+    flag_value: int = 1          # what the row-block flags carry: the call's M (overlap/protocol.py)
 
 
 def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_programs: int, blocks: GemmBlocks,
@@ -65,7 +66,7 @@ def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_prog
         rows_per_rank = chunk_wait.rows_per_rank
     if scatter is not None:
         extra = dict(error_ptr=scatter.error_words, error_code_base=scatter.error_code_base,
-                     timeout_ns=int(scatter.timeout_s * 1e9))
+                     timeout_ns=int(scatter.timeout_s * 1e9), flag_value=scatter.flag_value)
         rows_per_rank = scatter.rows_per_rank
     elif chunk_wait is None:
         rows_per_rank = m
@@ -91,11 +92,11 @@ def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_prog
 
 def launch_reduce(*, partials: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, error_words: torch.Tensor,
                   error_code_base: int, rows_per_rank: int, world_size: int, flags_per_source: int, gemm_block_m: int,
-                  owner_rank: int, num_programs: int, wait: bool, timeout_s: float) -> None:
+                  owner_rank: int, num_programs: int, wait: bool, timeout_s: float, flag_value: int = 1) -> None:
     """out [rows, N] = sum over sources of partials [W, rows, N] (fp32 accumulation), on the current stream.
 
-    wait=True: each tile first waits (bounded, in the kernel) for the row-block device flags of every
-    source (the scatter epilogue's); wait=False: the caller ordered the partials before the launch. On CPU
+    wait=True: each tile first waits (bounded, in the kernel) until the row-block device flags of every
+    source (the scatter epilogue's) hold `flag_value`; wait=False: the caller ordered the partials before the launch. On CPU
     the host driver has already waited, and torch sums the same way (the kernel has interpreter tests).
     """
     if not out.is_cuda:  # CPU ranks: the same sum (fp32, in source order) without the Triton interpreter
@@ -109,5 +110,5 @@ def launch_reduce(*, partials: torch.Tensor, out: torch.Tensor, flags: torch.Ten
     n = out.shape[1]
     reduce_partials_kernel[(max(1, num_programs),)](
         partials, out, flags, error_words, rows_per_rank, n, out.stride(0), world_size, flags_per_source,
-        gemm_block_m, owner_rank, int(timeout_s * 1e9), error_code_base,
+        gemm_block_m, owner_rank, int(timeout_s * 1e9), error_code_base, flag_value,
         WAIT=wait, BLOCK_M=32, BLOCK_N=256 if out.is_cuda else 16, num_warps=4)

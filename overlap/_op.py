@@ -1,27 +1,55 @@
-"""What every op context shares: construction checks, the per-call entry, programs cached per M, close.
+"""What every op context shares: construction checks, plans built once per (M, variant), the call path, close.
 
 An op is collective: every rank builds it with the same arguments (checked once, `SymmetricPool.agree`) and
-calls it the same number of times with the same M (checked per call, `protocol.check_call`, before anything
-is enqueued), so a disagreement raises OpInputError on every rank instead of returning wrong rows.
+calls it the same number of times with the same M. The M of a call is carried by the flags that say "this
+call's data is there" (overlap/protocol.py): ranks that disagree meet a flag at another nonzero value and
+every rank raises `OpInputError` naming both Ms, at the call (CPU) or at the next call / `check_errors()`
+(CUDA: the watchdog sees it within milliseconds). No rank waits for another's host on the way in.
+
+A call is a plan. Everything that does not depend on the call's tensors is decided when (M, variant) is
+first seen: the config of that M (`by_m`), the program of stream operations, the GEMM blocks. A call checks
+its tensors, allocates its output and, on CUDA, enqueues the plan:
+
+* as one replay of a CUDA graph recorded from the very same plan, keyed by the addresses of the call's
+  tensors (inputs, weight, the freshly allocated output): a training loop hands the same addresses back
+  step after step, so from the second call with a key on, the whole call costs one `replay()`;
+* else (a key seen once, a capture by the caller, tracing, OVERLAP_EAGER_GRAPHS=0) by enqueueing its stream
+  operations directly.
+
+Either way the stream operations, and so the protocol, are the same.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 
-from symm_mem import ArgumentMismatch, PoolClosedError
+from symm_mem import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
-from . import envs, protocol
-from ._guard import CallGuard
+from . import envs
 from ._validate import OpInputError, check_at_most, check_divisible
+from .config import OpPreset
 from .schedule import CudaDriver, HostDriver
 
-__all__ = ["OpBase"]
+__all__ = ["OpBase", "Plan", "MAX_GRAPHS"]
+
+MAX_GRAPHS = 8        # recorded graphs kept per op (least recently replayed dropped first)
+MAX_SEEN_KEYS = 1024  # graph keys remembered from a single call (bounded: addresses that never repeat)
+
+
+class Plan:
+    """One (M, variant) of an op: its config, program and driver, built once."""
+    __slots__ = ("key", "config", "program", "driver")
+
+    def __init__(self, key, config, program, driver):
+        self.key, self.config, self.program, self.driver = key, config, program, driver
 
 
 class OpBase:
-    """Subclasses define `kind`, build `self.flags` (an AgFlags / RsFlags) and `_build(key) -> Program`."""
+    """Subclasses define `kind`, build `self.flags` (an AgFlags / RsFlags) and `_build(key, config)`."""
 
     kind = "op"
 
@@ -30,10 +58,12 @@ class OpBase:
             raise OpInputError(f"{name}: group= is required (pass the TP process group explicitly)")
         if pool is None or pool.closed:
             raise OpInputError(f"{name}: pool= must be an open SymmetricPool on group=")
-        if getattr(config, "op", None) != self.kind:
-            raise OpInputError(f"{name}: config is a {type(config).__name__}; {type(self).__name__} needs a "
-                               f"{self.kind} config")
-        self.group, self.pool, self.config, self.name = group, pool, config, name
+        self.preset = config if isinstance(config, OpPreset) else OpPreset(default=config)
+        for cfg in self.configs():
+            if getattr(cfg, "op", None) != self.kind:
+                raise OpInputError(f"{name}: config is a {type(cfg).__name__}; {type(self).__name__} needs a "
+                                   f"{self.kind} config")
+        self.group, self.pool, self.config, self.name = group, pool, self.preset.default, name
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if (self.rank, self.world_size) != (pool.rank, pool.world_size):
             raise OpInputError(f"{name}: pool was built on another group than group=")
@@ -44,19 +74,33 @@ class OpBase:
         check_divisible(f"{name}: max_m", max_m, self.world_size, "the group size")
         self.max_m, self.device = max_m, pool.device
         self.timeout_s = pool.timeout_s
+        self._cuda = self.device.type == "cuda"
         self._static = {"op": self.kind, "name": name, "world_size": self.world_size, **static,
                         "config": repr(config)}
         self._calls = 0
-        self._drivers: dict = {}
+        self._plans: dict = {}
         self._closed = False
-        self._guard = CallGuard(name, self.device)
+        self._lock = threading.Lock()
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._trace = False
         self._last_key = None
-        self._side_graphs: dict = {}
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: set = set()
+        self._use_graphs = self._cuda and envs.eager_graphs()
+        self._capture_stream = None
+        self._done = torch.cuda.Event() if self._cuda else None
+        self._last_stream = None
+
+    def configs(self) -> list:
+        """Every config this op may run (the default and each `by_m` bucket's)."""
+        return [self.preset.default] + [cfg for _, cfg in self.preset.by_m]
+
+    def config_for(self, m: int):
+        """The config a call with M = m runs (the first `by_m` bucket with m_max >= m, else the default)."""
+        return self.preset.for_m(m)
 
     def _agree(self) -> None:
-        """After the region is reserved and its flags initialised: every rank built the same op."""
+        """Before any reservation: every rank built the same op on the same pool layout so far."""
         try:
             self.pool.agree(self.name, self._static)
         except ArgumentMismatch as exc:
@@ -71,107 +115,170 @@ class OpBase:
                                   f"cannot be used after its pool")
 
     def _check_m(self, m: int) -> None:
-        check_divisible(f"{self.name}: M", m, self.world_size, "the group size")
-        check_at_most(f"{self.name}: M", m, self.max_m, "max_m of this op")
         if m <= 0:
             raise OpInputError(f"{self.name}: M must be > 0, got {m}")
+        check_divisible(f"{self.name}: M", m, self.world_size, "the group size")
+        check_at_most(f"{self.name}: M", m, self.max_m, "max_m of this op")
 
-    def _begin(self, m: int) -> None:
-        """Entry of every call: live, no failure recorded, every rank at this call with this M."""
-        self._check_live()
-        self.pool.raise_if_failed()
-        self._calls += 1
-        protocol.check_call(self.pool, self.flags, self._calls, m, op=self.name)
+    def _raise_if_failed(self) -> None:
+        try:
+            self.pool.raise_if_failed()
+        except (PeerMismatchError, DeviceCheckError) as exc:  # the caller's arguments, not the runtime
+            raise OpInputError(str(exc)) from None
 
-    def _driver(self, key):
-        driver = self._drivers.get(key)
-        if driver is None:
-            program = self._build(key)
-            driver = CudaDriver(program, self._side_streams(program.lanes)) if self.device.type == "cuda" \
-                else HostDriver(program)
+    def _plan(self, key, m: int) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            self._check_m(m)
+            config = self.config_for(m)
+            program = self._build(key, config)
+            if self._cuda:
+                for lane in program.lanes:
+                    if lane not in self._streams:
+                        self._streams[lane] = torch.cuda.Stream(self.device, priority=config.comm_stream_priority)
+                driver = CudaDriver(program, self._streams)
+            else:
+                driver = HostDriver(program)
             driver.enable_trace(self._trace)
-            self._drivers[key] = driver
-        self._last_key = key
-        return driver
+            plan = self._plans[key] = Plan(key, config, program, driver)
+        return plan
 
-    def _replayed(self, key, driver, ctx) -> bool:
-        """CUDA eager calls: run the prologue and side lanes as a recorded graph where that is safe."""
-        if self.device.type != "cuda" or self._trace or not envs.eager_graphs() \
-                or torch.cuda.is_current_stream_capturing():
-            return False
-        side = self._side_graphs.get(key)
-        if side is None:
-            from ._side_graph import SideGraphs, graphable
-            side = self._side_graphs[key] = SideGraphs(driver.program, self._streams,
-                                                      priority=self.config.comm_stream_priority) \
-                if graphable(driver.program) else False
-        if not side:
-            return False
-        graph_key = self._graph_key(ctx)
-        return graph_key is not None and side.run(ctx, graph_key)
-
-    def _graph_key(self, ctx):
-        """Data pointers of the call tensors that the prologue and side lanes read (None: never replay)."""
-        return None
-
-    def _side_streams(self, lanes) -> dict:
-        for lane in lanes:
-            if lane not in self._streams:
-                self._streams[lane] = torch.cuda.Stream(self.device, priority=self.config.comm_stream_priority)
-        return self._streams
-
-    def _execute(self, key, ctx, *, m: int | None = None) -> None:
-        """Run the program of `key` for one call; with `m`, first the call's entry checks (`_begin`). The guard
-        refuses a second thread before anything is posted or enqueued."""
+    def _launch(self, plan: Plan, ctx: dict, addresses: tuple | None) -> None:
+        """Enqueue one call of `plan` (the call path of every op). `addresses`: the data pointers (and any
+        layout the plan does not fix) of every call tensor the plan reads or writes; None: never replay."""
+        if self._closed or self.pool.closed:
+            self._check_live()
+        if not self._lock.acquire(False):
+            raise OpInputError(f"{self.name} is already running on another thread; op calls are collective "
+                               f"and must be issued in one order on every rank (use one thread per op)")
         self.pool.begin_call()
         try:
-            with self._guard:
-                if m is not None:
-                    self._begin(m)
-                driver = self._driver(key)
-                if not self._replayed(key, driver, ctx):
-                    driver.run(ctx)
+            self._raise_if_failed()
+            if self._cuda:
+                self._enqueue(plan, ctx, addresses)
+            else:
+                plan.driver.run(ctx)
+            self._calls += 1
+            self._last_key = plan.key
+        except (PeerMismatchError, DeviceCheckError) as exc:
+            raise OpInputError(str(exc)) from None
         finally:
             self.pool.end_call()
-        if self.device.type == "cpu":  # a peer that gave up during this call: raise on this call
-            self.pool.raise_if_failed()
+            self._lock.release()
+        if not self._cuda:  # a peer that gave up during this call: raise on this call
+            self._raise_if_failed()
+
+    def _enqueue(self, plan: Plan, ctx: dict, addresses) -> None:
+        stream = torch.cuda.current_stream()
+        if torch.cuda.is_current_stream_capturing():
+            # a capture waits for no event recorded outside it (torch.cuda.graph synchronises first; a
+            # capture on another stream than the last eager call must follow a synchronize), and nothing
+            # recorded inside it is waited for outside it
+            plan.driver.run(ctx, stream)
+            self._last_stream = None
+            return
+        if self._last_stream is not None and stream != self._last_stream:
+            stream.wait_event(self._done)   # the previous call's buffers are reused by this one
+        if addresses is None or self._trace or not self._use_graphs:
+            plan.driver.run(ctx, stream)
+        else:
+            self._replay(plan, ctx, (plan.key,) + addresses, stream)
+        self._done.record(stream)
+        self._last_stream = stream
+
+    def _replay(self, plan: Plan, ctx: dict, key, stream) -> None:
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:  # record only what repeats
+                if len(self._seen) >= MAX_SEEN_KEYS:
+                    self._seen.clear()
+                self._seen.add(key)
+                plan.driver.run(ctx, stream)
+                return
+            graph = self._record(plan, ctx, stream)
+            if graph is None:
+                plan.driver.run(ctx, stream)
+                return
+            self._graphs[key] = graph
+            if len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph.replay()
+
+    def _record(self, plan: Plan, ctx: dict, stream):
+        """A CUDA graph of one call of `plan` on these tensors (not executed: the caller replays it)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        if _get_current_dispatch_mode() is not None:  # e.g. torch.compile's CUDA-graph trees warming up
+            return None
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        side, graph = self._capture_stream, torch.cuda.CUDAGraph()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                plan.driver.run(ctx, side)
+            finally:
+                graph.capture_end()
+        stream.wait_stream(side)
+        return graph
+
+    def set_eager_graphs(self, on: bool) -> None:
+        """Replay this op's eager CUDA calls as recorded graphs (the default, unless OVERLAP_EAGER_GRAPHS=0)
+        or enqueue every call step by step (graphs already recorded are dropped)."""
+        self._use_graphs = self._cuda and bool(on)
+        if not on:
+            self._graphs.clear()
+            self._seen.clear()
 
     # ----- tracing (k-factors) --------------------------------------------------------------------------
     def enable_trace(self, on: bool = True) -> None:
         """Time each later call's lanes: CUDA events on the compute and side streams, or host clocks on the
-        CPU threads (see `last_trace_ms`)."""
+        CPU threads (see `last_trace_ms`). Traced calls are enqueued step by step (never replayed)."""
         self._trace = on
-        for driver in self._drivers.values():
-            driver.enable_trace(on)
+        for plan in self._plans.values():
+            plan.driver.enable_trace(on)
 
     def last_trace_ms(self) -> dict[str, float]:
         """Spans of the last traced call, ms (synchronises): `compute_ms` the whole call on the compute stream
         (waits included), `<lane>_ms` each side lane (`comm_ms` the pulls or pushes, `reduce_ms`)."""
-        driver = self._drivers.get(self._last_key)
-        if driver is None or driver.trace is None:
+        plan = self._plans.get(self._last_key)
+        if plan is None or plan.driver.trace is None:
             raise OpInputError(f"{self.name}: no traced call yet (enable_trace() first)")
-        return {f"{lane}_ms": ms for lane, ms in driver.trace_ms().items()}
+        return {f"{lane}_ms": ms for lane, ms in plan.driver.trace_ms().items()}
 
     # ----- lifecycle ------------------------------------------------------------------------------------
     @property
     def calls(self) -> int:
-        """Calls issued so far."""
+        """Calls issued so far (eager calls and captures; replays of a caller's graph are not seen)."""
         return self._calls
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs this op holds for its eager calls (at most MAX_GRAPHS)."""
+        return len(self._graphs)
+
     def check_errors(self) -> None:
-        """Synchronise and raise if any wait of this rank expired or any rank gave up (all ops of the pool)."""
+        """Synchronise and raise if any wait of this rank expired, the ranks disagreed on a call's M, or any
+        rank gave up (all ops of the pool)."""
         self._check_live()
-        self.pool.check_errors()
+        try:
+            self.pool.check_errors()
+        except (PeerMismatchError, DeviceCheckError) as exc:
+            raise OpInputError(str(exc)) from None
 
     def close(self) -> None:
-        """Drop this op's programs and pool views (the pool is the caller's). Refused while a call is in flight."""
+        """Drop this op's plans, graphs and pool views (the pool is the caller's). Refused while a call is in
+        flight."""
         if self._closed:
             return
-        if self._guard.busy():
+        if self._lock.locked():
             raise OpInputError(f"{self.name}.close() while a call is in flight on another thread")
         self._closed = True
-        self._drivers.clear()
-        self._side_graphs.clear()
+        self._plans.clear()
+        self._graphs.clear()
+        self._seen.clear()
         self._release()
 
     def _release(self) -> None:

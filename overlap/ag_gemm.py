@@ -4,17 +4,18 @@ Shapes: a_shard [M/W, K], w [K, N_local] (row-major, or `weight.t()` of a row-ma
 out [M, N_local]; M <= max_m, M % W == 0. Pool region `<name>.a` [max_m, K]: this rank's rows of it are its
 published slot, the other rows receive the peers' rows.
 
-The schedule of one call (protocol.py has the flags; the same stream operations eager or replayed):
+The plan of one call (protocol.py has the flags; the same stream operations eager, replayed or captured):
   compute (prologue): wait until every peer pulled this rank's rows of the last call (consumed, a memory-
-           operation wait), copy a_shard into the slot (skipped when the caller wrote `input_slot`), raise
-           ready on every peer;
-  comm (side stream, high priority): for owner rank+1, rank+2, ...: wait ready[owner], pull its rows with the
-           copy engine in `chunks_per_rank` pieces (each followed by its arrival event or device flag), then
-           raise consumed on the owner;
+           operation wait), copy a_shard into the slot (skipped when the caller wrote `input_slot`), write
+           M into ready on every peer;
+  comm (side stream, high priority): for owner rank+1, rank+2, ...: wait until ready[owner] holds M, pull
+           its rows with the copy engine in `chunks_per_rank` pieces (each followed by its arrival event or
+           device flag), then raise consumed on the owner;
   consumer (compute): `decomposed` = cuBLAS GEMMs in the order of `plan_consumer_gemms`, each waiting only
            for the rows it reads (the local rows read a_shard and wait for nothing); `fused` = one persistent
-           Triton GEMM whose tiles wait for their chunk's device flag (tiles in arrival order); a call with
-           `lead` work runs it first and then one GEMM over every row; `all_gather` runs no consumer.
+           Triton GEMM whose tiles wait for their chunk's device flag (tiles in arrival order); with a weight
+           grad (`wgrad_of=x`, a row layer's backward) also x^T @ gathered, its local rows first when
+           `wgrad_lead` (they overlap the pulls); `all_gather` runs no consumer.
 No wait of the comm path needs an SM, so the copy engine starts while the consumer's GEMM holds every SM.
 """
 
@@ -28,7 +29,7 @@ from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._op import OpBase
 from ._validate import OpInputError, check_tensor, check_weight
 from .config import AgGemmConfig
-from .schedule import COMPUTE, CallContext, Program
+from .schedule import COMPUTE, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
 
 __all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
@@ -39,6 +40,7 @@ COMM = "comm"
 class AgGemm(OpBase):
     """Op context built once per (group, pool, max_m, k, n_local, dtype, config); call it many times.
 
+    `config` is an AgGemmConfig, or an OpPreset of them (`by_m` buckets: each call runs the config of its M).
     Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU). The
     gathered `a` (`return_gathered=True`, `all_gather`) is a view into the pool, valid until the next call of
     this op (or its close); clone it to keep it longer. Any call may be captured in a CUDA graph and replayed.
@@ -53,10 +55,13 @@ class AgGemm(OpBase):
         self.k, self.n_local, self.dtype, self.fp8 = k, n_local, dtype, bool(fp8)
         if fp8 and dtype != torch.bfloat16:
             raise OpInputError(f"{name}: fp8=True quantises bf16 activations; dtype is {dtype}")
-        if self.device.type == "cuda":
-            config.validate(num_sms=num_sms(self.device))
+        self.num_sms = num_sms(self.device)
+        if self._cuda:
+            for cfg in self.configs():
+                cfg.validate(num_sms=self.num_sms)
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
-        self.flags = protocol.AgFlags(f"{name}.a", self.world_size, config.chunks_per_rank)
+        chunks = max(cfg.chunks_per_rank for cfg in self.configs())
+        self.flags = protocol.AgFlags(f"{name}.a", self.world_size, chunks)
         self.gathered = pool.reserve(self.flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
                                      num_signals=self.flags.num_signals,
                                      num_device_flags=self.flags.num_device_flags, exclusive=True)
@@ -65,8 +70,12 @@ class AgGemm(OpBase):
             from .fp8 import Fp8WeightCache, scale_groups
             self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
+        self._gathered_ptr, self._row_bytes = self.gathered.data_ptr(), self.gathered.stride(0) * self.gathered.element_size()
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
+        # bumped by every call that stamps its gathered input (a column layer's forward): a backward that
+        # reads the region later compares its stamp with it (custom_ops, save_gathered="view")
+        self.version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._claimed: int | None = None  # rows per rank of an input_slot handed out and not yet used
 
     # ----- public --------------------------------------------------------------------------------------
@@ -86,28 +95,49 @@ class AgGemm(OpBase):
             raise OpInputError(f"{self.name}: input_slot({m}) while the slot of a previous input_slot call is "
                                f"still unused; call the op first")
         rows = m // self.world_size
-        self._execute(("claim", m), CallContext())
+        self._launch(self._plan(("claim", m), m), {}, ())
         self._claimed = rows
         return self.gathered[self.rank * rows:(self.rank + 1) * rows]
 
-    def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False, lead=None):
-        """out [M, N_local] (and the gathered a [M, K] if asked) for a_shard [M/W, K], w [K, N_local].
+    def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False, lead=None,
+                 wgrad_of: torch.Tensor | None = None, wgrad_lead: bool = False, stamp: torch.Tensor | None = None):
+        """out [M, N_local] for a_shard [M/W, K], w [K, N_local].
 
-        lead: a callable, run once on the current stream before the GEMM over the gathered rows, reading only
-        this rank's data (a row layer's backward: the weight-grad GEMM of its own rows); its work overlaps
-        the pulls. With `lead`, the decomposed consumer is one GEMM over all M rows (lead_fraction does not
-        apply); `fused` runs it before its GEMM.
+        return_gathered: also the gathered a [M, K] (a pool view; fp8: (e4m3 rows, scales)).
+        wgrad_of: x [M, J] -> returns (out, grad [J, K] = x^T @ gathered a) (a row layer's backward: x its
+            input, a_shard its output grad); wgrad_lead: its GEMM over this rank's rows runs first, while the
+            peers' rows are pulled, and the consumer is one GEMM over all M rows.
+        stamp: an int64 [1] tensor on the device: receives this call's number in `version` (column layers).
+        lead: a callable run once on the current stream before the GEMM over the gathered rows, reading only
+            this rank's data (calls with one are enqueued step by step, never replayed).
         """
-        self._check_live()
-        check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
-        check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
+        self._check_call_tensors(a_shard, w)
+        if wgrad_of is not None:
+            check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device,
+                         shape=(a_shard.shape[0] * self.world_size, None))
+        return self._run(a_shard, w, return_gathered=return_gathered, lead=lead, wgrad_of=wgrad_of,
+                         wgrad_lead=wgrad_lead, stamp=stamp)
+
+    def _run(self, a_shard, w, *, return_gathered=False, lead=None, wgrad_of=None, wgrad_lead=False, stamp=None):
+        """`__call__` for tensors a caller has validated already (the layers)."""
         m = a_shard.shape[0] * self.world_size
-        self._check_m(m)
         out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        ctx = CallContext({"a_shard": a_shard, "w": w, "out": out, "lead": lead})
+        ctx = {"a_shard": a_shard, "w": w, "out": out, "lead": lead, "stamp": stamp}
+        addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
+        if wgrad_of is not None:
+            grad = torch.empty(wgrad_of.shape[1], self.k, dtype=self.dtype, device=self.device)
+            ctx["x"], ctx["grad"] = wgrad_of, grad
+            addresses += (wgrad_of.data_ptr(), grad.data_ptr())
+        if stamp is not None:
+            addresses += (stamp.data_ptr(),)
         if self.fp8:
-            ctx.values["w_fp8"] = self._weights.get(w.t())
-        self._call(m, self.config.method, ctx)
+            ctx["w_fp8"] = w8 = self._weights.get(w.t())
+            addresses += (w8[0].data_ptr(), w8[1].data_ptr())
+        wgrad = None if wgrad_of is None else ("lead" if wgrad_lead else "after")
+        self._call(m, "op", ctx, None if lead is not None else addresses,
+                   wgrad=wgrad, lead=lead is not None, stamp=stamp is not None)
+        if wgrad_of is not None:
+            return out, ctx["grad"]
         if not return_gathered:
             return out
         return out, (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
@@ -127,62 +157,83 @@ class AgGemm(OpBase):
         self._check_live()
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         m = a_shard.shape[0] * self.world_size
-        self._check_m(m)
-        self._call(m, "none", CallContext({"a_shard": a_shard}))
+        self._call(m, "none", {"a_shard": a_shard}, (a_shard.data_ptr(),))
         return (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
 
     def chunks(self, m: int) -> list[Chunk]:
         """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
         return plan_chunks(rank=self.rank, world_size=self.world_size, m=m,
-                           chunks_per_rank=self.config.chunks_per_rank)
+                           chunks_per_rank=self.config_for(m).chunks_per_rank)
 
     def consumer_gemms(self, m: int, *, whole: bool = False) -> list[ConsumerGemm]:
         """The decomposed consumer's GEMMs in issue order (`plan_consumer_gemms`)."""
+        config = self.config_for(m)
         return plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
-                                   chunks_per_rank=self.config.chunks_per_rank,
-                                   lead_fraction=self.config.lead_fraction, whole=whole)
+                                   chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
+                                   whole=whole)
 
     # ----- one call ------------------------------------------------------------------------------------
-    def _call(self, m: int, consumer: str, ctx: CallContext) -> None:
+    def _check_call_tensors(self, a_shard, w) -> None:
+        if not (isinstance(a_shard, torch.Tensor) and a_shard.dtype == self.dtype and a_shard.device == self.device
+                and a_shard.dim() == 2 and a_shard.shape[1] == self.k and a_shard.is_contiguous()):
+            self._check_live()
+            check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
+        if not (isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.device == self.device
+                and w.dim() == 2 and w.shape[0] == self.k and w.shape[1] == self.n_local
+                and (w.stride(1) == 1 or w.stride(0) == 1)):
+            check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
+
+    def _call(self, m: int, consumer: str, ctx: dict, addresses, *, wgrad=None, lead=False, stamp=False) -> None:
         rows = m // self.world_size
-        if self._claimed is not None and self._claimed != rows:
+        claimed = self._claimed is not None
+        if claimed and self._claimed != rows:
             raise OpInputError(f"{self.name}: input_slot was taken for {self._claimed * self.world_size} rows, "
                                f"this call has M = {m}")
-        slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
-        zero_copy = ctx.values["a_shard"].data_ptr() == slot.data_ptr()
-        claimed = self._claimed is not None
-        lead = ctx.values.get("lead") is not None
-        self._execute((m, consumer, lead, zero_copy, claimed), ctx, m=m)
+        zero_copy = ctx["a_shard"].data_ptr() == self._gathered_ptr + self.rank * rows * self._row_bytes
+        key = (m, consumer, wgrad, lead, zero_copy, claimed, stamp)
+        self._launch(self._plan(key, m), ctx, addresses)
         self._claimed = None
 
-    def _build(self, key) -> Program:
+    def _build(self, key, config) -> Program:
         program = Program(self.pool, op=self.name)
         if key[0] == "claim":
             for peer in self._ring():
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
             return program
-        m, consumer, lead, zero_copy, claimed = key
+        m, consumer, wgrad, lead, zero_copy, claimed, stamp = key
         rows = m // self.world_size
-        chunks = self.chunks(m)
+        chunks = plan_chunks(rank=self.rank, world_size=self.world_size, m=m, chunks_per_rank=config.chunks_per_rank)
+        if consumer == "op":
+            consumer = config.method
         fused = consumer == "fused"
         if fused:
             program.clear(COMPUTE, self.chunk_flags)
-        self._publish(program, rows, chunks, zero_copy=zero_copy, claimed=claimed, fused=fused)
-        self._pulls(program, chunks, fused=fused)
-        if consumer == "fused":
-            self._fused_consumer(program, m)
+        self._publish(program, m, rows, chunks, zero_copy=zero_copy, claimed=claimed, fused=fused)
+        self._pulls(program, m, chunks, fused=fused)
+        whole = lead or wgrad == "lead"
+        if wgrad == "lead":
+            self._wgrad_lead(program, m, rows, config.sm_margin)
+        if fused:
+            self._fused_consumer(program, m, config, lead=lead)
         elif consumer == "decomposed":
-            self._decomposed_consumer(program, m, chunks, whole=lead)
+            self._decomposed_consumer(program, m, chunks, config, whole=whole, lead=lead)
+        if wgrad is not None:
+            program.after(COMPUTE, "gathered")
+            self._wgrad_rest(program, m, rows, lead=wgrad == "lead")
+        if stamp:
+            program.after(COMPUTE, "gathered")
+            program.run(COMPUTE, self._bump_version)
         return program
 
-    def _graph_key(self, ctx):
-        a_shard = ctx.values.get("a_shard")
-        return None if a_shard is None else (a_shard.data_ptr(),)
+    def _bump_version(self, ctx) -> None:
+        self.version.add_(1)
+        ctx["stamp"].copy_(self.version)
 
     def _ring(self) -> list[int]:
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
 
-    def _publish(self, program: Program, rows: int, chunks, *, zero_copy: bool, claimed: bool, fused: bool) -> None:
+    def _publish(self, program: Program, m: int, rows: int, chunks, *, zero_copy: bool, claimed: bool,
+                 fused: bool) -> None:
         # On the compute stream, before any GEMM: the copy runs on SMs (a same-device copy), so behind a GEMM
         # that holds them all the peers' ready flags would wait for the whole GEMM.
         if not claimed:
@@ -192,18 +243,18 @@ class AgGemm(OpBase):
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
             from ._fp8_launch import launch_quantize_activation
             slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
-            program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx.a_shard, slot, slot_scales))
+            program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx["a_shard"], slot, slot_scales))
         elif not zero_copy:
-            program.copy(COMPUTE, slot, lambda ctx: ctx.a_shard)
+            program.copy(COMPUTE, slot, lambda ctx: ctx["a_shard"])
         if fused:
             for chunk in chunks:
                 if chunk.owner == self.rank:
                     program.set(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1])
         program.record(COMPUTE, "published")
         for peer in self._ring():
-            program.give(COMPUTE, self.flags.ready(self.rank), peer)
+            program.give(COMPUTE, self.flags.ready(self.rank), peer, value=m)
 
-    def _pulls(self, program: Program, chunks, *, fused: bool) -> None:
+    def _pulls(self, program: Program, m: int, chunks, *, fused: bool) -> None:
         previous_owner = None
         for i, chunk in enumerate(chunks):
             if chunk.owner == self.rank:
@@ -211,7 +262,7 @@ class AgGemm(OpBase):
             if chunk.owner != previous_owner:
                 if previous_owner is not None:
                     program.give(COMM, self.flags.consumed(self.rank), previous_owner)
-                program.take(COMM, self.flags.ready(chunk.owner), peer=chunk.owner)
+                program.take(COMM, self.flags.ready(chunk.owner), peer=chunk.owner, value=m)
                 previous_owner = chunk.owner
             source = self.pool.peer(self.flags.region, chunk.owner)
             lo, count = chunk.first_row, chunk.num_rows
@@ -227,75 +278,110 @@ class AgGemm(OpBase):
             program.give(COMM, self.flags.consumed(self.rank), previous_owner)
         program.record(COMM, "gathered")
 
-    def _decomposed_consumer(self, program: Program, m: int, chunks, *, whole: bool) -> None:
-        if whole:
-            program.run(COMPUTE, self._run_lead)
-        for gemm in self.consumer_gemms(m, whole=whole):
+    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool) -> None:
+        if lead:
+            program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
+        gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
+                                    chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
+                                    whole=whole)
+        for gemm in gemms:
             if gemm.wait == len(chunks):  # rows from the pool: every pull and the local slot
                 program.after(COMPUTE, "gathered")
             elif gemm.wait >= 0:
                 program.after(COMPUTE, f"chunk{gemm.wait}")
-            program.run(COMPUTE, self._mm(gemm, m))
+            program.run(COMPUTE, self._mm(gemm, m, config.sm_margin))
 
-    def _run_lead(self, ctx) -> None:
-        with sm_carveout(self.config.sm_margin):
-            ctx.lead()
-
-    def _mm(self, gemm: ConsumerGemm, m: int):
-        lo, count, margin = gemm.first_row, gemm.num_rows, self.config.sm_margin
+    def _mm(self, gemm: ConsumerGemm, m: int, margin: int):
+        lo, count = gemm.first_row, gemm.num_rows
         local = gemm.wait < 0  # this rank's rows: straight from a_shard, no wait
         first = lo - self.rank * (m // self.world_size)
-
+        gathered = self.gathered[lo:lo + count]
         if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
             from .fp8 import fp8_gemm
+            scales = self.scales[lo:lo + count]
 
             def mm_fp8(ctx) -> None:
-                w8, w_scales = ctx.w_fp8
-                fp8_gemm(a8=self.gathered[lo:lo + count], a_scales=self.scales[lo:lo + count], w8=w8,
-                         w_scales=w_scales, out=ctx.out[lo:lo + count])
+                w8, w_scales = ctx["w_fp8"]
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=ctx["out"][lo:lo + count])
             return mm_fp8
 
         def mm(ctx) -> None:
-            a = ctx.a_shard[first:first + count] if local else self.gathered[lo:lo + count]
+            a = ctx["a_shard"][first:first + count] if local else gathered
             with sm_carveout(margin):
-                torch.mm(a, ctx.w, out=ctx.out[lo:lo + count])
+                torch.mm(a, ctx["w"], out=ctx["out"][lo:lo + count])
         return mm
 
-    def _fused_consumer(self, program: Program, m: int) -> None:
+    def _fused_consumer(self, program: Program, m: int, config, *, lead: bool) -> None:
         from ._gemm_launch import ChunkWait, launch_gemm
         from kernels.gemm import ag_tile_row_offset
 
         rows = m // self.world_size
-        programs = num_sms(self.device) - self.config.sm_margin
-        wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=self.config.chunks_per_rank,
+        programs = self.num_sms - config.sm_margin
+        wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
                          error_words=self.pool.error_words(),
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
-        if self.device.type == "cpu":  # the interpreter polls a flag once: the host waits for every chunk first
-            program.await_device(COMPUTE, self.chunk_flags)
+        if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
+            used = config.chunks_per_rank * self.world_size
+            program.await_device(COMPUTE, self.chunk_flags[:used],
+                                 code=self.pool.device_error_code(self.flags.region, 0))
+        if lead:
+            program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
+        gathered = self.gathered[:m]
+        if self.fp8:
+            from .fp8 import choose_fp8_blocks, fp8_gemm
+            blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
+            offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 
-        def gemm(ctx) -> None:
-            if ctx.values.get("lead") is not None:
-                self._run_lead(ctx)
-            if self.fp8:
-                from .fp8 import choose_fp8_blocks, fp8_gemm
-                w8, w_scales = ctx.w_fp8
-                fp8_blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False,
-                                               device_type=self.device.type)
-                fp8_gemm(a8=self.gathered[:m], a_scales=self.scales[:m], w8=w8, w_scales=w_scales, out=ctx.out,
-                         num_programs=programs, chunk_wait=wait, blocks=fp8_blocks,
-                         tile_row_offset=ag_tile_row_offset(self.rank, rows, fp8_blocks.block_m))
-                return
+            def gemm(ctx) -> None:
+                w8, w_scales = ctx["w_fp8"]
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=ctx["out"],
+                         num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
+        else:
             blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
                                    sm_count=programs)
-            launch_gemm(a=self.gathered[:m], w=ctx.w, out=ctx.out, num_programs=programs, blocks=blocks,
-                        tile_row_offset=ag_tile_row_offset(self.rank, rows, blocks.block_m), chunk_wait=wait)
+            offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
+
+            def gemm(ctx) -> None:
+                launch_gemm(a=gathered, w=ctx["w"], out=ctx["out"], num_programs=programs, blocks=blocks,
+                            tile_row_offset=offset, chunk_wait=wait)
         program.run(COMPUTE, gemm)
+
+    def _wgrad_lead(self, program: Program, m: int, rows: int, margin: int) -> None:
+        """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
+        lo = self.rank * rows
+
+        def lead(ctx) -> None:
+            with sm_carveout(margin):
+                torch.mm(ctx["x"][lo:lo + rows].t(), ctx["a_shard"], out=ctx["grad"])
+        program.run(COMPUTE, lead)
+
+    def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
+        """grad (+)= x[other rows]^T @ gathered[other rows] (bf16; fp8: the dequantised gathered rows)."""
+        lo = self.rank * rows
+        parts = [(0, lo), (lo + rows, m)] if lead else [(0, m)]
+
+        def rest(ctx) -> None:
+            full = self.gathered_bf16(m)
+            x, grad = ctx["x"], ctx["grad"]
+            for first, end in parts:
+                if end <= first:
+                    continue
+                if lead:  # accumulate onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
+                    grad.addmm_(x[first:end].t(), full[first:end])
+                else:
+                    torch.mm(x.t(), full, out=grad)
+        program.run(COMPUTE, rest)
 
     def _release(self) -> None:
         self.gathered = self.scales = None
         self.chunk_flags = None
 
 
+def _with_carveout(margin: int, work) -> None:
+    with sm_carveout(margin):
+        work()
+
+
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, *, op: AgGemm, return_gathered: bool = False):
-    """Functional form: `op(a_shard, w)` (the op context holds the pool region, streams and programs)."""
+    """Functional form: `op(a_shard, w)` (the op context holds the pool region, streams and plans)."""
     return op(a_shard, w, return_gathered=return_gathered)

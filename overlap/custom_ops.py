@@ -3,7 +3,7 @@
 Four ops (namespace `tp_overlap`), each taking an int `layer_id` that names a `LayerOps` in a process-local
 registry (op contexts hold pools and streams, which cannot be op arguments):
 
-    column_forward(x [M/W, H], w [H, L], id)          -> y [M, L], saved [M, H] or [0, H], stamp (int64 CPU scalar)
+    column_forward(x [M/W, H], w [H, L], id)          -> y [M, L], saved [M, H] or [0, H], stamp int64 [1]
     column_backward(dy [M, L], saved, stamp, w, id)   -> dx [M/W, H] = RS(dy @ w^T), dw [H, L] = gathered^T @ dy
                                                          (role fc1_dgrad, bulk_wgrad: the RS overlaps the dw GEMM)
     row_forward(x [M, L], w [L, H], id)                -> y [M/W, H] = RS(x @ w)
@@ -13,15 +13,19 @@ registry (op contexts hold pools and streams, which cannot be op arguments):
 
 `H` is the model width (sequence-sharded side), `L` the rank-local width. Each layer owns one AllGather+GEMM
 and one GEMM+ReduceScatter: column = AG in forward, RS in backward; row = RS in forward, AG in backward.
-The ops are opaque to torch.compile (fake impls give shapes), so `torch.compile(..., fullgraph=True)` works,
-and their outputs are valid on the caller's current stream when they return (CUDA), or at once (CPU).
+Every output is a fresh tensor on the input's device (no alias of an input or of pool memory, no CPU
+tensor), which is what torch.compile's CUDA-graph trees (`mode="reduce-overhead"`) require; the ops are
+opaque to torch.compile (fake impls give shapes). Outputs are valid on the caller's current stream when the
+ops return (CUDA), or at once (CPU). Role settings (`by_m` included) are resolved per call from M.
 
 The gathered input a column layer's weight grad needs: `save_gathered="view"` keeps it in the AgGemm's pool
-region (no copy) and passes an empty `saved` tensor through autograd, so no output of an op aliases pool
-memory (what CUDA-graph trees, `torch.compile(mode="reduce-overhead")`, require); it stays valid until the
-op's next forward call, and `stamp` (the forward's call number) makes a backward that finds it overwritten
-raise instead of producing wrong gradients. `save_gathered="copy"` clones it (one [M, H] copy per forward)
-for schedules with several forwards pending (pipeline micro-batches, recompute).
+region (no copy) and passes an empty `saved` tensor through autograd; it stays valid until the op's next
+forward call. `stamp` receives the forward's number on the device (`AgGemm.version`, bumped by every
+forward), and the backward compares them on the device before it reads the region: a backward that finds
+it overwritten by a later forward raises OpInputError (on CPU at once; on CUDA at the next op call or
+`check_errors()`, on every rank) instead of passing wrong gradients on silently. `save_gathered="copy"`
+clones it (one [M, H] copy per forward) for schedules with several forwards pending (pipeline
+micro-batches, recompute).
 """
 
 from __future__ import annotations
@@ -43,34 +47,36 @@ _NEXT_ID = itertools.count(1)
 
 
 class LayerOps:
-    """The two communicating GEMMs of one layer on one backend; subclasses implement `ag_gemm`/`gemm_rs`.
+    """The two communicating GEMMs of one layer on one backend: the four custom ops' implementations.
 
-    ag_gemm(x [M/W, H], w [H, L]) -> (out [M, L], saved [M, H] or [0, H], stamp); gemm_rs(a [M, L], w [L, H]).
+    Subclasses implement `ag_gemm(x, w)` -> (out [M, L], gathered [M, H]) and `gemm_rs(a, w)`; the default
+    forms below compose them with plain GEMMs.
     """
     world_size: int
     name: str = "layer"  # the owning layer's name, for messages (set by the layer)
 
-    def ag_gemm(self, x, w, *, keep: bool):
+    def ag_gemm(self, x, w):
         raise NotImplementedError
 
     def gemm_rs(self, a, w):
         raise NotImplementedError
 
-    def gathered(self, saved: torch.Tensor, stamp: int, m: int) -> torch.Tensor:
-        """The gathered input [m, H] of the forward that returned (saved, stamp)."""
-        return saved
-
     def saved_rows(self, m: int) -> int:
         """Rows of the `saved` tensor column_forward returns for M = m (its fake impl needs them)."""
         return m
 
-    def gemm_rs_bulk(self, a, w, work):
-        """(gemm_rs(a, w), work()): backends that can overlap the reduce-scatter with `work` do."""
-        return self.gemm_rs(a, w), work()
+    def column_forward(self, x, w):
+        out, gathered = self.ag_gemm(x, w)
+        return out, gathered, x.new_empty(1, dtype=torch.int64)
 
-    def ag_gemm_wgrad(self, dy, w, x):
-        """A row layer's backward: (AG(dy) @ w [M, L], x^T @ AG(dy) [L, H]) for dy [M/W, H], x [M, L]."""
-        grad_x, dy_full, _ = self.ag_gemm(dy, w, keep=False)
+    def column_backward(self, dy, saved, stamp, w):
+        return self.gemm_rs(dy, w.t()), torch.mm(saved.t(), dy)
+
+    def row_forward(self, x, w):
+        return self.gemm_rs(x, w)
+
+    def row_backward(self, dy, x, w):
+        grad_x, dy_full = self.ag_gemm(dy, w.t())
         return grad_x, torch.mm(x.t(), dy_full)
 
     def close(self) -> None:
@@ -79,79 +85,80 @@ class LayerOps:
 
 class OverlapLayerOps(LayerOps):
     """Our AgGemm + GemmRs contexts (pool regions `<ag_name>.a`, `<rs_name>.partials`) and the layer's role
-    settings (`bulk_wgrad` of a column layer's fc1_dgrad, `lead_wgrad` of a row layer's fc2_dgrad)."""
+    settings (`bulk_wgrad` of a column layer's fc1_dgrad, `lead_wgrad` of a row layer's fc2_dgrad), each
+    resolved per call from M (`by_m`)."""
 
     def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
-                 ag_name: str, rs_name: str, save_gathered: str = "view", bulk_wgrad: bool = False,
-                 lead_wgrad: bool = False, fp8: bool = False):
+                 ag_name: str, rs_name: str, role: str, save_gathered: str = "view", fp8: bool = False):
         from .ag_gemm import AgGemm
         from .gemm_rs import GemmRs
 
         if save_gathered not in SAVE_GATHERED:
             raise OpInputError(f"save_gathered={save_gathered!r}; allowed: {' | '.join(SAVE_GATHERED)}")
-        ag_config = config.op_config("ag_gemm", max_m)
-        if lead_wgrad and ag_config.method != "decomposed":
-            raise OpInputError(f"roles.fc2_dgrad.lead_wgrad needs ops.ag_gemm.method decomposed (the lead runs in "
-                               f"place of its lead GEMM); this preset has {ag_config.method}")
+        self.role, self.config = role, config
+        bulk = role == "fc1_dgrad" and any(config.role(role, m).bulk_wgrad for m in _bucket_ms(config, max_m))
+        if role == "fc2_dgrad":
+            for m in _bucket_ms(config, max_m):
+                method = config.op_config("ag_gemm", m).method
+                if config.role(role, m).lead_wgrad and method != "decomposed":
+                    raise OpInputError(f"roles.fc2_dgrad.lead_wgrad needs ops.ag_gemm.method decomposed (the lead "
+                                       f"runs in place of its lead GEMM); at M = {m} this preset has {method}")
         self.world_size = dist.get_world_size(group)
-        self.save_gathered, self.bulk_wgrad, self.lead_wgrad = save_gathered, bulk_wgrad, lead_wgrad
-        self.fp8 = fp8
+        self.save_gathered, self.fp8 = save_gathered, fp8
+        self._stale_code = None
         self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
-                         config=ag_config, name=ag_name, fp8=fp8)
+                         config=config.ag_gemm, name=ag_name, fp8=fp8)
         try:
             self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=local, n=hidden, dtype=dtype,
-                             config=config.op_config("gemm_rs", max_m), name=rs_name, fp8=fp8, bulk=bulk_wgrad)
+                             config=config.gemm_rs, name=rs_name, fp8=fp8, bulk=bulk)
         except BaseException:
             self.ag.close()
             raise
 
-    def ag_gemm(self, x, w, *, keep: bool):
-        out = self.ag(x, w)
-        m = out.shape[0]
-        if keep and self.save_gathered == "copy":  # fp8: the dequantised gathered input (already a new tensor)
-            gathered = self.ag.gathered_bf16(m)
-            return out, gathered if self.fp8 else gathered.clone(), self.ag.calls
-        if keep:
-            return out, x.new_empty(0, x.shape[1]), self.ag.calls
-        return out, self.ag.gathered_bf16(m), self.ag.calls
-
     def saved_rows(self, m: int) -> int:
         return m if self.save_gathered == "copy" else 0
 
-    def gathered(self, saved: torch.Tensor, stamp: int, m: int) -> torch.Tensor:
+    def column_forward(self, x, w):
+        stamp = torch.empty(1, dtype=torch.int64, device=x.device)
+        out = self.ag._run(x, w, stamp=stamp)   # the layer validated x; w is its own parameter
+        if self.save_gathered == "copy":  # fp8: the dequantised gathered input (already a new tensor)
+            gathered = self.ag.gathered_bf16(out.shape[0])
+            return out, gathered if self.fp8 else gathered.clone(), stamp
+        return out, x.new_empty(0, x.shape[1]), stamp
+
+    def column_backward(self, dy, saved, stamp, w):
+        m = dy.shape[0]
+        check = None
         if self.save_gathered == "copy":
-            return saved
-        later = self.ag.calls - stamp
-        if later:
-            raise OpInputError(
-                f"{self.name}: the gathered input saved by a forward was overwritten by {later} later forward(s) "
-                f"before its backward ran (the pool keeps one); build the layer with save_gathered='copy' for "
-                f"schedules with several forwards pending")
-        return self.ag.gathered_bf16(m)
+            gathered = saved
+        else:
+            check = self._stamp_check(stamp)
+            gathered = self.ag.gathered_bf16(m)
+        # autograd hands back grads of the forward's shapes: no second validation
+        if self.config.role("fc1_dgrad", m).bulk_wgrad:
+            return self.rs._bulk_call(dy, w.t(), None, gathered, check)
+        return self.rs._call(m, "op", dy, w.t(), gathered, None, check)
 
-    def gemm_rs(self, a, w):
-        return self.rs(a, w)
+    def _stamp_check(self, stamp: torch.Tensor):
+        """CPU: compare now; CUDA: (stamp, version, code) for the backward op's plan to compare on the device."""
+        version = self.ag.version
+        if not version.is_cuda:
+            later = int(version) - int(stamp)
+            if later:
+                raise OpInputError(_stale_message(self.name, later))
+            return None
+        if self._stale_code is None:
+            self._stale_code = self.ag.pool.failure_code(_stale_message(self.name, None))
+        return stamp, version, self._stale_code
 
-    def gemm_rs_bulk(self, a, w, work):
-        if self.bulk_wgrad:
-            return self.rs.bulk(a, w, work)
-        return super().gemm_rs_bulk(a, w, work)
+    def row_forward(self, x, w):
+        return self.rs._call(x.shape[0], "op", x, w, None, None, None)
 
-    def ag_gemm_wgrad(self, dy, w, x):
-        if not self.lead_wgrad:
-            return super().ag_gemm_wgrad(dy, w, x)
-        # lead_wgrad: the weight grad of this rank's rows of dy overlaps the pulls, the input-grad GEMM runs
-        # whole (cuBLAS's fast kernel for all M rows), the other rows' weight grad is accumulated onto the
-        # lead's in the GEMM epilogue (beta = 1, in place: no extra pass over dw)
-        rows = dy.shape[0]
-        lo, m = self.ag.rank * rows, rows * self.world_size
-        grad_w = torch.empty(x.shape[1], dy.shape[1], dtype=dy.dtype, device=dy.device)
-        grad_x = self.ag(dy, w, lead=lambda: torch.mm(x[lo:lo + rows].t(), dy, out=grad_w))
-        dy_full = self.ag.gathered_bf16(m)  # fp8: dequantised (the weight grad runs in bf16)
-        for first, end in ((0, lo), (lo + rows, m)):
-            if end > first:
-                grad_w.addmm_(x[first:end].t(), dy_full[first:end])
-        return grad_x, grad_w
+    def row_backward(self, dy, x, w):
+        # AllGather of dy overlapped with the GEMM producing dx (with lead_wgrad: with the weight-grad GEMM of
+        # this rank's rows); the weight grad of the gathered rows follows in the same call
+        m = dy.shape[0] * self.world_size
+        return self.ag._run(dy, w.t(), wgrad_of=x, wgrad_lead=self.config.role("fc2_dgrad", m).lead_wgrad)
 
     def check_errors(self) -> None:
         self.ag.check_errors()
@@ -161,15 +168,28 @@ class OverlapLayerOps(LayerOps):
         self.rs.close()
 
 
+def _stale_message(name: str, later: int | None) -> str:
+    count = f"{later} later forward(s)" if later is not None else "a later forward"
+    return (f"{name}: the gathered input saved by a forward was overwritten by {count} before its backward ran "
+            f"(the pool keeps one); build the layer with save_gathered='copy' for schedules with several forwards "
+            f"pending")
+
+
+def _bucket_ms(config, max_m: int) -> list[int]:
+    """One M per distinct setting a layer of max_m can run: each by_m bucket's bound below max_m, and max_m."""
+    bounds = {m_max for preset in (config.ag_gemm, config.gemm_rs, *config.roles.values())
+              for m_max, _ in preset.by_m if m_max < max_m}
+    return sorted(bounds) + [max_m]
+
+
 class NcclLayerOps(LayerOps):
     """The baseline: plain collectives (NCCL / gloo) then torch.mm, no overlap (overlap/reference.py)."""
 
     def __init__(self, *, group):
         self.group, self.world_size = group, dist.get_world_size(group)
 
-    def ag_gemm(self, x, w, *, keep: bool):
-        out, gathered = ag_gemm_reference(x, w, group=self.group)
-        return out, gathered, 0
+    def ag_gemm(self, x, w):
+        return ag_gemm_reference(x, w, group=self.group)
 
     def gemm_rs(self, a, w):
         return gemm_rs_reference(a, w, group=self.group)
@@ -191,9 +211,9 @@ class TorchSymmLayerOps(LayerOps):
                 warnings.simplefilter("ignore")
                 symm.enable_symm_mem_for_group(self.group_name)
 
-    def ag_gemm(self, x, w, *, keep: bool):
+    def ag_gemm(self, x, w):
         gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, self.group_name)
-        return outs[0], gathered, 0
+        return outs[0], gathered
 
     def gemm_rs(self, a, w):
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, self.group_name)
@@ -222,27 +242,22 @@ def get_layer_ops(layer_id: int) -> LayerOps:
 @torch.library.custom_op("tp_overlap::column_forward", mutates_args=())
 def column_forward(x: torch.Tensor, w: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                             torch.Tensor]:
-    y, saved, stamp = get_layer_ops(layer_id).ag_gemm(x, w, keep=True)
-    return y, saved, torch.tensor(stamp, dtype=torch.int64)
+    return get_layer_ops(layer_id).column_forward(x, w)
 
 
 @column_forward.register_fake
 def _(x, w, layer_id):
     ops = get_layer_ops(layer_id)
     m = x.shape[0] * ops.world_size
-    return (x.new_empty(m, w.shape[1]), x.new_empty(ops.saved_rows(m), x.shape[1]),
-            torch.empty((), dtype=torch.int64, device="cpu"))
+    return x.new_empty(m, w.shape[1]), x.new_empty(ops.saved_rows(m), x.shape[1]), x.new_empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("tp_overlap::column_backward", mutates_args=())
 def column_backward(grad_y: torch.Tensor, saved: torch.Tensor, stamp: torch.Tensor, w: torch.Tensor,
                     layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = get_layer_ops(layer_id)
-    gathered = ops.gathered(saved, int(stamp), grad_y.shape[0])
-    grad_y = grad_y.contiguous()
     # w.t() is a view: every backend reads it in place. The weight grad uses the forward's gathered
     # input (no second AllGather) and is independent of grad_x: with bulk_wgrad it hides the RS.
-    return ops.gemm_rs_bulk(grad_y, w.t(), lambda: torch.mm(gathered.t(), grad_y))
+    return get_layer_ops(layer_id).column_backward(grad_y.contiguous(), saved, stamp, w)
 
 
 @column_backward.register_fake
@@ -253,7 +268,7 @@ def _(grad_y, saved, stamp, w, layer_id):
 
 @torch.library.custom_op("tp_overlap::row_forward", mutates_args=())
 def row_forward(x: torch.Tensor, w: torch.Tensor, layer_id: int) -> torch.Tensor:
-    return get_layer_ops(layer_id).gemm_rs(x, w)
+    return get_layer_ops(layer_id).row_forward(x, w)
 
 
 @row_forward.register_fake
@@ -264,10 +279,7 @@ def _(x, w, layer_id):
 @torch.library.custom_op("tp_overlap::row_backward", mutates_args=())
 def row_backward(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                  layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # AllGather of dy overlapped with the GEMM producing dx (with ag_gemm.lead_wgrad: with the weight-grad
-    # GEMM of this rank's rows); the gathered dy, a pool view that a later call of this op overwrites, is
-    # consumed at once by the weight-grad GEMM
-    return get_layer_ops(layer_id).ag_gemm_wgrad(grad_y.contiguous(), w.t(), x)
+    return get_layer_ops(layer_id).row_backward(grad_y.contiguous(), x, w)
 
 
 @row_backward.register_fake

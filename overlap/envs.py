@@ -6,7 +6,7 @@
 | OVERLAP_GIT_COMMIT  | commit recorded in results (else `git rev-parse HEAD`)    | unset   |
 | OVERLAP_COMMAND     | exact command line recorded in results (set by scripts)   | derived |
 | OVERLAP_PROGRESS    | 0 silences progress lines on stderr                        | 1       |
-| OVERLAP_EAGER_GRAPHS| 0: eager calls enqueue every step (no per-(op, M) replay)  | 1       |
+| OVERLAP_EAGER_GRAPHS| 0: eager CUDA calls enqueue their plan step by step (no replay of a recorded call) | 1 |
 """
 
 from __future__ import annotations
@@ -46,5 +46,5 @@ def torchrun_world() -> tuple[int, int, int] | None:
 
 
 def eager_graphs() -> bool:
-    """Replay the prologue and side lanes of eager AllGather calls as CUDA graphs (overlap/_side_graph.py)."""
+    """Replay eager CUDA op calls as CUDA graphs recorded from their plans (overlap/_op.py)."""
     return os.environ.get("OVERLAP_EAGER_GRAPHS", "1") != "0"

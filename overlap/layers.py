@@ -89,8 +89,7 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
         return custom_ops.OverlapLayerOps(
             group=group, pool=pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=config,
             ag_name=f"{name}.{ag_role}.ag", rs_name=f"{name}.{rs_role}.rs", save_gathered=save_gathered,
-            bulk_wgrad=kind == "column" and config.role("fc1_dgrad", max_m).bulk_wgrad,
-            lead_wgrad=kind == "row" and config.role("fc2_dgrad", max_m).lead_wgrad, fp8=fp8)
+            role="fc1_dgrad" if kind == "column" else "fc2_dgrad", fp8=fp8)
     if baseline == "nccl":
         return custom_ops.NcclLayerOps(group=group)
     if baseline == "torch_symm":
@@ -101,8 +100,8 @@ def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, base
 class _ParallelLinear(nn.Module):
     """Shared construction: validation, the op contexts, the registry id, the weight [in, out] shard.
 
-    Keywords: group (the TP group, required); max_m (largest token count M, a multiple of W; the op
-    config is the preset's for max_m); dtype; pool (SymmetricPool on `group`, required when overlap=True;
+    Keywords: group (the TP group, required); max_m (largest token count M, a multiple of W; each call
+    runs the preset's op and role settings for its own M, `by_m` buckets included); dtype; pool (SymmetricPool on `group`, required when overlap=True;
     the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
     config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
     "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); fp8 (the

@@ -2,10 +2,11 @@
 control flags that streams wait on without an SM, bounded by a watchdog."""
 
 from ._waits import ArgumentMismatch
-from .errors import (PeerAbortError, PeerLostError, PoolCapacityError, PoolClosedError, PoolError,
-                     PoolTimeoutError, SignalTimeout)
+from .errors import (DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError, PoolCapacityError, PoolClosedError,
+                     PoolError, PoolTimeoutError, SignalTimeout)
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
-           "PoolTimeoutError", "SignalTimeout", "PeerLostError", "PeerAbortError", "ArgumentMismatch",
+           "PoolTimeoutError", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError", "DeviceCheckError",
+           "ArgumentMismatch",
            "live_pool_count"]

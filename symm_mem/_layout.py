@@ -17,9 +17,15 @@ Control page of one rank (int32 words):
     [1] ERROR_VALUE  the value that wait expected
     [2] ABORT        set by the rank that gives up, in every rank's page:
                      (aborting rank + 1) | reason << 8 | (lost rank + 1) << 16
-    [3..15]          reserved
+    [3] ERROR_OBSERVED the flag's value when a host-side wait expired (before any release)
+    [4..7]           a disagreement on M (written, like the abort word, into every rank's page before it):
+                     [4] the M of the rank that saw it, [5] the M it saw, [6] (that rank + 1) | (peer + 1) << 8,
+                     [7] the flag it was seen on (an error code: the control word, or a device word code)
+    [8..15]          reserved
     [16, 16 + n)     control flags of the regions (n = num_control_words)
-    [16 + n, 16 + 2n) the board: board[i] is 1 while this rank's stream waits on control flag i
+    [16 + n, 16 + 2n) the board: board[i] is nonzero while this rank's stream waits on control flag i: the
+                     value an equality wait awaits (a flag at another nonzero value is a disagreement), or
+                     BOARD_GEQ for an at-least wait
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import torch
 from .errors import PoolError
 
 __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
-           "FIRST_FLAG_WORD",
+           "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
+           "MISMATCH_BIT", "BOARD_GEQ", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
            "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
            "encode_abort", "decode_abort"]
 
@@ -40,6 +47,12 @@ ERROR_CODE_WORD = 0
 ERROR_VALUE_WORD = 1
 ABORT_WORD = 2
 ERROR_OBSERVED_WORD = 3  # the flag's value when a host-side wait expired (before any release)
+MISMATCH_MINE_WORD, MISMATCH_SEEN_WORD, MISMATCH_WHO_WORD, MISMATCH_FLAG_WORD = 4, 5, 6, 7
+MISMATCH_BIT = 1 << 30   # in a kernel's error code: the flag held another nonzero value than the one awaited
+BOARD_GEQ = -1           # board value of an at-least wait (no disagreement check)
+MISMATCH_REASON = 4      # abort reason: the ranks disagree on a call's M
+FAILURE_CODE_BASE = 1 << 29  # error codes >= this (below MISMATCH_BIT) name a device-side check (`failure_code`)
+CHECK_REASON = 5         # abort reason: a device-side check of an op failed
 FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
 DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 
-from ._layout import DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FIRST_FLAG_WORD, decode_abort
-from .errors import PeerAbortError, PeerLostError, PoolError, SignalTimeout
+from ._layout import (BOARD_GEQ, DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FAILURE_CODE_BASE,
+                      FIRST_FLAG_WORD, MISMATCH_BIT, MISMATCH_REASON, decode_abort)
+from .errors import DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError, PoolError, SignalTimeout
 
 __all__ = ["WaitState", "agree", "ArgumentMismatch"]
 
@@ -25,6 +26,15 @@ class WaitState:
         self.cuda = pool.device.type == "cuda"
         self._batches: dict[tuple, object] = {}
         self._info: dict[int, tuple] = {}   # control word -> (region, index, expected, timeout_s, peer, op)
+        self._failures: dict[int, str] = {}  # failure code -> message
+
+    def failure_code(self, message: str) -> int:
+        code = FAILURE_CODE_BASE + len(self._failures) + 1
+        self._failures[code] = message
+        return code
+
+    def is_failure_code(self, code: int) -> bool:
+        return code in self._failures
 
     # ----- control flags ---------------------------------------------------------------------------------
     def signal(self, name: str, index: int, value: int, rank: int) -> None:
@@ -39,14 +49,14 @@ class WaitState:
         word = region.first_control_word + index
         self._info[word] = (name, index, value, timeout_s, peer, op)
         if self.pool._watchdog is not None:
-            self.pool._watchdog.expect(word, value, timeout_s)
+            self.pool._watchdog.expect(word, value, timeout_s, peer)
 
     def wait(self, name, index, value, timeout_s, peer, op) -> None:
         flag = self.pool.control_address(name, index)
         self.expect(name, index, value, timeout_s, peer, op)
         if self.cuda:
             board = self.pool.control_address(name, index, board=True)
-            self._batch(("wait", flag, value), lambda m: [m.write(board, 1), m.wait_geq(flag, value),
+            self._batch(("wait", flag, value), lambda m: [m.write(board, BOARD_GEQ), m.wait_geq(flag, value),
                                                           m.write(board, 0)]).enqueue(_stream())
             return
         words = self.pool.signals(name)
@@ -101,17 +111,44 @@ class WaitState:
 
     def raise_if_failed(self) -> None:
         code, expected, abort = self.pool._control.error()
-        if code:
+        if code and not code & MISMATCH_BIT:
             raise self._expired(code, expected)
         if abort:
             rank, reason, lost = decode_abort(abort)
+            if reason == MISMATCH_REASON:
+                raise self._mismatch()
             if lost is not None:
                 pid = self.pool.peer_pids[lost] if 0 <= lost < len(self.pool.peer_pids) else None
                 raise PeerLostError(lost, pid, reported_by=rank)
             raise PeerAbortError(rank, reason)
 
+    def _mismatch(self) -> PeerMismatchError:
+        mine, seen, who, flag_code = self.pool._control.mismatch()
+        rank, peer = (who & 0xFF) - 1, ((who >> 8) & 0xFF) - 1
+        return PeerMismatchError(op=self.op_of(flag_code), mine=mine, seen=seen, rank=rank,
+                                 peer=peer if peer >= 0 else None)
+
+    def op_of(self, code: int) -> str | None:
+        """The op that waits on the flag of error code `code` (a control word's, or a device word's)."""
+        code &= ~MISMATCH_BIT
+        if code >= DEVICE_CODE_BASE:
+            word = code - DEVICE_CODE_BASE
+            for region in self.pool._regions.values():
+                if region.first_device_word <= word < region.first_device_word + region.num_device_flags:
+                    return region.name.rsplit(".", 1)[0]
+            return None
+        info = self._info.get(code - FIRST_FLAG_WORD)
+        if info is not None and info[5]:
+            return info[5]
+        for region in self.pool._regions.values():
+            if region.first_control_word <= code - FIRST_FLAG_WORD < region.first_control_word + region.num_control:
+                return region.name.rsplit(".", 1)[0]
+        return None
+
     def _expired(self, code: int, expected: int) -> BaseException:
         pool = self.pool
+        if code in self._failures:
+            return DeviceCheckError(self._failures[code])
         if code >= DEVICE_CODE_BASE:
             word = code - DEVICE_CODE_BASE
             for region in pool._regions.values():
@@ -130,6 +167,15 @@ class WaitState:
             observed = int(own[code])
         return SignalTimeout(region=name, index=index, expected=expected, observed=observed, timeout_s=timeout_s,
                              peer=peer, op=op)
+
+
+def source_of_code(pool, code: int) -> int | None:
+    """The rank that writes the device flag of error code `code` (None for a control word's code)."""
+    word = (code & ~MISMATCH_BIT) - DEVICE_CODE_BASE
+    for region in pool._regions.values():
+        if word >= 0 and region.first_device_word <= word < region.first_device_word + region.num_device_flags:
+            return _source_of(region, word - region.first_device_word, pool)
+    return None
 
 
 def _source_of(region, index: int, pool) -> int | None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ._layout import (ABORT_WORD, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, FIRST_FLAG_WORD,
+                      MISMATCH_FLAG_WORD, MISMATCH_MINE_WORD, MISMATCH_SEEN_WORD, MISMATCH_WHO_WORD,
                       control_page_words)
 from .rendezvous import Rendezvous
 from .shared import SharedSegments
@@ -90,11 +91,21 @@ class ControlPages:
             own[ERROR_VALUE_WORD] = value
             own[ERROR_CODE_WORD] = code
 
-    def write_abort(self, word: int, alive: list[bool]) -> None:
-        """Store `word` into the abort word of every rank still alive whose word is still 0."""
+    def write_abort(self, word: int, alive: list[bool], mismatch: tuple[int, int, int, int] | None = None) -> None:
+        """Store `word` into the abort word of every rank still alive whose word is still 0; with `mismatch`
+        (mine, seen, who, flag code), those words first, so a reader of the abort word finds them."""
         for rank, page in enumerate(self.words):
             if alive[rank] and page[ABORT_WORD] == 0:
+                if mismatch is not None:
+                    (page[MISMATCH_MINE_WORD], page[MISMATCH_SEEN_WORD], page[MISMATCH_WHO_WORD],
+                     page[MISMATCH_FLAG_WORD]) = mismatch
                 page[ABORT_WORD] = word
+
+    def mismatch(self) -> tuple[int, int, int, int]:
+        """(mine, seen, who, flag code) of a recorded disagreement on M."""
+        own = self.own
+        return (int(own[MISMATCH_MINE_WORD]), int(own[MISMATCH_SEEN_WORD]), int(own[MISMATCH_WHO_WORD]),
+                int(own[MISMATCH_FLAG_WORD]))
 
     def close(self) -> None:
         if self.cuda and self.device_addresses:

@@ -3,7 +3,8 @@
 from ipc.errors import PoolClosedError, PoolError
 
 __all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError", "SignalTimeout",
-           "PeerLostError", "PeerAbortError", "ABORT_REASONS"]
+           "PeerLostError", "PeerAbortError", "PeerMismatchError", "DeviceCheckError",
+           "ABORT_REASONS"]
 
 
 class PoolCapacityError(PoolError):
@@ -39,7 +40,7 @@ class SignalTimeout(TimeoutError):
 
 
 ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted",
-                 4: "a call's arguments differed between ranks"}
+                 4: "a call's arguments differed between ranks", 5: "a device-side check of an op failed"}
 
 
 class PeerLostError(RuntimeError):
@@ -60,3 +61,22 @@ class PeerAbortError(RuntimeError):
         self.rank, self.reason = rank, reason
         text = ABORT_REASONS.get(reason, f"reason {reason}")
         super().__init__(f"rank {rank} aborted the group: {text}{': ' + detail if detail else ''}")
+
+
+class PeerMismatchError(PeerAbortError):
+    """The ranks of the group issued one call of an op with different M: seen in the flags that carry M
+    (a rank found a peer's flag at another nonzero value than its own M) and raised on every rank."""
+
+    def __init__(self, *, op: str | None, mine: int, seen: int, rank: int, peer: int | None):
+        self.op, self.mine, self.seen, self.peer = op, mine, seen, peer
+        what = f"{op}: " if op else ""
+        peer_text = f"rank {peer}: {seen}" if peer is not None else f"a peer: {seen}"
+        RuntimeError.__init__(self, f"{what}the ranks called this op with different M (rank {rank}: {mine}, "
+                                    f"{peer_text}); every rank must pass the same number of rows "
+                                    f"(M = rows per rank x W). The group is aborted")
+        self.rank, self.reason = rank, 4
+
+
+class DeviceCheckError(RuntimeError):
+    """A check that an op runs on the device (registered with `SymmetricPool.failure_code`) failed on this
+    rank; the message is the one registered with its code."""

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from . import _waits
-from ._layout import DEVICE_CODE_BASE, FIRST_FLAG_WORD, PoolStats, Region, align, encode_abort, resolve_backend
+from ._layout import (ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, PoolStats, Region, align, encode_abort,
+                      resolve_backend)
 from .control import ControlPages
 from .errors import PoolCapacityError, PoolClosedError, PoolError
 from .liveness import process_alive
@@ -88,6 +89,7 @@ class SymmetricPool:
         self._arena_used = 0
         self._next_control, self._next_device = 0, 0
         self._waits = _waits.WaitState(self)
+        self._own = self._control.own
         self._in_flight = 0
         self._closed = False
         if self.device.type == "cuda":
@@ -270,7 +272,9 @@ class SymmetricPool:
     def raise_if_failed(self) -> None:
         """Raise the recorded failure of this rank or the group (no synchronisation: host memory only)."""
         self._check_open()
-        self._waits.raise_if_failed()
+        own = self._own
+        if own[ERROR_CODE_WORD] or own[ABORT_WORD]:  # the common case costs two loads
+            self._waits.raise_if_failed()
 
     def check_errors(self) -> None:
         """Synchronise the device, then raise SignalTimeout / PeerLostError / PeerAbortError if any wait of
@@ -280,13 +284,41 @@ class SymmetricPool:
             torch.cuda.synchronize(self.device)
         self._waits.raise_if_failed()
 
-    def abort(self, reason: int = 3, *, lost: int | None = None) -> None:
+    def abort(self, reason: int = 3, *, lost: int | None = None, mismatch=None) -> None:
         """Tell every live rank of the group to stop: their waits end and raise PeerAbortError (or, with
-        `lost`, PeerLostError naming that rank). Only the first abort is kept. Plain host stores."""
+        `lost`, PeerLostError naming that rank; with `mismatch`, PeerMismatchError). Only the first abort is
+        kept. Plain host stores."""
         if self._control is None or not self._control.words:
             return
         alive = [r == self.rank or process_alive(pid) for r, pid in enumerate(self.peer_pids)]
-        self._control.write_abort(encode_abort(self.rank, reason, lost), alive)
+        self._control.write_abort(encode_abort(self.rank, reason, lost), alive, mismatch)
+
+    def report_mismatch(self, flag_code: int, mine: int, seen: int, peer: int | None) -> None:
+        """This rank awaited `mine` on the flag of `flag_code` (a control word's error code, or a device
+        word's) and found the peer's `seen`: the ranks disagree on a call's M. Recorded in every rank's page
+        with the abort, so that every rank raises PeerMismatchError naming both values."""
+        who = (self.rank + 1) | ((peer + 1 if peer is not None else 0) << 8)
+        self.abort(MISMATCH_REASON, mismatch=(mine, seen, who, flag_code))
+
+    def source_of_code(self, code: int) -> int | None:
+        """The peer that writes the device flag of a kernel's error code (None if not a device flag)."""
+        return _waits.source_of_code(self, code)
+
+    def failure_code(self, message: str) -> int:
+        """An error code for a device-side check of an op (`record_failure_if`): when recorded, this rank
+        raises DeviceCheckError(message) and the others PeerAbortError."""
+        self._check_open()
+        return self._waits.failure_code(message)
+
+    def record_failure_if(self, condition: torch.Tensor, code: int) -> None:
+        """On the current stream: record `code` (a `failure_code`) in this rank's error word if the bool [1]
+        tensor `condition` is true and no failure is recorded yet; the watchdog then aborts the group."""
+        head = self._control.own_tensor()[:1]
+        head.copy_(torch.where(condition & (head == 0), code, head))
+
+    def control_code(self, name: str, index: int) -> int:
+        """The error code of control flag `index` of region `name` (what the watchdog and errors name)."""
+        return FIRST_FLAG_WORD + self.region(name).first_control_word + index
 
     def lost_peers(self) -> list[int]:
         """Ranks of the group whose process has exited."""

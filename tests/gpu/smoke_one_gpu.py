@@ -58,11 +58,11 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
     from overlap.ag_gemm import AgGemm
     from overlap.config import AgGemmConfig
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
-    os.environ["OVERLAP_EAGER_GRAPHS"] = "1" if eager_graphs else "0"
     cfg = AgGemmConfig(method=method, lead_fraction=lead, chunks_per_rank=chunks)
     name = f"ag.{method}.{lead}.{chunks}.{rows}.{int(eager_graphs)}.{int(fp8)}"
     op = AgGemm(group=group, pool=pool, max_m=rows * world, k=k, n_local=n, dtype=torch.bfloat16, config=cfg,
                 name=name, fp8=fp8)
+    op.set_eager_graphs(eager_graphs)
     a_shard = torch.empty(rows, k, dtype=torch.bfloat16, device=dev)  # one tensor: replays engage from call 3
     worst = 0.0
     for step in range(6):
@@ -171,6 +171,117 @@ def _captured(c, pool, kind, method, rows, k, n):
     return f"rel={worst:.1e} over 12 calls (9 replays)"
 
 
+def _ag_ref(x, w, rank):
+    return torch.cat(_gather(x)).double() @ w.double().cpu()
+
+
+def _capture_idioms(c, pool, method):
+    """The torch docs' idiom (warm up on a side stream, `with torch.cuda.graph(g)` on its own stream), eager
+    calls on the default and on another stream after it, a capture after eager calls on another stream,
+    two graphs of one op at different M, replays interleaved with eager calls."""
+    from overlap.ag_gemm import AgGemm
+    from overlap.config import AgGemmConfig
+    group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
+    op = AgGemm(group=group, pool=pool, max_m=128 * world, k=264, n_local=136, dtype=torch.bfloat16,
+                config=AgGemmConfig(method=method, chunks_per_rank=2), name=f"idioms.{method}")
+    w = _fresh((264, 136), 3, dev)
+    small, large = torch.empty(40, 264, dtype=torch.bfloat16, device=dev), torch.empty(128, 264,
+                                                                                         dtype=torch.bfloat16, device=dev)
+    worst, calls = 0.0, 0
+
+    def check(got, x):
+        nonlocal worst, calls
+        torch.cuda.synchronize()
+        worst, calls = max(worst, _rel(got, _ag_ref(x, w, rank))), calls + 1
+
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the docs' warm-up
+        for x in (small, large, small):
+            x.copy_(_fresh(x.shape, 7 + calls + rank, dev))
+            check(op(x, w), x)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = {}
+    for name, x in (("small", small), ("large", large)):  # two graphs of one op at different M
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            out = op(x, w)
+        graphs[name] = (graphs[name], out)
+    for step in range(8):
+        x = small if step % 2 else large
+        x.copy_(_fresh(x.shape, 100 * step + rank, dev))
+        if step % 4 == 3:            # an eager call on the default stream after a capture
+            check(op(x, w), x)
+        elif step % 4 == 1:          # an eager call on another stream
+            other.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(other):
+                got = op(x, w)
+            torch.cuda.current_stream().wait_stream(other)
+            check(got, x)
+        else:                        # a replay
+            graph, out = graphs["small" if step % 2 else "large"]
+            graph.replay()
+            check(out, x)
+    with torch.cuda.stream(other):   # eager calls on another stream, then a capture with stream=
+        small.copy_(_fresh(small.shape, 999 + rank, dev))
+        check(op(small, w), small)
+    late = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(late, stream=side):
+        out = op(large, w)
+    large.copy_(_fresh(large.shape, 555 + rank, dev))
+    late.replay()
+    check(out, large)
+    op.check_errors()
+    op.close()
+    assert worst < TOL, worst
+    return f"rel={worst:.1e} over {calls} calls (eager, 2 graphs at 2 Ms, a late capture)"
+
+
+def _replays(c, pool, kind, method):
+    """Eager calls replayed from recorded graphs (the default path): the same tensors refilled every step,
+    so from the second call on each call is one replay; right rows every call, the graph recorded once."""
+    from overlap.ag_gemm import AgGemm
+    from overlap.config import AgGemmConfig, GemmRsConfig
+    from overlap.gemm_rs import GemmRs
+    group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
+    rows, k, n = (256 if method == "epilogue_reduce" else 100), 264, 136
+    if kind == "ag":
+        op = AgGemm(group=group, pool=pool, max_m=rows * world, k=k, n_local=n, dtype=torch.bfloat16,
+                    config=AgGemmConfig(method=method, chunks_per_rank=2), name=f"replay.ag.{method}")
+        x, wgrad_of = torch.empty(rows, k, dtype=torch.bfloat16, device=dev), torch.empty(rows * world, 48,
+                                                                                            dtype=torch.bfloat16, device=dev)
+    else:
+        extra = dict(sm_margin=16, num_comm_sms=8) if method == "fused" else \
+            dict(num_comm_sms=4) if method == "decomposed" else dict(num_comm_sms=0)
+        op = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16,
+                    config=GemmRsConfig(method=method, **extra), name=f"replay.rs.{method}",
+                    bulk=method == "decomposed")
+        x, wgrad_of = torch.empty(rows * world, k, dtype=torch.bfloat16, device=dev), torch.empty(rows * world, 48,
+                                                                                                   dtype=torch.bfloat16, device=dev)
+    w = torch.empty(k, n, dtype=torch.bfloat16, device=dev)
+    worst = 0.0
+    for step in range(6):
+        x.copy_(_fresh(x.shape, 31 * step + rank, dev))
+        w.copy_(_fresh(w.shape, step + (0 if kind == "ag" else rank), dev))
+        wgrad_of.copy_(_fresh(wgrad_of.shape, 17 * step + rank, dev))
+        if kind == "ag":
+            out, grad = op(x, w, wgrad_of=wgrad_of, wgrad_lead=step % 2 == 1 and method == "decomposed")
+            gathered = torch.cat(_gather(x)).double()
+            ref, ref_grad = gathered @ w.double().cpu(), wgrad_of.double().cpu().t() @ gathered
+        else:
+            out, grad = op.bulk(x, w, wgrad_of=wgrad_of) if method == "decomposed" else op(x, w, wgrad_of=wgrad_of)
+            total = sum(a.double() @ b.double() for a, b in zip(_gather(x), _gather(w)))
+            ref, ref_grad = total[rank * rows:(rank + 1) * rows], wgrad_of.double().cpu().t() @ x.double().cpu()
+        worst = max(worst, _rel(out, ref), _rel(grad, ref_grad))
+        del out, grad
+    op.check_errors()
+    graphs = op.num_graphs
+    op.close()
+    assert worst < TOL, worst
+    assert graphs >= 1, "no call was replayed from a recorded graph"
+    return f"rel={worst:.1e}, {graphs} graph(s)"
+
+
 def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomposed", rs_method="pair", fp8=False):
     """TPMLP forward + backward against the fp64 oracle; optionally a whole step captured and replayed."""
     import dataclasses
@@ -194,14 +305,18 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
     with SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words, num_device_words=req.num_device_words,
                        group=group, backend="ipc", device=dev) as pool:
         mlp = TPMLP(hidden, ffn, group=group, max_m=rows * world, dtype=torch.bfloat16, pool=pool, config=cfg,
-                    name=f"mlp.{ag_method}.{rs_method}.{int(compiled)}.{int(graphed)}.{int(fp8)}", fp8=fp8)
+                    name=f"mlp.{ag_method}.{rs_method}.{compiled}.{int(graphed)}.{int(fp8)}", fp8=fp8)
         ref = MLPReference(hidden, ffn, seed=3, dtype=torch.float64)
         mlp.load_full_weights(ref.fc1_weight.detach().bfloat16().to(dev), ref.fc2_weight.detach().bfloat16().to(dev))
-        run = torch.compile(mlp, fullgraph=True) if compiled else mlp
+        if compiled:
+            mode, fullgraph = compiled if isinstance(compiled, tuple) else ("default", True)
+            run = torch.compile(mlp, mode=mode, fullgraph=fullgraph)
+        else:
+            run = mlp
         worst = 0.0
         x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev, requires_grad=True)
         dy = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev)
-        steps = 6 if (compiled or graphed) else 3
+        steps = 8 if (compiled or graphed) else 3
         graph, side = None, torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -245,7 +360,8 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
 
 
 def _reliability(c, dev):
-    """Issue 17 on CUDA: disagreeing ranks, use after close, a lost signal bounded by the watchdog."""
+    """On CUDA: disagreeing ranks (at construction, and on a call's M through the flags), use after close, a
+    lost signal bounded by the watchdog."""
     from overlap._validate import OpInputError
     from overlap.ag_gemm import AgGemm
     from overlap.config import AgGemmConfig
@@ -253,6 +369,7 @@ def _reliability(c, dev):
     group, world, rank = dist.group.WORLD, c.world, c.rank
     cfg = AgGemmConfig(method="decomposed")
     notes = []
+    w = _fresh((64, 32), 1, dev)
     with SymmetricPool(32 << 20, group=group, backend="ipc", device=dev, timeout_s=3) as pool:
         try:
             AgGemm(group=group, pool=pool, max_m=64 * world if rank else 32 * world, k=64, n_local=32,
@@ -261,16 +378,19 @@ def _reliability(c, dev):
         except OpInputError as exc:
             assert "max_m" in str(exc), exc
         op = AgGemm(group=group, pool=pool, max_m=64 * world, k=64, n_local=32, dtype=torch.bfloat16, config=cfg)
-        w = _fresh((64, 32), 1, dev)
-        try:
+        op(_fresh((16, 64), rank, dev), w)
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.monotonic()
+        try:  # the call is enqueued; the watchdog sees the peer's flag at the other M within milliseconds
             op(_fresh((32 if rank else 16, 64), rank, dev), w)
+            op.check_errors()
             raise AssertionError("different M on the ranks was accepted")
         except OpInputError as exc:
-            assert "different M" in str(exc), exc
-        out = op(_fresh((16, 64), rank, dev), w)   # still usable: nothing was enqueued by the refused call
-        torch.cuda.synchronize()
-        assert out.shape[0] == 16 * c.world and bool(torch.isfinite(out).all()), "the call after a refusal failed"
-        notes.append("mismatch raised on every rank")
+            assert "different M" in str(exc) and f": {16 * world}" in str(exc) and f": {32 * world}" in str(exc), exc
+        elapsed = time.monotonic() - start
+        assert elapsed < 2.0, f"the disagreement took {elapsed:.1f} s to surface (bound 3 s)"
+        notes.append(f"M mismatch raised on every rank after {elapsed:.2f} s")
         op.close()
         for call in (lambda: op(_fresh((16, 64), rank, dev), w), lambda: op.all_gather(_fresh((16, 64), rank, dev)),
                      lambda: op.input_slot(16 * world)):
@@ -279,9 +399,10 @@ def _reliability(c, dev):
                 raise AssertionError("a closed op ran")
             except OpInputError as exc:
                 assert "is closed" in str(exc), exc
+    with SymmetricPool(32 << 20, group=group, backend="ipc", device=dev, timeout_s=3) as pool:
         op2 = AgGemm(group=group, pool=pool, max_m=64 * world, k=64, n_local=32, dtype=torch.bfloat16, config=cfg,
                      name="lossy")
-        op2(_fresh((16, 64), rank, dev), w)  # warm: both ranks' programs built
+        op2(_fresh((16, 64), rank, dev), w)  # warm: both ranks' plans built
         torch.cuda.synchronize()
         dist.barrier()
         if rank == world - 1:  # this rank's "ready" writes are lost from now on: the peers' streams wait
@@ -289,8 +410,8 @@ def _reliability(c, dev):
             original = schedule._memops_of
             schedule._memops_of = lambda pool_, op_, step, m: [] if step.kind == "give" and \
                 step.args[0].index < world else original(pool_, op_, step, m)
-            op2._drivers.clear()
-            op2._side_graphs.clear()
+            op2._plans.clear()
+            op2.set_eager_graphs(False)
         start = time.monotonic()
         seen = None
         try:  # every rank keeps calling: the one whose stream waits raises once the watchdog released it, the
@@ -343,7 +464,6 @@ def _checks(rank, world, full):
                       lambda m=method, l=lead, ch=chunks, r=rows: _ag_case(c, pool, m, l, ch, r, 264, 136))
         c.run("ag_gemm decomposed without eager graphs",
               lambda: _ag_case(c, pool, "decomposed", 0.5, 1, 100, 264, 136, eager_graphs=False))
-        os.environ["OVERLAP_EAGER_GRAPHS"] = "1"
         rs_cases = [("fused", 100, dict(margin=16, comm=8)), ("epilogue_reduce", 256, dict(comm=0)),
                     ("decomposed", 100, dict(comm=4))] + ([("pair", 100, dict(comm=0))] if world == 2 else [])
         for method, rows, kw in rs_cases:
@@ -358,6 +478,11 @@ def _checks(rank, world, full):
                              ("rs", "pair" if world == 2 else "decomposed"), ("rs", "epilogue_reduce")]:
             rows = 256 if method == "epilogue_reduce" else 100
             c.run(f"captured {kind} {method}", lambda k=kind, m=method, r=rows: _captured(c, pool, k, m, r, 264, 136))
+        for method in ("decomposed", "fused"):
+            c.run(f"capture idioms ag {method}", lambda m=method: _capture_idioms(c, pool, m))
+        for kind, method in [("ag", "decomposed"), ("ag", "fused"), ("rs", "fused"), ("rs", "epilogue_reduce"),
+                             ("rs", "pair" if world == 2 else "decomposed"), ("rs", "decomposed")]:
+            c.run(f"eager replays {kind} {method}", lambda k=kind, m=method: _replays(c, pool, k, m))
         pool.barrier()
     if full:
         c.run("TPMLP fwd+bwd decomposed/pair", lambda: _mlp(c, 0, rs_method="pair" if world == 2 else "decomposed"))
@@ -367,10 +492,11 @@ def _checks(rank, world, full):
                                                             rs_method="pair" if world == 2 else "decomposed"))
         c.run("TPMLP whole step captured and replayed", lambda: _mlp(c, 0, graphed=True,
                                                                      rs_method="pair" if world == 2 else "decomposed"))
-        # mode="reduce-overhead" (inductor's CUDA-graph trees) is not supported: its recording asserted on
-        # the custom ops' outputs (run 7, results/NOTES.md); capture the whole step instead (above)
-        c.run("TPMLP torch.compile(fullgraph=True)", lambda: _mlp(c, 0, compiled=True,
-                                                                 rs_method="pair" if world == 2 else "decomposed"))
+        pair = "pair" if world == 2 else "decomposed"
+        for mode, fullgraph in (("default", True), ("reduce-overhead", True), ("reduce-overhead", False),
+                                ("max-autotune", True)):
+            c.run(f"TPMLP torch.compile(mode={mode}, fullgraph={fullgraph})",
+                  lambda m=mode, f=fullgraph: _mlp(c, 0, compiled=(m, f), rs_method=pair))
     c.run("reliability (mismatch, use after close, lost signal)", lambda: _reliability(c, dev))
     return c.lines
 

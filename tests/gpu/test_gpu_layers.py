@@ -152,9 +152,8 @@ def _graph_replay(rank, world, num_replays, leads):
         gen = torch.Generator().manual_seed(100 + rank)
         inputs = [(torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev),
                    torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev)) for _ in range(num_inputs)]
-        # Warm-up, eager expectations and the capture all on one side stream: an op's CallGuard makes a call
-        # on a new stream wait for the previous call's event, and a capture cannot wait on an event recorded
-        # outside it (overlap/_guard.py).
+        # Warm-up, eager expectations and the capture all on one side stream (the docs' idiom; an eager call
+        # on a new stream waits for the previous call's event, a capture waits for nothing: overlap/_op.py).
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -11,7 +11,8 @@
   once per call eager and not again by a replay.
 
 Every call can be captured now (one protocol of toggled flags, no host epochs), so the ops take no
-`cuda_graphs=` switch; captures run on the side stream the op was warmed up on (see overlap/_guard.py).
+`cuda_graphs=` switch; a capture on another stream than the last eager call follows a synchronize
+(overlap/_op.py).
 """
 
 import torch

@@ -20,7 +20,7 @@ TIMEOUT_S = 2.0  # the pool's bound on every wait
 def _lose_ready_signals(op, world) -> None:
     """From now on this rank's "ready" writes of `op` are lost (its rows are still copied into its slot, the
     flag never arrives): a signalling path that stops working. The flag writes are memory operations built
-    with the op's programs, so the programs (and the eager side graphs recorded from them) are rebuilt."""
+    with the op's plans, so the plans are rebuilt and the eager calls no longer replay recorded graphs."""
     original = schedule._memops_of
 
     def lossy(pool, op_name, step, memops):
@@ -30,8 +30,8 @@ def _lose_ready_signals(op, world) -> None:
         return original(pool, op_name, step, memops)
 
     schedule._memops_of = lossy
-    op._drivers.clear()
-    op._side_graphs.clear()
+    op._plans.clear()
+    op.set_eager_graphs(False)
 
 
 def _stops_signalling(rank, world):

@@ -73,49 +73,68 @@ def test_ranks_that_build_an_op_differently_raise_on_every_rank_naming_the_field
         assert "k_local: rank 0 16, rank 1 8" in rs, rs
 
 
-def _call_disagreement(rank, world):
+def _disagree(rank, make_op, call):
+    """Call a fresh op with M differing between ranks: the error of every rank, then what a later call says."""
     group = dist.group.WORLD
-    out = []
     with SymmetricPool(1 << 22, group=group) as pool:
-        ag = AgGemm(group=group, pool=pool, max_m=16 * world, k=8, n_local=4, dtype=torch.float32, config=AG)
-        rs = GemmRs(group=group, pool=pool, max_m=16 * world, k_local=8, n=4, dtype=torch.float32, config=RS)
-        w = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
-        for call in (lambda: ag(torch.randn(8 if rank else 4, 8), w),
-                     lambda: rs(torch.randn((8 if rank else 4) * world, 8), torch.randn(8, 4))):
+        op = make_op(group, pool)
+        out = []
+        for attempt in (call, call):  # the disagreement, then a call after it: the group stays aborted
             try:
-                call()
+                attempt(op)
                 out.append("accepted")
-            except OpInputError as exc:
-                out.append(str(exc))
-        # the refused calls enqueued nothing: the ops still give the right answer
-        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
-        full = [torch.empty_like(a) for _ in range(world)]
-        dist.all_gather(full, a)
-        out.append(torch.allclose(ag(a, w), torch.cat(full) @ w, atol=1e-5))
-        cfg = load_preset("cpu", world)
-        req = pool_requirements(hidden=8, max_m=16 * world, world_size=world, dtype=torch.float32)
-        with SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words,
-                           num_device_words=req.num_device_words, group=group) as mlp_pool:
-            mlp = TPMLP(8, 4 * world, group=group, max_m=16 * world, dtype=torch.float32, pool=mlp_pool, config=cfg)
-            try:
-                mlp(torch.randn(8 if rank else 6, 8))
-                out.append("accepted")
-            except OpInputError as exc:
-                out.append(str(exc))
-            mlp.close()
-            mlp_pool.barrier()
-        pool.barrier()
+            except (OpInputError, PeerAbortError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        op.close()
     return out
 
 
-def test_a_call_whose_m_differs_between_ranks_raises_on_every_rank_and_the_op_stays_usable():
-    results = run_ranks(_call_disagreement, 2, timeout_s=90)
-    assert results[0] == results[1], results
-    ag, rs, still_right, mlp = results[0]
-    assert "ag_gemm: call 1 has different M on the ranks of the group (rank 0: 8, rank 1: 16)" in ag, ag
-    assert "gemm_rs: call 1 has different M on the ranks of the group (rank 0: 8, rank 1: 16)" in rs, rs
-    assert still_right is True
-    assert "has different M on the ranks" in mlp and "rank 0: 12, rank 1: 16" in mlp, mlp
+def _call_disagreement(rank, world):
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    rows = 8 if rank else 4
+    ag = _disagree(rank, lambda g, p: AgGemm(group=g, pool=p, max_m=16 * world, k=8, n_local=4,
+                                             dtype=torch.float32, config=AG),
+                   lambda op: op(torch.randn(rows, 8), w))
+    rs = _disagree(rank, lambda g, p: GemmRs(group=g, pool=p, max_m=16 * world, k_local=8, n=4,
+                                             dtype=torch.float32, config=RS),
+                   lambda op: op(torch.randn(rows * world, 8), torch.randn(8, 4)))
+    # agreeing calls on a fresh pool and op: right rows
+    group = dist.group.WORLD
+    with SymmetricPool(1 << 22, group=group) as pool:
+        op = AgGemm(group=group, pool=pool, max_m=16 * world, k=8, n_local=4, dtype=torch.float32, config=AG)
+        a = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+        full = [torch.empty_like(a) for _ in range(world)]
+        dist.all_gather(full, a)
+        still_right = torch.allclose(op(a, w), torch.cat(full) @ w, atol=1e-5)
+        op.close()
+    cfg = load_preset("cpu", world)
+    req = pool_requirements(hidden=8, max_m=16 * world, world_size=world, dtype=torch.float32)
+    with SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words,
+                       num_device_words=req.num_device_words, group=group) as mlp_pool:
+        mlp = TPMLP(8, 4 * world, group=group, max_m=16 * world, dtype=torch.float32, pool=mlp_pool, config=cfg)
+        try:
+            mlp(torch.randn(8 if rank else 6, 8))
+            mlp_out = "accepted"
+        except OpInputError as exc:
+            mlp_out = str(exc)
+        mlp.close()
+    return ag, rs, still_right, mlp_out
+
+
+def test_a_call_whose_m_differs_between_ranks_raises_on_every_rank_naming_both_ms():
+    """The M of a call travels in the flags that say "this call's data is there": a rank that finds a peer's
+    flag at another M raises (OpInputError naming both values) and aborts the group, so that every rank
+    raises within the op's bound, before any consumer reads the rows; later calls raise too."""
+    for world in (2, 3):
+        results = run_ranks(_call_disagreement, world, timeout_s=120)
+        for rank, (ag, rs, still_right, mlp) in enumerate(results):
+            for first, later in (ag, rs):
+                assert first.startswith("OpInputError") and "with different M" in first, (rank, first)
+                named = {int(part.split(": ")[1]) for part in first.split("(")[1].split(")")[0].split(", ")}
+                assert named == {4 * world, 8 * world}, (rank, first)  # rank 0's M and its peers'
+                assert later.startswith(("OpInputError", "PeerAbortError")), (rank, later)
+            assert still_right is True
+            assert "with different M" in mlp and f": {6 * world}" in mlp and f": {8 * world}" in mlp, mlp
 
 
 # ----- 2. use after close -------------------------------------------------------------------------------

@@ -112,19 +112,19 @@ def test_mlp_output_and_every_gradient_match_the_full_reference(world):
 def _bulk_lead_cases(rank, world, lead_wgrad):
     torch.set_num_threads(1)
     cases = [(d, "swiglu", True) for d in ("float32", "bfloat16")]
-    led = []  # AgGemm calls that ran lead work: the row backward's weight-grad lead
-    plain_call = AgGemm.__call__
+    led = []  # AgGemm calls and whether each ran the row backward's weight-grad lead (lead_wgrad)
+    plain_run = AgGemm._run
 
-    def counting_call(op, *args, lead=None, **kwargs):
-        led.append(lead is not None)
-        return plain_call(op, *args, lead=lead, **kwargs)
+    def counting_run(op, *args, wgrad_lead=False, **kwargs):
+        led.append(wgrad_lead)
+        return plain_run(op, *args, wgrad_lead=wgrad_lead, **kwargs)
 
-    AgGemm.__call__ = counting_call
+    AgGemm._run = counting_run
     try:
         errors = _matches_reference(rank, world, dist.group.WORLD, cases,
                                     config=bulk_lead_config(world, lead_wgrad))
     finally:
-        AgGemm.__call__ = plain_call
+        AgGemm._run = plain_run
     return errors, sum(led), len(led)
 
 

@@ -1,12 +1,14 @@
-"""The CUDA pool's watchdog, run on CPU against a stand-in pool: a board word held at 1 for longer than the
+"""The CUDA pool's watchdog, run on CPU against a stand-in pool: a board word held nonzero for longer than the
 timeout is an expired wait. The watchdog must record the value the flag had (not the one it stores to release
-the stream), abort the group once and release the flag; a wait that ends in time is left alone."""
+the stream), abort the group once and release the flag; a wait that ends in time is left alone. An equality
+wait (the board holds the awaited value, a call's M) whose flag holds another nonzero value in two readings
+is a disagreement on M: reported at once, with both values, long before the timeout."""
 
 import time
 
 import numpy as np
 
-from symm_mem._layout import ABORT_WORD, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
+from symm_mem._layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
 from symm_mem.control import ControlPages
 from symm_mem.watchdog import TIMEOUT_REASON, Watchdog
 
@@ -31,6 +33,7 @@ class _Pool:
     def __init__(self):
         self._control = _Control()
         self.aborts = []
+        self.mismatches = []
 
     def lost_peers(self):
         return []
@@ -38,6 +41,10 @@ class _Pool:
     def abort(self, reason, lost=None):
         self.aborts.append(reason)
         self._control.own[ABORT_WORD] = reason
+
+    def report_mismatch(self, code, mine, seen, peer):
+        self.mismatches.append((code, mine, seen, peer))
+        self.abort(4)
 
 
 def _until(predicate, limit_s=5.0):
@@ -55,7 +62,7 @@ def test_an_expired_wait_is_recorded_with_the_value_it_saw_then_released():
     dog = Watchdog(pool)
     try:
         dog.expect(flag, 7, timeout_s=0.2)
-        control.own[control.board_index(flag)] = 1      # the stream sits in a wait for >= 7
+        control.own[control.board_index(flag)] = BOARD_GEQ  # the stream sits in a wait for >= 7
         started = time.monotonic()
         assert _until(lambda: control.own[control.flag_index(flag)] == 7), "the wait was never released"
         assert time.monotonic() - started >= 0.2
@@ -74,12 +81,54 @@ def test_a_wait_that_ends_in_time_is_left_alone():
     try:
         for _ in range(5):                               # a recurring short wait: 0 between its steps
             dog.expect(1, 1, timeout_s=0.2)
-            control.own[control.board_index(1)] = 1
+            control.own[control.board_index(1)] = 16      # an equality wait for 16 (a call's M)...
             time.sleep(0.05)
+            control.own[control.flag_index(1)] = 16       # ...met in time (the stream clears it)
+            time.sleep(0.01)
+            control.own[control.flag_index(1)] = 0
             control.own[control.board_index(1)] = 0
             time.sleep(0.01)
         time.sleep(0.3)
         assert control.own[ERROR_CODE_WORD] == 0 and pool.aborts == []
         assert control.own[control.flag_index(1)] == 0
+    finally:
+        dog.stop()
+
+
+def test_a_flag_at_another_m_is_reported_at_once_with_both_values_and_the_wait_released():
+    pool = _Pool()
+    control = pool._control
+    flag = 2
+    dog = Watchdog(pool)
+    try:
+        dog.expect(flag, 8, timeout_s=30, peer=1)
+        control.own[control.flag_index(flag)] = 16       # the peer called with M = 16
+        control.own[control.board_index(flag)] = 8       # this rank waits for its own M = 8
+        started = time.monotonic()
+        assert _until(lambda: pool.mismatches, limit_s=2), "the disagreement was not reported"
+        assert time.monotonic() - started < 1.0          # not the 30 s bound
+        assert pool.mismatches == [(control.flag_index(flag), 8, 16, 1)]
+        assert _until(lambda: control.own[control.flag_index(flag)] == 8), "the wait was not released"
+        assert control.own[ERROR_CODE_WORD] == 0         # a disagreement, not an expired wait
+    finally:
+        dog.stop()
+
+
+def test_one_reading_of_another_value_is_not_a_disagreement():
+    """The board is read before the flags: a wait that ends between the two readings, followed at once by the
+    writer's next call (another M), shows another value for one reading only."""
+    pool = _Pool()
+    control = pool._control
+    dog = Watchdog(pool)
+    try:
+        dog.expect(5, 8, timeout_s=30)
+        for _ in range(20):
+            control.own[control.board_index(5)] = 8
+            control.own[control.flag_index(5)] = 24      # the next call's M, seen while the board still says 8
+            time.sleep(0.0015)                            # less than one watchdog period
+            control.own[control.board_index(5)] = 0
+            control.own[control.flag_index(5)] = 0
+            time.sleep(0.01)
+        assert pool.mismatches == [] and pool.aborts == []
     finally:
         dog.stop()
