@@ -56,7 +56,8 @@ Tuning options of EPILOGUE 0 (all off by default; the K loop and stores live in 
   (a last wave that would leave SMs idle); ``stream_k_workspace`` is an fp32 buffer of ``num_programs *
   BLOCK_M * BLOCK_N`` elements and ``stream_k_flags`` an int32 array of ``num_programs`` words, zero before
   the first launch (every launch leaves them at zero again); both private to one stream at a time.
-  ``timeout_ns`` bounds a finisher's wait for a contributor (past it, it recomputes that K range itself).
+  ``timeout_ns`` bounds a finisher's wait for a contributor, as ``timeout_ns // 250`` polls (past them, it
+  recomputes that K range itself).
   Protocol in ``kernels/gemm_mainloop.py``.
 
 EPILOGUE 1 (scatter to owners): the M rows are split into ``world_size`` owner chunks of

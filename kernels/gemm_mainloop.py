@@ -17,12 +17,21 @@ contributing segment first and its finishing segment last, so no finisher waits 
 itself waiting. A contributor that is late past ``timeout_ns`` (a grid larger than the SMs left free by
 another kernel) is not an error: the finisher computes that K range itself, and the late contributor's
 +1 brings the flag back from -1 to 0.
+
+Memory ordering: a contributor's threads store the partial, meet at a CTA barrier, then one thread adds
+1 with release semantics at GPU scope (cumulative over the stores the barrier ordered before it); the
+finisher's poll is an acquire at GPU scope by one thread whose result every thread reads after a CTA
+barrier, so each thread's loads of the partial come after it. The decision to stop waiting must be the
+same in every thread of the finisher: its branches hold warpgroup-wide MMAs and CTA barriers. The poll's
+value is broadcast (one thread polls, all read it), so the wait is bounded by a count of polls
+(``_contributor_polls``), never by a clock that each thread reads for itself: with per-thread
+``%globaltimer`` reads, warps crossed the bound at different polls, took different branches and
+desynchronised their barriers (the wrong tiles of the late-contributor check on the GPU).
 """
 
 import triton
 import triton.language as tl
 
-from .flags import wait_for_count
 from .rs_epilogue import grouped_tile
 
 __all__ = ["WIDEN_DOT_OPERANDS", "tile_coordinates", "k_loop", "store_tile", "stream_k_part"]
@@ -116,6 +125,25 @@ def _add_partial(acc, partial_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
     return tl.reshape(tl.permute(parts, (0, 2, 3, 1)), (BLOCK_M, BLOCK_N))
 
 
+# A poll (one acquire load, two CTA barriers) takes well over this long, so timeout_ns // POLL_NS polls
+# wait at least timeout_ns.
+POLL_NS = tl.constexpr(250)
+
+
+@triton.jit
+def _contributor_polls(flag_ptr, timeout_ns, USE_TIMER: tl.constexpr):
+    """Whether a contributor's flag reached 1 within ``timeout_ns // POLL_NS`` acquire polls (one poll
+    without USE_TIMER: the interpreter). Every thread leaves the loop at the same poll (module docstring)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    if USE_TIMER:
+        max_polls = timeout_ns // POLL_NS
+        polls = max_polls * 0
+        while (seen < 1) & (polls < max_polls):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+    return seen >= 1
+
+
 @triton.jit
 def _share(program, num_programs, total_steps):
     """First K step (of the stream-K region) of `program`'s equal share."""
@@ -161,7 +189,7 @@ def stream_k_part(a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb
                 start = tl.maximum(_share(contributor, num_programs, total_steps), tile_start)
                 end = _share(contributor + 1, num_programs, total_steps)
                 if end > start:  # programs with an empty share (fewer steps than programs) hold nothing
-                    arrived = wait_for_count(flags_ptr + contributor, 1, timeout_ns, USE_TIMER)
+                    arrived = _contributor_polls(flags_ptr + contributor, timeout_ns, USE_TIMER)
                     # the acquire ran on one thread: order every thread's workspace loads after it
                     tl.debug_barrier()
                     if arrived:

@@ -5,8 +5,10 @@ Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are qua
 overlap.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
 our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch.gemm_tune.FP8_CANDIDATES, or
 `--configs`) -- are
-checked against `torch._scaled_mm`'s output (relative error <= 5e-3: both round the same fp32 sums to
-bf16) and timed interleaved (device time, as the bf16 bench). `--write-table PATH` writes the fastest
+checked against `torch._scaled_mm`'s output on a NaN-poisoned output (relative error <= 5e-3 in norm and
+<= 1e-2 of the largest output in the worst element: both round the same fp32 sums to bf16) and timed
+interleaved (device time, as the bf16 bench). The configurations first run once each on a small shape,
+`--jobs` child processes at a time (launch.gemm_tune.precompile): compiling is most of the cost. `--write-table PATH` writes the fastest
 candidate per shape (and the fastest plain one) as an FP8 block table that `choose_fp8_blocks` reads
 from configs/gemm_blocks/<gpu>_fp8.yaml.
 """
@@ -25,13 +27,13 @@ from launch.report import device_slug, format_table, write_results
 from launch.timing import bench_interleaved, progress
 from overlap.triton_gemm import gpu_name, num_sms
 
-from ._canary import run_canaries
 from .gemm_bench import bench_device, shape_points
-from .gemm_tune import FP8_CANDIDATES, operands, write_table
+from .gemm_tune import FP8_CANDIDATES, operands, precompile, write_table
 
 __all__ = ["run_fp8"]
 
-FP8_REL_TOLERANCE = 5e-3
+FP8_REL_TOLERANCE = 5e-3       # Frobenius norm of the difference over the reference's
+FP8_MAX_REL_TOLERANCE = 1e-2   # the worst element's difference over the reference's largest magnitude
 PER_CALL_OVERHEAD_S = 6e-4
 
 
@@ -46,8 +48,8 @@ def run_fp8(args) -> int:
     # every configuration once in a child process first (launch/_canary.py): a crash or hang drops it
     names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
                                       for _, _, _, m, n, k in points})
-    verdicts = run_canaries("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
-                            device=dev.type, shape=args.canary_shape)
+    verdicts = precompile("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
+                          jobs=args.jobs, device=dev.type, shape=args.canary_shape)
     if not verdicts:  # the child itself failed (see its traceback above): run without it
         progress("canary: no verdict at all, timing every configuration without it")
         verdicts = {(name, "nk"): "" for name in names}
@@ -88,10 +90,12 @@ def run_fp8(args) -> int:
                 failed.setdefault(blk.name, f"{type(exc).__name__}: {str(exc)[-160:]}")
                 progress(f"  fp8 {name} ({blk.name}) failed: {failed[blk.name]}")
                 continue
-            err = ((result.float() - check.float()).norm() / check.float().norm()).item()
-            row[f"{name}_rel_err"] = err
-            if not err <= tolerance:
-                failed.setdefault(blk.name, f"relative error {err:.3g} at M={m} N={n} K={k}")
+            diff = result.float() - check.float()
+            err = (diff.norm() / check.float().norm()).item()
+            worst = (diff.abs().max() / check.float().abs().max()).item()
+            row[f"{name}_rel_err"], row[f"{name}_max_rel_err"] = err, worst
+            if not (err <= tolerance and (ref is None or worst <= FP8_MAX_REL_TOLERANCE)):
+                failed.setdefault(blk.name, f"relative error {err:.3g} (worst element {worst:.3g}) at M={m} N={n} K={k}")
                 progress(f"  fp8 {name} ({blk.name}): {failed[blk.name]}")
                 continue
             variants[name] = (lambda blk=blk, o=result: fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales,

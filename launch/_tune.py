@@ -1,5 +1,6 @@
-"""Choosing from a k-factor sweep: the best config per op and M bucket, the tuned preset, the k gate.
-Pure functions over the sweep's rows (unit-tested on CPU)."""
+"""Choosing from sweeps, pure functions unit-tested on CPU: from a k-factor sweep the best config per op and
+M bucket, the tuned preset and the k gate; for the GEMM block tuner (launch.gemm_tune) its plan -- which
+candidates each shape class tries, in which order the points are measured, what a point costs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 
 from overlap.config import OpPreset, OverlapConfig
 
-__all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures"]
+__all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures", "M_ORDER",
+           "GEMM_CLASSES", "shape_class", "gemm_candidates", "tune_order", "point_seconds"]
 
 CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
 OP_KEYS = {"ag_gemm": ("method", "sm_margin", "chunks_per_rank", "lead_fraction"),
@@ -86,3 +88,57 @@ def gate_failures(rows: list[dict], max_k: float, best: dict | None = None) -> l
             out.append(f"{r['op']} {r['layer']} M={r['M']} K={r['K']} N={r['N']} ({fields}): {', '.join(bad)} "
                        f"> max_k {max_k}")
     return out
+
+
+# --- The GEMM block tuner's plan ---------------------------------------------------------------------------
+
+# M values in the order the tuner measures them: the two ends first (wave quantisation at 1024, throughput
+# at 16384), then the middle, then the rest. The table answers an unmeasured M with the entry nearest in
+# log2(M) (overlap/gemm_blocks.py), so a run cut short after the first passes still covers every M.
+M_ORDER = (1024, 16384, 4096, 2048, 8192)
+
+# Candidates per shape class (Hopper: TMA descriptors; 128x256x64 tiles with 8 warps or two consumer
+# warpgroups of warp specialisation (4 warps + `ws`: Triton splits only 4-warp kernels); 3-4 stages within
+# 227 KB; `es2` halves the epilogue's staging to afford a 4th stage; `fl` flattens the tile and K loops
+# so that the next tile's loads overlap this tile's epilogue (short K); `o2` two CTAs per SM hide each
+# other's epilogue; `sk` stream-K splits the last partial wave by K steps (few tiles: 48-96 tiles on 132
+# SMs)). Every name compiles without spills for sm_90 with Triton 3.6 and 3.7 in both layouts.
+GEMM_CLASSES = {
+    # fewer 128x256 tiles than SMs: the last (only) wave is partial
+    "few_tiles": ("128x128x64w8s4", "128x128x64w4s4", "64x128x64w4s4o2", "128x128x64w8s4sk1", "128x256x64w8s3sk1",
+                  "64x128x64w4s4sk1", "128x256x64w8s3", "128x128x64w4s3es2o2"),
+    # K <= 2048: the epilogue is a large share of each tile's time
+    "short_k": ("128x256x64w8s3", "128x256x64w8s3fl", "128x256x64w4s3ws", "128x256x64w8s4es2", "128x128x64w8s4fl",
+                "128x128x64w4s3es2o2", "128x256x64w8s3sk1"),
+    # many tiles, long K: throughput
+    "large": ("128x256x64w8s3", "128x256x64w8s3g16", "128x256x64w4s3ws", "256x128x64w8s3", "128x256x64w8s4es2",
+              "128x256x64w8s3fl"),
+}
+SHORT_K = 2048
+_SECONDS_PER_CALL = 7e-4     # L2 flush, device hold (300 us), synchronisation and launch around one timed call
+_SECONDS_PER_POINT = 0.15    # operands, the cuBLAS reference, one checked call per candidate
+_ASSUMED_FLOPS = 600e12      # a pessimistic bf16 rate for the estimate
+
+
+def shape_class(m: int, n: int, k: int, sms: int) -> str:
+    """The candidate class of out[m, n] = a[m, k] @ b[k, n] on `sms` SMs (GEMM_CLASSES)."""
+    if -(-m // 128) * -(-n // 256) < sms:
+        return "few_tiles"
+    return "short_k" if k <= SHORT_K else "large"
+
+
+def gemm_candidates(m: int, n: int, k: int, sms: int, extra=()) -> tuple[str, ...]:
+    """The class's candidates, then `extra` (e.g. the current table's choice), without repeats."""
+    return tuple(dict.fromkeys(GEMM_CLASSES[shape_class(m, n, k, sms)] + tuple(extra)))
+
+
+def tune_order(points, ms_order=M_ORDER):
+    """`points` (tuples whose first three items are m, n, k) in measuring order: by M's rank in `ms_order`
+    (M values not in it last, ascending), then by n * k, stable otherwise."""
+    rank = {m: i for i, m in enumerate(ms_order)}
+    return sorted(points, key=lambda p: (rank.get(p[0], len(rank)), 0 if p[0] in rank else p[0], p[1] * p[2]))
+
+
+def point_seconds(m: int, n: int, k: int, variants: int, reps: int, warmup: int = 2) -> float:
+    """Estimated wall time of one tuning point: `variants` timed (reps + warmup) times each."""
+    return _SECONDS_PER_POINT + variants * (reps + warmup) * (2 * m * n * k / _ASSUMED_FLOPS + _SECONDS_PER_CALL)

@@ -1,38 +1,39 @@
 """The persistent Triton GEMM alone (local epilogue, all SMs) against cuBLAS on every local GEMM of the
-AG and RS shape tables at the given TP sizes, in both layouts of B: what the fused ops can reach.
+AG and RS shape tables (docs/ARCHITECTURE.md) at the given TP sizes, in both layouts of B: what the fused
+ops can reach.
 
-    python -m launch.gemm_bench --tp 2,4,8 [--m 1024,4096,16384] [--layouts kn,nk] [--table PATH]
-        [--configs NAME,...] [--time-budget-s 110] [--out FILE (default runs/gemm_bench-<time>/...)]
-    python -m launch.gemm_bench --fp8 --tp 2,4,8 [...] [--write-table PATH]     (launch/_gemm_bench_fp8.py)
+    python -m launch.gemm_bench [--tp 2,4,8] [--m 1024,...,16384] [--layouts kn,nk] [--table PATH]
+        [--configs NAME,...] [--time-budget-s 600] [--out FILE (default runs/gemm_bench-<time>/...)]
+    python -m launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/_gemm_bench_fp8.py)
 
 Single process, one GPU. Per (shape, layout) -- `kn`: B row-major [K, N]; `nk`: B = w.t() of a row-major
 [N, K] (nn.Linear) -- it times, interleaved: cuBLAS (`torch.mm` on the same operands and layout), the
 block table's choice (`choose_blocks`, from `--table` or the GPU's package table), the hand heuristic it
-replaced, and any `--configs`. Every variant is first checked against cuBLAS (relative error <= 1e-2).
-Times are device times: the stream is held busy for `--hold-us` (default 300) after each L2 flush, so the
-Python launch cost is not charged to the kernel; `--hold-us 0` measures from an idle device instead.
+replaced, and any `--configs`. Every variant is first checked against cuBLAS (NaN-poisoned output,
+relative error <= 1e-2). Times are device times: the stream is held busy for `--hold-us` after each L2
+flush, so the Python launch cost is not charged to the kernel; `--hold-us 0` measures from an idle device.
 The JSON is rewritten after every shape; shapes that no longer fit in `--time-budget-s` are listed as
 skipped. The last lines print the median and minimum of Triton-over-cuBLAS speed per layout.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
-from launch._cli import run_dir
+from launch._cli import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
 from launch.report import device_slug, format_table, write_results
-from launch.shapes import M_VALUES, ag_points, rs_points
+from launch.shapes import ag_points, rs_points
 from launch.timing import bench_interleaved, progress
-from overlap.gemm_blocks import LAYOUTS, GemmBlocks, choose_blocks, heuristic_blocks, load_block_table
+from overlap.gemm_blocks import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, heuristic_blocks,
+                                 load_block_table)
 from overlap.triton_gemm import gpu_name, triton_mm
 
 from ._canary import CANARY_SHAPE
-from .gemm_tune import operands, parse_shapes
+from .gemm_tune import DEFAULT_JOBS, operands, parse_shapes
 
 __all__ = ["main", "shape_points", "summarize", "bench_device"]
 
@@ -69,33 +70,73 @@ def _parse_list(text: str, cast=str):
     return tuple(cast(x) for x in text.split(",") if x)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.gemm_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=lambda s: _parse_list(s, int), default=(2,))
-    p.add_argument("--m", type=lambda s: _parse_list(s, int), default=M_VALUES)
-    p.add_argument("--layouts", type=_parse_list, default=LAYOUTS)
-    p.add_argument("--layers", type=_parse_list, default=None, help="subset of DESIGN.md's layers")
-    p.add_argument("--reps", type=int, default=20)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser("python -m launch.gemm_bench", description=__doc__)
+    p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are timed")
+    p.add_argument("--m", type=int_list, default=(1024, 2048, 4096, 8192, 16384), help="M values (rows)")
+    p.add_argument("--layouts", type=_parse_list, default=LAYOUTS, help="B layouts, of kn,nk (--fp8: nk only)")
+    p.add_argument("--layers", type=_parse_list, default=None,
+                   help="subset of docs/ARCHITECTURE.md's layers (default: all)")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per variant and shape (median)")
     p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
     p.add_argument("--table", default=None, help="block table YAML (default: the GPU's package table)")
     p.add_argument("--configs", type=_parse_list, default=(),
-                   help="extra block configurations to time (--fp8: the candidates, instead of FP8_CANDIDATES)")
-    p.add_argument("--time-budget-s", type=float, default=600.0)
+                   help="extra block configurations to time (--fp8: the candidates, instead of FP8_CANDIDATES; "
+                   "default: none)")
+    p.add_argument("--time-budget-s", type=float, default=600.0, help="wall-clock bound of the whole run")
     p.add_argument("--fp8", action="store_true", help="FP8 block-scaled GEMM vs torch._scaled_mm and bf16 cuBLAS")
     p.add_argument("--write-table", default=None, help="--fp8: write the fastest FP8 blocks per shape there")
-    p.add_argument("--out", default=None)
-    p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables")
+    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"--fp8: child processes compiling at once (default: CPU cores - 2, 1 to 12: {DEFAULT_JOBS} here)")
+    p.add_argument("--out", default=None, help="results JSON (default: a file in runs/gemm_bench-<time>/)")
+    p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables (default: the TP tables)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the Triton interpreter: a smoke test)")
     p.add_argument("--canary-shape", type=lambda s: parse_shapes(s)[0], default=CANARY_SHAPE,
-                   help="--fp8: MxNxK of the child process that runs every configuration once first")
-    args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("launch.gemm_bench needs a CUDA GPU (or --device cpu with the Triton interpreter)", file=sys.stderr)
-        return 2
-    if not args.device.startswith("cuda") and not args.out:
-        print("launch.gemm_bench --device cpu needs --out", file=sys.stderr)
-        return 2
+                   help="--fp8: MxNxK of the compile phase's runs (default: %s)" % "x".join(map(str, CANARY_SHAPE)))
+    return p
+
+
+def _parse(argv):
+    from launch.shapes import AG_LAYERS, RS_LAYERS
+
+    args = make_parser().parse_args(argv)
+    layers = set(AG_LAYERS) | set(RS_LAYERS)
+    require(all(w >= 1 for w in args.tp), f"--tp: TP sizes must be >= 1, got {args.tp}")
+    require(all(m >= 1 for m in args.m), f"--m: M values must be >= 1, got {args.m}")
+    require(set(args.layouts) <= set(LAYOUTS), f"--layouts: got {args.layouts}; allowed: {', '.join(LAYOUTS)}")
+    require(args.layers is None or set(args.layers) <= layers,
+            f"--layers: got {args.layers}; allowed: {', '.join(sorted(layers))}")
+    require(args.reps >= 1, f"--reps: got {args.reps}; allowed: >= 1")
+    require(args.hold_us >= 0, f"--hold-us: got {args.hold_us}; allowed: >= 0")
+    require(args.time_budget_s >= 0, f"--time-budget-s: got {args.time_budget_s}; allowed: >= 0")
+    require(args.jobs >= 1, f"--jobs: got {args.jobs}; allowed: >= 1")
+    require(args.device in ("cuda", "cpu"), f"--device: got {args.device!r}; allowed: cuda, cpu")
+    require(args.device == "cuda" or bool(args.out), "--device cpu needs --out")
+    require(args.fp8 or not args.write_table, "--write-table needs --fp8 (the bf16 table comes from launch.gemm_tune)")
+    require(not (args.fp8 and args.table), "--table is the bf16 table; --fp8 reads configs/gemm_blocks/<gpu>_fp8.yaml")
+    for name in args.configs:
+        try:
+            blocks = GemmBlocks.parse(name)
+            problems = blocks.problems(operand_bytes=1 if args.fp8 else 2)
+            if args.fp8 and blocks.block_k != 128:
+                problems.append("the FP8 GEMM's BLOCK_K is its scale group, 128")
+        except ValueError as exc:
+            problems = [str(exc)]
+        require(not problems, f"--configs: {name}: {'; '.join(problems)}")
+    if args.table:
+        try:
+            load_block_table(path=args.table)
+        except BlockTableError as exc:
+            raise UsageError(f"--table: {exc}") from None
+    return args
+
+
+def main(argv=None) -> int:
+    return run_launcher("launch.gemm_bench", _parse, _run, argv)
+
+
+def _run(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("needs a CUDA GPU (or --device cpu with the Triton interpreter)")
     if args.fp8:
         from ._gemm_bench_fp8 import run_fp8
         return run_fp8(args)

@@ -1,75 +1,75 @@
 """Tune the persistent Triton GEMM's blocks on one GPU and write the block table that choose_blocks reads.
 
-    python -m launch.gemm_tune [--tp 2,4,8] [--m 1024,4096,16384] [--layouts kn,nk] [--time-budget-s 240]
-        [--out-table FILE] [--out FILE]   (default: a run folder, runs/gemm_tune-<time>/)
+    python -m launch.gemm_tune [--tp 2,4,8] [--m 1024,2048,4096,8192,16384] [--layouts kn,nk]
+        [--time-budget-s 240] [--jobs N] [--resume] [--out-table FILE] [--out FILE]
 
-For every local GEMM of DESIGN.md's table at the given TP sizes and M, and for both layouts of B (`kn`:
-row-major [K, N]; `nk`: `w.t()` of a row-major [N, K], the nn.Linear layout), every candidate block
-configuration (CANDIDATES: tile sizes 64/128/256, BLOCK_K 64/128, warps, stages, GROUP_M, warp
-specialisation, flattened loops, two-half epilogue, stream-K, two programs per SM) is checked against
-cuBLAS (`torch.mm` on the same operands and layout) and then timed interleaved with it: device time (the
-stream is held busy before each timed call, as launch.gemm_bench does), L2 flushed, median of `--reps`.
+Points: every local GEMM of docs/ARCHITECTURE.md's shape table (AG: K = H, N = N_total / W; RS: K =
+K_total / W, N = H) at the given TP sizes and M, in both layouts of B (`kn`: row-major [K, N]; `nk`:
+`w.t()` of a row-major [N, K], the nn.Linear layout), or the `--shapes` given.
 
-First a child process runs every configuration once per layout on a small shape (launch/_canary.py): one
-that fails to compile, computes wrong numbers, crashes or hangs is dropped there (with its reason in the
-JSON) instead of ending the sweep, and the compiled kernels are in Triton's cache when the sweep starts
-(compile time is charged to the budget). Shapes go M = 1024
-first, then 4096, then 16384 (where the gaps to cuBLAS were largest first); before each shape the
-remaining budget is checked against the shape's estimated cost, and shapes that do not fit are listed as
-skipped. After every shape the table (merged over `--merge-table`, by default the GPU's current table, so
-unmeasured shapes keep their entries) and the results JSON are rewritten: a run cut short loses nothing
-it measured. Progress lines go to stderr.
+Candidates: a short list per shape class (launch/_tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
+CTAs per SM, stream-K; short K -> flattened loops, warp specialisation, split epilogue; large -> 128x256
+tiles and their variants), plus the current table's choice and the hand heuristic; `--candidates`
+replaces the classes' lists.
+
+Phases, all inside the wall-time bound `--time-budget-s`:
+
+1. Compile: every (candidate, layout) runs once on a small shape in `--jobs` child processes at a time
+   (launch/_canary.py; at most half the budget): compilation, not timing, dominates the run, and the
+   compiled kernels land in Triton's cache, shared by every shape (all dimensions are multiples of 16, so
+   they specialise alike). One that fails to compile, computes wrong numbers, crashes or hangs is dropped.
+2. Sweep: points in launch/_tune.py's `tune_order` -- M = 1024 for every shape and layout, then 16384,
+   4096, 2048, 8192 -- so that a run cut short has measured both ends of every shape first (the table
+   answers an unmeasured M with the entry nearest in log2 M). Per point each candidate is checked against
+   cuBLAS (`torch.mm`, same operands and layout; NaN-poisoned output, relative error <= 1e-2), then timed
+   interleaved with cuBLAS: device time (the stream is held busy before each call), L2 flushed, median of
+   `--reps`. A point whose estimated cost no longer fits the budget is skipped (listed in the JSON).
+3. After every point the table (merged over `--merge-table`, by default the GPU's current table: points
+   not measured keep their entries) and the results JSON are rewritten. `--resume` first reads both back
+   (from `--out-table` and `--out`) and measures only the points they lack.
+
+Progress lines go to stderr; the last lines give the median and minimum Triton/cuBLAS speed.
 """
 
 from __future__ import annotations
 
-import argparse
+import concurrent.futures
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-import yaml
-
-from overlap.gemm_blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, GemmBlocks,
-                                 heuristic_blocks, load_block_table)
-from launch._cli import run_dir
-from launch.report import device_slug, write_results
-from launch.shapes import M_VALUES, ag_points, rs_points
-from launch.timing import bench_interleaved, progress
-from overlap.triton_gemm import gpu_name, num_sms, triton_mm
-
-from ._canary import CANARY_SHAPE, run_canaries
+from launch._cli import ArgumentParser, int_list, require, run_dir, run_launcher
 
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
-           "operands", "write_table", "main"]
+           "operands", "write_table", "precompile", "main"]
 
-# Every name compiles without register spills for sm_90 with Triton 3.6 and 3.7 in both layouts
-# (python -m launch.compile_check --candidates). Warp specialisation only splits the work on Hopper with
-# 4 warps (two consumer warpgroups + a producer); with 8 it compiles to the plain kernel.
-CANDIDATES = (
-    "128x256x64w8s3", "128x256x64w8s3g16", "128x256x64w8s4es2", "256x128x64w8s3",
-    "128x128x64w8s4", "128x128x64w4s5", "128x128x128w8s3", "64x256x64w4s4", "64x128x64w4s4o2",
-    "128x256x64w4s3ws", "128x256x64w4s3g16ws", "128x128x64w4s5ws", "256x128x64w4s3ws", "128x128x128w4s3ws",
-    "128x256x64w8s3fl", "128x128x64w8s4fl",
-    # stream-K ("sk") configurations are left out: their late-contributor recompute gave wrong tiles on the
-    # H200 in one of two runs (tests/gpu/check_fp8.py, results/NOTES.md): a race; the normal path was right,
-    # but a late contributor is what a time-sliced or busy GPU produces
-)
+# The union of the shape classes' lists (launch/_tune.py GEMM_CLASSES): what `--candidates all` means and
+# what launch.compile_check --candidates compiles.
+def _all_classes() -> tuple[str, ...]:
+    from launch._tune import GEMM_CLASSES
+    return tuple(dict.fromkeys(name for names in GEMM_CLASSES.values() for name in names))
+
+
+CANDIDATES = _all_classes()
 
 # The FP8 GEMM's (kernels/gemm_fp8.py; BLOCK_K is the scale group), timed by launch.gemm_bench --fp8.
+# 128x128 tiles with 8 warps hold the accumulator and one fresh product per thread (162 registers); 128x256
+# spills. Two CTAs per SM (`o2`, 64x128 or 128x64 tiles, 4 warps) let one CTA scale its product into the
+# accumulator while the other's MMAs run: within one CTA Triton waits for each MMA before the scaling.
 FP8_CANDIDATES = (
-    "128x128x128w8s4", "64x128x128w4s5", "64x128x128w4s4o2", "128x128x128w8s4fl", "128x64x128w4s6",
-    # warp-specialised FP8 ("...w4s4ws", "...w4s5ws") is left out: compiled for the H200 it gave wrong tiles
+    "128x128x128w8s4", "128x128x128w8s4g16", "128x128x128w8s3", "64x128x128w4s4o2", "64x128x128w4s3o2",
+    "64x128x128w4s4g16o2", "128x64x128w4s4o2",
+    # warp-specialised FP8 ("...w4s4ws") is left out: compiled for the H200 by Triton 3.6 it gave wrong tiles
     # (relative error 0.28-0.77 and NaN against the dequantised product, runs 2 and 6 in results/NOTES.md)
 )
 
 REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (README tolerance policy)
-CANARY_SHARE = 0.5         # at most this share of the budget goes to running every configuration once
+COMPILE_SHARE = 0.5        # at most this share of the budget goes to compiling (running every configuration once)
 PLAIN_PREFERENCE = 1.01    # the plain configuration wins unless the fastest is more than 1 % faster
-PER_CALL_OVERHEAD_S = 6e-4  # flush + hold + synchronisation around one timed call (estimate)
+DEFAULT_JOBS = max(1, min(12, (os.cpu_count() or 2) - 2))
 
 
 def candidate_names() -> list[str]:
@@ -82,25 +82,35 @@ def fp8_candidate_names() -> list[str]:
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
     """'1024x3072x4096,...' (M x N x K) -> ((1024, 3072, 4096), ...)."""
-    return tuple(tuple(int(v) for v in item.split("x")) for item in text.split(",") if item)
+    try:
+        shapes = tuple(tuple(int(v) for v in item.split("x")) for item in text.split(",") if item)
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise ValueError(f"expected MxNxK[,MxNxK...] with positive integers, got {text!r}")
+    return shapes
 
 
 def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
-    """Unique (m, n, k) over the AG and RS tables at each TP size (or the given `shapes`), M ascending,
-    with their layer names."""
+    """Unique (m, n, k) over the AG and RS tables at each TP size (or the given `shapes`), in measuring
+    order (launch/_tune.py tune_order), with their layer names."""
+    from launch._tune import tune_order
+    from launch.shapes import ag_points, rs_points
+
     layers: dict[tuple[int, int, int], list[str]] = {}
     for m, n, k in shapes:
         layers.setdefault((m, n, k), []).append("given")
     for world in tps if not shapes else ():
         for p in ag_points(world, ms=ms) + rs_points(world, ms=ms):
             layers.setdefault((p.m, p.n, p.k), []).append(f"{p.layer}@tp{world}")
-    order = sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][2] * kv[0][1]))
-    return [(m, n, k, names) for (m, n, k), names in order]
+    return tune_order([(m, n, k, names) for (m, n, k), names in layers.items()])
 
 
 def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
                 operand_bytes: int = 2) -> None:
     """The YAML table (format: overlap/gemm_blocks.py), one flow-style entry per line, sorted."""
+    import yaml
+
     kind = "FP8 GEMM (kernels/gemm_fp8.py)" if operand_bytes == 1 else "GEMM (kernels/gemm.py)"
     lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
              "# overlap/gemm_blocks.py). vs_cublas = reference time / Triton time, device time.",
@@ -110,7 +120,7 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     lines += ["source: " + yaml.safe_dump(source, default_flow_style=True, width=1 << 20).strip(), "entries:"]
     for key in sorted(entries, key=lambda k: (k[0], k[2], k[3], k[1])):
         e = entries[key]
-        ratios = "".join(f", {name}: {value:.3f}" for name, value in (("vs_cublas", e.vs_cublas),
+        ratios = "".join(f", {name}: {value:.4g}" for name, value in (("vs_cublas", e.vs_cublas),
                                                                        ("plain_vs_cublas", e.plain_vs_cublas))
                          if value is not None)
         lines.append(f"  - {{layout: {e.layout}, m: {e.m}, n: {e.n}, k: {e.k}, blocks: {e.blocks.name}, "
@@ -122,97 +132,99 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     tmp.replace(path)
 
 
-def _synchronize(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-class _Compiled:
-    """Which (configuration, layout) pairs compiled and ran; failures are not retried."""
-
-    def __init__(self):
-        self.seconds: dict[tuple[str, str], float] = {}
-        self.failed: dict[tuple[str, str], str] = {}
-
-
 def operands(m, n, k, layout, dev, seed):
     """(a [M, K], b [K, N]) bf16 on `dev`, drawn there (a CPU draw of a 28672 x 8192 weight takes seconds):
     b row-major (`kn`) or the transpose view of a row-major [N, K] (`nk`)."""
+    import torch
+
     gen = torch.Generator(device=dev).manual_seed(seed)
     a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, generator=gen, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
     return a, (w.t() if layout == "nk" else w.t().contiguous())
 
 
-def _tune_shape(m, n, k, layout, dev, args, compiled: _Compiled, deadline: float):
-    a, b = operands(m, n, k, layout, dev, seed=m + n + k)
-    ref = torch.mm(a, b)
-    outs, usable = {}, {}
-    heuristic = heuristic_blocks(m, n, k).name  # the hand rule the table replaces: timed for comparison
-    for name in dict.fromkeys(args.candidates + (heuristic,)):
-        if (name, layout) in compiled.failed or time.monotonic() > deadline:
-            continue
-        blocks = GemmBlocks.parse(name)
-        out = torch.full_like(ref, float("nan"))
-        start = time.perf_counter()
-        try:
-            triton_mm(a, b, out, blocks=blocks)
-            _synchronize(dev)
-        except Exception as exc:  # a compile error or OutOfResources: drop it for this layout
-            compiled.failed[(name, layout)] = f"{type(exc).__name__}: {str(exc).strip()[-160:]}"
-            progress(f"  {name} ({layout}) dropped: {compiled.failed[(name, layout)]}")
-            continue
-        compiled.seconds.setdefault((name, layout), time.perf_counter() - start)
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        if not err <= REL_TOLERANCE:
-            compiled.failed[(name, layout)] = f"relative error {err:.3g} vs cuBLAS at M={m} N={n} K={k}"
-            progress(f"  {name} ({layout}) dropped: {compiled.failed[(name, layout)]}")
-            continue
-        outs[name], usable[name] = out, blocks
-    if not usable:
-        return None
-    out_c = torch.empty_like(ref)
-    variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
-    variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
-                     for name, blk in usable.items()})
-    stats = bench_interleaved(variants, group=None, device=dev, warmup=2, reps=args.reps, hold_device_us=args.hold_us)
-    times = {name: s.median_ms for name, s in stats.items()}
-    return times
+def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
+               shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
+    """launch/_canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
+    each given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
+    from ._canary import run_canaries
+
+    slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
+    verdicts: dict[tuple[str, str], str] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(slices)) as pool:
+        for result in pool.map(lambda part: run_canaries(kind, part, deadline, device=device, shape=shape), slices):
+            verdicts.update(result)
+    return verdicts
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.gemm_tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=lambda s: tuple(int(x) for x in s.split(",")), default=(2, 4, 8))
-    p.add_argument("--m", type=lambda s: tuple(int(x) for x in s.split(",")), default=M_VALUES)
-    p.add_argument("--layouts", type=lambda s: tuple(s.split(",")), default=LAYOUTS)
-    p.add_argument("--candidates", type=lambda s: tuple(s.split(",")), default=CANDIDATES)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--hold-us", type=float, default=300.0)
-    p.add_argument("--time-budget-s", type=float, default=240.0, help="wall-clock cap of the whole run")
+def make_parser() -> ArgumentParser:
+    from launch._canary import CANARY_SHAPE
+    from overlap.gemm_blocks import LAYOUTS
+
+    p = ArgumentParser("python -m launch.gemm_tune", description=__doc__)
+    p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are tuned")
+    p.add_argument("--m", type=int_list, default=(1024, 2048, 4096, 8192, 16384), help="M values (rows)")
+    p.add_argument("--layouts", type=lambda s: tuple(s.split(",")), default=LAYOUTS, help="B layouts, of kn,nk")
+    p.add_argument("--candidates", type=lambda s: tuple(s.split(",")), default=None,
+                   help="block configurations tried at every point (default: the shape class's list, "
+                   "launch/_tune.py GEMM_CLASSES)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls per variant and point (median)")
+    p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
+    p.add_argument("--time-budget-s", type=float, default=240.0, help="wall-clock bound of the whole run")
+    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"child processes compiling at once (default: CPU cores - 2, 1 to 12: {DEFAULT_JOBS} here)")
+    p.add_argument("--resume", action="store_true", help="keep the points already in --out and --out-table")
     p.add_argument("--out-table", default=None, help="default: runs/gemm_tune-<time>/<gpu>.yaml (copy it to "
                    "configs/gemm_blocks/<gpu>.yaml to use it)")
     p.add_argument("--merge-table", default=None, help="entries kept unless re-measured (default: the GPU's table)")
-    p.add_argument("--out", default=None, help="results JSON (default runs/gemm_tune-<time>/gemm_tune_<gpu>.json)")
-    p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables")
+    p.add_argument("--out", default=None, help="results JSON (default: runs/gemm_tune-<time>/gemm_tune_<gpu>.json)")
+    p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables (default: the TP tables)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu (the Triton interpreter: a smoke test)")
     p.add_argument("--canary-shape", type=lambda s: parse_shapes(s)[0], default=CANARY_SHAPE,
-                   help="MxNxK of the child process that runs every configuration once first")
-    args = p.parse_args(argv)
+                   help="MxNxK of the compile phase's runs (default: %s)" % "x".join(map(str, CANARY_SHAPE)))
+    return p
+
+
+def _parse(argv):
+    from overlap.gemm_blocks import LAYOUTS, GemmBlocks
+
+    args = make_parser().parse_args(argv)
+    require(all(w >= 1 for w in args.tp), f"--tp: TP sizes must be >= 1, got {args.tp}")
+    require(all(m >= 1 for m in args.m), f"--m: M values must be >= 1, got {args.m}")
+    require(set(args.layouts) <= set(LAYOUTS), f"--layouts: got {args.layouts}; allowed: {', '.join(LAYOUTS)}")
+    require(args.reps >= 1, f"--reps: got {args.reps}; allowed: >= 1")
+    require(args.hold_us >= 0, f"--hold-us: got {args.hold_us}; allowed: >= 0")
+    require(args.time_budget_s >= 0, f"--time-budget-s: got {args.time_budget_s}; allowed: >= 0")
+    require(args.jobs >= 1, f"--jobs: got {args.jobs}; allowed: >= 1")
+    require(args.device in ("cuda", "cpu"), f"--device: got {args.device!r}; allowed: cuda, cpu")
+    require(args.device == "cuda" or bool(args.out_table and args.out), "--device cpu needs --out-table and --out")
+    require(not args.resume or bool(args.out_table and args.out), "--resume needs --out-table and --out")
+    for name in args.candidates or ():
+        try:
+            problems = GemmBlocks.parse(name).problems()
+        except ValueError as exc:
+            problems = [str(exc)]
+        require(not problems, f"--candidates: {name}: {'; '.join(problems)}")
+    return args
+
+
+def main(argv=None) -> int:
+    return run_launcher("launch.gemm_tune", _parse, _run, argv)
+
+
+def _run(args) -> int:
+    import torch
+
+    from launch._cli import UsageError
+    from launch.report import device_slug
+    from launch.timing import progress
+    from overlap.gemm_blocks import BlockTable, load_block_table
+    from overlap.triton_gemm import gpu_name, num_sms
+
     started = time.monotonic()
     deadline = started + args.time_budget_s
-    bad = [n for n in args.candidates if GemmBlocks.parse(n).problems()] + [x for x in args.layouts if x not in LAYOUTS]
-    if bad:
-        print(f"launch.gemm_tune: unusable candidates or layouts: {bad}", file=sys.stderr)
-        return 2
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("launch.gemm_tune needs a CUDA GPU (or --device cpu with the Triton interpreter)", file=sys.stderr)
-        return 2
-    if dev.type != "cuda" and not args.out_table:
-        print("launch.gemm_tune --device cpu needs --out-table", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("needs a CUDA GPU (or --device cpu with the Triton interpreter)")
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     gpu, sms = gpu_name(dev) or "cpu", num_sms(dev)
     folder = None if (args.out_table and args.out) else run_dir("gemm_tune")
@@ -220,40 +232,92 @@ def main(argv=None) -> int:
     out_json = args.out or str(folder / f"gemm_tune_{device_slug(device_name)}.json")
     base = load_block_table(path=args.merge_table) if args.merge_table else load_block_table(gpu)
     entries = {(e.layout, e.m, e.n, e.k): e for e in (base.entries if isinstance(base, BlockTable) else ())}
+    rows, done = _resumed_state(out_table, out_json, entries) if args.resume else ([], set())
+    sweep = _Sweep(args, dev, device_name, gpu, sms, out_table, out_json, entries, rows, started, deadline)
+    sweep.source.update(torch=str(torch.__version__), triton=str(__import__("triton").__version__))
     work = [(m, n, k, names, layout) for (m, n, k, names) in tune_points(args.tp, args.m, args.shapes)
-            for layout in args.layouts]
-    compiled, rows, skipped = _Compiled(), [], []
-    # every configuration once in a child process: one that crashes, hangs or computes garbage is dropped
-    # here instead of ending the sweep; the kernels it compiles are in Triton's cache for this process
-    heuristics = {heuristic_blocks(m, n, k).name for m, n, k, _, _ in work}
-    items = [(name, layout) for name in dict.fromkeys(args.candidates + tuple(sorted(heuristics)))
-             for layout in args.layouts]
-    verdicts = run_canaries("bf16", items, started + CANARY_SHARE * args.time_budget_s, device=dev.type,
-                            shape=args.canary_shape)
-    if not verdicts and items:  # the child itself failed (see its traceback above): sweep without it
-        progress("canary: no verdict at all, sweeping every configuration without it")
+            for layout in args.layouts if (layout, m, n, k) not in done]
+    progress(f"gemm_tune: {len(work)} points ({len(done)} kept from --resume), budget {args.time_budget_s:.0f} s, "
+             f"table -> {out_table}")
+    items = sorted({(name, layout) for m, n, k, _, layout in work for name in sweep.candidates(m, n, k, layout)})
+    verdicts = precompile("bf16", items, started + COMPILE_SHARE * args.time_budget_s, jobs=args.jobs,
+                          device=dev.type, shape=args.canary_shape)
+    if not verdicts and items:  # the children themselves failed (see their tracebacks above): sweep without them
+        progress("compile phase: no verdict at all, sweeping every configuration without it")
         verdicts = {key: "" for key in items}
     for key in items:
-        if verdicts.get(key, "not reached within its share of the budget"):
-            compiled.failed[key] = "canary: " + verdicts.get(key, "not reached within its share of the budget")
-            progress(f"  {key[0]} ({key[1]}) dropped: {compiled.failed[key]}")
-    progress(f"canary: {len(items) - len(compiled.failed)} of {len(items)} configurations ran correctly, "
+        reason = verdicts.get(key, "not reached within its share of the budget")
+        if reason:
+            sweep.failed[key] = "compile phase: " + reason
+            progress(f"  {key[0]} ({key[1]}) dropped: {sweep.failed[key]}")
+    progress(f"compile phase: {len(items) - len(sweep.failed)} of {len(items)} configurations ran correctly, "
              f"{time.monotonic() - started:.0f} s")
-    source = {"command": " ".join(sys.argv), "torch": str(torch.__version__),
-              "triton": str(__import__("triton").__version__), "date": time.strftime("%Y-%m-%d")}
-    progress(f"gemm_tune: {len(work)} shapes x layouts, {len(args.candidates)} candidates, budget "
-             f"{args.time_budget_s:.0f} s, table -> {out_table}")
-    for index, (m, n, k, names, layout) in enumerate(work):
-        flops = 2 * m * n * k
-        estimate = (len(args.candidates) + 1) * (args.reps + 3) * (flops / 600e12 + PER_CALL_OVERHEAD_S)
-        left = deadline - time.monotonic()
-        if left < estimate:
-            skipped.append({"layout": layout, "M": m, "N": n, "K": k, "estimate_s": round(estimate, 2)})
-            continue
-        times = _tune_shape(m, n, k, layout, dev, args, compiled, deadline)
+    for index, point in enumerate(work):
+        sweep.run_point(*point, label=f"{index + 1}/{len(work)}")
+    sweep.write()
+    ratios = [r["best_over_cublas"] for r in sweep.rows]
+    if ratios:
+        print(f"gemm_tune: {len(sweep.rows)} points measured, {len(sweep.skipped)} skipped; Triton/cuBLAS speed "
+              f"median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, >= 0.85 on "
+              f"{sum(r >= 0.85 for r in ratios)}, {time.monotonic() - started:.0f} s")
+    print(f"table: {out_table}\nresults: {out_json}")
+    return 0 if sweep.rows else 1
+
+
+def _resumed_state(out_table: str, out_json: str, entries: dict) -> tuple[list[dict], set]:
+    """(rows, measured points) of an earlier run with the same outputs; its table's entries go into `entries`."""
+    import json
+
+    import yaml
+
+    from overlap.gemm_blocks import parse_block_table
+
+    rows = json.loads(Path(out_json).read_text())["rows"] if Path(out_json).is_file() else []
+    if Path(out_table).is_file():  # parsed here: load_block_table caches by path, and this file keeps changing
+        table = parse_block_table(yaml.safe_load(Path(out_table).read_text()), Path(out_table).name)
+        entries.update({(e.layout, e.m, e.n, e.k): e for e in table.entries})
+    return rows, {(r["layout"], r["M"], r["N"], r["K"]) for r in rows}
+
+
+class _Sweep:
+    """The measuring phase: one point at a time, the table and the JSON rewritten after each."""
+
+    def __init__(self, args, dev, device_name, gpu, sms, out_table, out_json, entries, rows, started, deadline):
+        self.args, self.dev, self.device_name, self.gpu, self.sms = args, dev, device_name, gpu, sms
+        self.out_table, self.out_json, self.entries, self.rows = out_table, out_json, entries, rows
+        self.started, self.deadline = started, deadline
+        self.failed: dict[tuple[str, str], str] = {}
+        self.compile_s: dict[tuple[str, str], float] = {}
+        self.skipped: list[dict] = []
+        self.source = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
+
+    def candidates(self, m, n, k, layout) -> tuple[str, ...]:
+        """The point's class list (or --candidates), the hand heuristic and the current table's choices."""
+        from launch._tune import gemm_candidates
+        from overlap.gemm_blocks import heuristic_blocks
+
+        current = self.entries.get((layout, m, n, k))
+        extra = [heuristic_blocks(m, n, k).name] + ([current.blocks.name, current.plain.name] if current else [])
+        if self.args.candidates:
+            return tuple(dict.fromkeys(self.args.candidates + tuple(extra)))
+        return gemm_candidates(m, n, k, self.sms, extra)
+
+    def run_point(self, m, n, k, names, layout, *, label: str) -> None:
+        from launch._tune import point_seconds, shape_class
+        from launch.timing import progress
+        from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
+
+        tried = [c for c in self.candidates(m, n, k, layout) if (c, layout) not in self.failed]
+        point = {"layout": layout, "M": m, "N": n, "K": k}
+        estimate = point_seconds(m, n, k, len(tried) + 1, self.args.reps)
+        if not tried or time.monotonic() + estimate > self.deadline:
+            self.skipped.append({**point, "estimate_s": round(estimate, 2),
+                                 "reason": "no candidate left" if not tried else "budget"})
+            return
+        times = self._measure(m, n, k, layout, tried)
         if times is None:
-            skipped.append({"layout": layout, "M": m, "N": n, "K": k, "reason": "no candidate ran"})
-            continue
+            self.skipped.append({**point, "reason": "no candidate ran correctly"})
+            return
         t_cublas = times.pop("cublas")
         best = min(times, key=times.get)
         plains = [nm for nm in times if GemmBlocks.parse(nm).plain and GemmBlocks.parse(nm).block_m == PLAIN_BLOCK_M]
@@ -261,38 +325,74 @@ def main(argv=None) -> int:
         if plain is not None and times[plain] <= times[best] * PLAIN_PREFERENCE:
             best = plain
         plain_blocks = GemmBlocks.parse(plain) if plain else heuristic_blocks(m, n, k, warp_specialize=False)
-        entries[(layout, m, n, k)] = BlockTableEntry(
+        self.entries[(layout, m, n, k)] = BlockTableEntry(
             layout, m, n, k, GemmBlocks.parse(best), plain_blocks, t_cublas / times[best],
             t_cublas / times[plain] if plain else None)
         heuristic = heuristic_blocks(m, n, k).name
-        rows.append({"layers": names, "layout": layout, "M": m, "N": n, "K": k, "t_cublas_ms": t_cublas,
-                     "best": best, "t_best_ms": times[best], "best_over_cublas": t_cublas / times[best],
-                     "plain": plain, "t_plain_ms": times.get(plain), "heuristic": heuristic,
-                     "heuristic_over_cublas": t_cublas / times[heuristic] if heuristic in times else None,
-                     "tflops_best": flops / times[best] / 1e9, "times_ms": times})
-        write_table(out_table, entries, gpu=gpu, num_sms_=sms, source=source)
-        _write_json(out_json, rows, skipped, compiled, device_name, args, started)
-        progress(f"gemm_tune {index + 1}/{len(work)} {layout} M={m} N={n} K={k}: cuBLAS {t_cublas:.4f} ms, "
-                 f"{best} {times[best]:.4f} ms ({t_cublas / times[best]:.3f}x), {time.monotonic() - started:.0f} s")
-    _write_json(out_json, rows, skipped, compiled, device_name, args, started)
-    ratios = [r["best_over_cublas"] for r in rows]
-    if ratios:
-        print(f"gemm_tune: {len(rows)} shapes measured, {len(skipped)} skipped; Triton/cuBLAS speed median "
-              f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, >= 0.85 on {sum(r >= 0.85 for r in ratios)}")
-    print(f"table: {out_table}\nresults: {out_json}")
-    return 0 if rows else 1
+        self.rows.append({"layers": names, **point, "class": shape_class(m, n, k, self.sms), "t_cublas_ms": t_cublas,
+                          "best": best, "t_best_ms": times[best], "best_over_cublas": t_cublas / times[best],
+                          "plain": plain, "t_plain_ms": times.get(plain), "heuristic": heuristic,
+                          "heuristic_over_cublas": t_cublas / times[heuristic] if heuristic in times else None,
+                          "tflops_best": 2 * m * n * k / times[best] / 1e9, "times_ms": times})
+        self.write()
+        progress(f"gemm_tune {label} {layout} M={m} N={n} K={k}: cuBLAS {t_cublas:.4f} ms, {best} "
+                 f"{times[best]:.4f} ms ({t_cublas / times[best]:.3f}x), {time.monotonic() - self.started:.0f} s")
 
+    def _measure(self, m, n, k, layout, names) -> dict[str, float] | None:
+        """Median times (ms) of cuBLAS and of every candidate that computes the right numbers."""
+        import torch
 
-def _write_json(path, rows, skipped, compiled: _Compiled, device_name, args, started) -> None:
-    ratios = [r["best_over_cublas"] for r in rows]
-    summary = {"measured": len(rows), "skipped": len(skipped), "elapsed_s": round(time.monotonic() - started, 1),
-               "median_over_cublas": statistics.median(ratios) if ratios else None,
-               "min_over_cublas": min(ratios) if ratios else None}
-    write_results(path, rows, device=device_name, tp=0, extra={
-        "op": "gemm_tune", "tp_sizes": list(args.tp), "hold_device_us": args.hold_us, "reps": args.reps,
-        "time_budget_s": args.time_budget_s, "summary": summary, "skipped": skipped,
-        "compile_s": {f"{n}/{layout}": round(s, 2) for (n, layout), s in compiled.seconds.items()},
-        "failed": {f"{n}/{layout}": why for (n, layout), why in compiled.failed.items()}})
+        from launch.timing import bench_interleaved, progress
+        from overlap.gemm_blocks import GemmBlocks
+        from overlap.triton_gemm import triton_mm
+
+        a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
+        ref = torch.mm(a, b)
+        outs, usable = {}, {}
+        for name in names:
+            blocks = GemmBlocks.parse(name)
+            out = torch.full_like(ref, float("nan"))
+            start = time.perf_counter()
+            try:
+                triton_mm(a, b, out, blocks=blocks)
+                if self.dev.type == "cuda":
+                    torch.cuda.synchronize(self.dev)
+            except Exception as exc:  # a compile error or OutOfResources: drop it for this layout
+                self.failed[(name, layout)] = f"{type(exc).__name__}: {str(exc).strip()[-160:]}"
+                progress(f"  {name} ({layout}) dropped: {self.failed[(name, layout)]}")
+                continue
+            self.compile_s.setdefault((name, layout), time.perf_counter() - start)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err <= REL_TOLERANCE:
+                self.failed[(name, layout)] = f"relative error {err:.3g} vs cuBLAS at M={m} N={n} K={k}"
+                progress(f"  {name} ({layout}) dropped: {self.failed[(name, layout)]}")
+                continue
+            outs[name], usable[name] = out, blocks
+        if not usable:
+            return None
+        out_c = torch.empty_like(ref)
+        variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
+        variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
+                         for name, blk in usable.items()})
+        stats = bench_interleaved(variants, group=None, device=self.dev, warmup=2, reps=self.args.reps,
+                                  hold_device_us=self.args.hold_us)
+        return {name: s.median_ms for name, s in stats.items()}
+
+    def write(self) -> None:
+        from launch.report import write_results
+
+        write_table(self.out_table, self.entries, gpu=self.gpu, num_sms_=self.sms, source=self.source)
+        ratios = [r["best_over_cublas"] for r in self.rows]
+        summary = {"measured": len(self.rows), "skipped": len(self.skipped),
+                   "elapsed_s": round(time.monotonic() - self.started, 1),
+                   "median_over_cublas": statistics.median(ratios) if ratios else None,
+                   "min_over_cublas": min(ratios) if ratios else None}
+        write_results(self.out_json, self.rows, device=self.device_name, tp=0, extra={
+            "op": "gemm_tune", "tp_sizes": list(self.args.tp), "hold_device_us": self.args.hold_us,
+            "reps": self.args.reps, "time_budget_s": self.args.time_budget_s, "summary": summary,
+            "skipped": self.skipped,
+            "first_call_s": {f"{n}/{layout}": round(s, 2) for (n, layout), s in self.compile_s.items()},
+            "failed": {f"{n}/{layout}": why for (n, layout), why in self.failed.items()}})
 
 
 if __name__ == "__main__":

@@ -73,3 +73,18 @@ def test_canary_child_reports_each_configuration_and_survives_a_bad_one():
     verdicts = run_canaries("bf16", items, time.monotonic() + 300, device="cpu", shape=(24, 40, 48))
     assert verdicts[("16x16x16w1s1", "kn")] == "" and verdicts[("32x32x16w1s1sk1", "nk")] == ""
     assert verdicts[("not-a-config", "nk")].startswith("ValueError: block configuration 'not-a-config'")
+
+
+def test_tuner_resumes_where_a_run_stopped_and_compiles_in_parallel(tmp_path):
+    table, results = tmp_path / "t.yaml", tmp_path / "tune.json"
+    args = COMMON + ["--candidates", "16x16x16w1s1", "--jobs", "2", "--out-table", str(table), "--out", str(results),
+                     "--merge-table", str(tmp_path / "none.yaml")]
+    (tmp_path / "none.yaml").write_text("gpu: x\nnum_sms: 4\nentries: []\n")
+    assert gemm_tune.main(args + ["--shapes", "24x40x48"]) == 0
+    first = {(r["layout"], r["M"]): r for r in json.loads(results.read_text())["rows"]}
+    assert gemm_tune.main(args + ["--shapes", "24x40x48,40x24x48", "--resume"]) == 0
+    rows = json.loads(results.read_text())["rows"]
+    assert sorted((r["layout"], r["M"]) for r in rows) == [("kn", 24), ("kn", 40), ("nk", 24), ("nk", 40)]
+    assert [r for r in rows if r["M"] == 24] == [first[("kn", 24)], first[("nk", 24)]], "a kept point was re-measured"
+    assert {(e.layout, e.m) for e in load_block_table(path=str(table)).entries} == {
+        ("kn", 24), ("nk", 24), ("kn", 40), ("nk", 40)}

@@ -2,8 +2,12 @@
 the two-half epilogue and the flattened loop, directly and through overlap.triton_mm."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+import triton
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -104,3 +108,45 @@ def test_triton_mm_with_stream_k_blocks_reuses_its_workspace_without_stale_parti
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         triton_mm(a, b.t(), out, num_programs=programs, blocks=blocks)
         assert relative_error(out, expected) <= TOLERANCE, (m, n, k)
+
+
+def test_late_contributor_recompute_is_right_on_repeated_calls_with_poisoned_outputs():
+    # different late contributors per call, fresh NaN outputs and stale partials each time
+    a, b, expected = operands(40, 40, 96, True, seed=11)
+    programs = 4
+    workspace = torch.full((programs * BLOCK * BLOCK,), float("nan"), device=DEVICE)
+    for late in ([0], [1, 3], [0, 1, 2, 3], []):
+        flags = torch.zeros(programs, dtype=torch.int32, device=DEVICE)
+        flags[late] = -7
+        before = flags.clone()
+        c = torch.full((40, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        launch(a, b, c, programs=programs, split_tiles=5, workspace=workspace, flags=flags, b_transposed=True)
+        assert relative_error(c, expected) <= TOLERANCE, late
+        assert torch.equal(flags, before), (late, flags)
+
+
+COMPILE_CHILD = """
+from launch.compile_check import compile_gemm
+from overlap.gemm_blocks import GemmBlocks
+ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
+print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
+"""
+
+
+def test_compiled_finisher_wait_reads_no_per_thread_clock():
+    # A finisher's threads must all stop waiting at the same poll (kernels/gemm_mainloop.py): a %globaltimer
+    # read per thread let warps disagree and desynchronise their barriers. Compiled for sm_90 on CPU, in a
+    # child process without TRITON_INTERPRET (the interpreter replaces @triton.jit functions in this one).
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_CHILD], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, proc.stderr[-2000:]
+    acquire, clock = result[0].split()[1:]
+    assert acquire == "True", "the finisher's acquire poll is missing"
+    assert clock == "False", "the finisher's wait reads %globaltimer"
