@@ -36,8 +36,14 @@ from .schedule import CudaDriver, HostDriver
 
 __all__ = ["OpBase", "Plan", "MAX_GRAPHS"]
 
-MAX_GRAPHS = 8        # recorded graphs kept per op (least recently replayed dropped first)
+MAX_GRAPHS = 8        # recorded graphs kept per op (the oldest dropped first)
 MAX_SEEN_KEYS = 1024  # graph keys remembered from a single call (bounded: addresses that never repeat)
+
+
+# the hot path's CUDA calls, bound once (one C call each instead of their Python wrappers)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
 
 
 class Plan:
@@ -88,8 +94,8 @@ class OpBase:
         self._seen: set = set()
         self._use_graphs = self._cuda and envs.eager_graphs()
         self._capture_stream = None
-        self._done = torch.cuda.Event() if self._cuda else None
-        self._last_stream = None
+        self._device_index = self.device.index if self._cuda else None
+        self._last_stream = None   # raw handle of the stream of the last eager call (CUDA)
 
     def configs(self) -> list:
         """Every config this op may run (the default and each `by_m` bucket's)."""
@@ -129,6 +135,7 @@ class OpBase:
     def _plan(self, key, m: int) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
+            self._check_live()
             self._check_m(m)
             config = self.config_for(m)
             program = self._build(key, config)
@@ -146,65 +153,75 @@ class OpBase:
     def _launch(self, plan: Plan, ctx: dict, addresses: tuple | None) -> None:
         """Enqueue one call of `plan` (the call path of every op). `addresses`: the data pointers (and any
         layout the plan does not fix) of every call tensor the plan reads or writes; None: never replay."""
-        if self._closed or self.pool.closed:
+        if self._closed:
             self._check_live()
         if not self._lock.acquire(False):
             raise OpInputError(f"{self.name} is already running on another thread; op calls are collective "
                                f"and must be issued in one order on every rank (use one thread per op)")
-        self.pool.begin_call()
         try:
-            self._raise_if_failed()
-            if self._cuda:
-                self._enqueue(plan, ctx, addresses)
-            else:
-                plan.driver.run(ctx)
-            self._calls += 1
-            self._last_key = plan.key
-        except (PeerMismatchError, DeviceCheckError) as exc:
+            self.pool.begin_call()  # raises a failure recorded by an earlier call (this rank's or a peer's)
+            try:
+                if self._cuda:
+                    self._enqueue(plan, ctx, addresses)
+                else:
+                    plan.driver.run(ctx)
+                self._calls += 1
+                self._last_key = plan.key
+            finally:
+                self.pool.end_call()
+        except (PeerMismatchError, DeviceCheckError) as exc:  # the caller's arguments, not the runtime
             raise OpInputError(str(exc)) from None
         finally:
-            self.pool.end_call()
             self._lock.release()
         if not self._cuda:  # a peer that gave up during this call: raise on this call
             self._raise_if_failed()
 
     def _enqueue(self, plan: Plan, ctx: dict, addresses) -> None:
-        stream = torch.cuda.current_stream()
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             # a capture waits for no event recorded outside it (torch.cuda.graph synchronises first; a
             # capture on another stream than the last eager call must follow a synchronize), and nothing
             # recorded inside it is waited for outside it
-            plan.driver.run(ctx, stream)
+            plan.driver.run(ctx, torch.cuda.current_stream())
             self._last_stream = None
             return
-        if self._last_stream is not None and stream != self._last_stream:
-            stream.wait_event(self._done)   # the previous call's buffers are reused by this one
-        if addresses is None or self._trace or not self._use_graphs:
-            plan.driver.run(ctx, stream)
-        else:
-            self._replay(plan, ctx, (plan.key,) + addresses, stream)
-        self._done.record(stream)
+        stream = _raw_stream(self._device_index)
+        if stream != self._last_stream and self._last_stream is not None:
+            self._follow(self._last_stream)  # the previous call's buffers are reused by this one
         self._last_stream = stream
-
-    def _replay(self, plan: Plan, ctx: dict, key, stream) -> None:
+        if addresses is None or self._trace or not self._use_graphs:
+            plan.driver.run(ctx, torch.cuda.current_stream())
+            return
+        key = (plan.key,) + addresses
         graph = self._graphs.get(key)
         if graph is None:
-            if key not in self._seen:  # record only what repeats
-                if len(self._seen) >= MAX_SEEN_KEYS:
-                    self._seen.clear()
-                self._seen.add(key)
-                plan.driver.run(ctx, stream)
-                return
-            graph = self._record(plan, ctx, stream)
+            graph = self._first_calls(plan, ctx, key)
             if graph is None:
-                plan.driver.run(ctx, stream)
                 return
-            self._graphs[key] = graph
-            if len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
-        graph.replay()
+        _replay(graph)
+
+    def _follow(self, previous: int) -> None:
+        """Make the current stream wait for everything enqueued so far on the stream of raw handle `previous`
+        (the last call's): an event recorded there now is at least as late as that call's end."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.ExternalStream(previous, device=self.device))
+        torch.cuda.current_stream().wait_event(event)
+
+    def _first_calls(self, plan: Plan, ctx: dict, key):
+        """A key seen once runs step by step; the second time its graph is recorded (returned, to replay)."""
+        if key not in self._seen:  # record only what repeats
+            if len(self._seen) >= MAX_SEEN_KEYS:
+                self._seen.clear()
+            self._seen.add(key)
+            plan.driver.run(ctx, torch.cuda.current_stream())
+            return None
+        graph = self._record(plan, ctx, torch.cuda.current_stream())
+        if graph is None:
+            plan.driver.run(ctx, torch.cuda.current_stream())
+            return None
+        self._graphs[key] = graph
+        if len(self._graphs) > MAX_GRAPHS:  # the oldest recorded first
+            self._graphs.popitem(last=False)
+        return graph
 
     def _record(self, plan: Plan, ctx: dict, stream):
         """A CUDA graph of one call of `plan` on these tensors (not executed: the caller replays it)."""
@@ -223,14 +240,6 @@ class OpBase:
                 graph.capture_end()
         stream.wait_stream(side)
         return graph
-
-    def set_eager_graphs(self, on: bool) -> None:
-        """Replay this op's eager CUDA calls as recorded graphs (the default, unless OVERLAP_EAGER_GRAPHS=0)
-        or enqueue every call step by step (graphs already recorded are dropped)."""
-        self._use_graphs = self._cuda and bool(on)
-        if not on:
-            self._graphs.clear()
-            self._seen.clear()
 
     # ----- tracing (k-factors) --------------------------------------------------------------------------
     def enable_trace(self, on: bool = True) -> None:

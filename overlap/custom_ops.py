@@ -67,7 +67,7 @@ class LayerOps:
 
     def column_forward(self, x, w):
         out, gathered = self.ag_gemm(x, w)
-        return out, gathered, x.new_empty(1, dtype=torch.int64)
+        return out, gathered, x.new_zeros(1, dtype=torch.int64)  # no stamp to check: a constant
 
     def column_backward(self, dy, saved, stamp, w):
         return self.gemm_rs(dy, w.t()), torch.mm(saved.t(), dy)

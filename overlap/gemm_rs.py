@@ -183,7 +183,7 @@ class GemmRs(OpBase):
             ctx["a_fp8"], ctx["w_fp8"] = quantize_activation(a), self._weights.get(w.t())
             addresses += tuple(t.data_ptr() for pair in (ctx["a_fp8"], ctx["w_fp8"]) for t in pair)
         key = (m, schedule, wgrad_of is not None, work is not None, check is not None)
-        self._launch(self._plan(key, m), ctx, None if work is not None else addresses)
+        self._launch(self._plans.get(key) or self._plan(key, m), ctx, None if work is not None else addresses)
         if schedule == "op" and wgrad_of is None:
             return out
         return out, ctx["result"]

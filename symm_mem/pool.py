@@ -355,7 +355,13 @@ class SymmetricPool:
         self._rendezvous.barrier(what="pool barrier")
 
     def begin_call(self) -> None:
-        self._check_open()
+        """The entry of an op call: the pool is open and no failure is recorded (else raise it, as
+        `raise_if_failed`); the call counts as in flight (close() refuses) until `end_call`."""
+        if self._closed:
+            self._check_open()
+        own = self._own
+        if own[ERROR_CODE_WORD] or own[ABORT_WORD]:
+            self._waits.raise_if_failed()
         self._in_flight += 1
 
     def end_call(self) -> None:

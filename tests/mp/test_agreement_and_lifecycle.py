@@ -16,6 +16,7 @@ from overlap.config import AgGemmConfig, GemmRsConfig
 from overlap.gemm_rs import GemmRs
 from overlap.layers import TPMLP, pool_requirements
 from overlap.presets import load_preset
+from overlap.schedule import HostDriver
 from symm_mem import (PeerAbortError, PeerLostError, PoolClosedError, PoolError, PoolTimeoutError, SymmetricPool,
                       live_pool_count)
 from symm_mem.host import SHM_DIR, SHM_PREFIX
@@ -169,13 +170,13 @@ def _after_close(rank, world):
     ag3 = AgGemm(group=group, pool=pool2, max_m=8 * world, k=8, n_local=4, dtype=torch.float32, config=AG,
                  name="inflight")
     started, release = threading.Event(), threading.Event()
-    held_driver = ag3._driver
+    plain_run = HostDriver.run
 
-    def held(*args):
+    def held(driver, ctx, compute=None):  # the call is inside the op (and its pool) while this waits
         started.set()
         release.wait(30)
-        return held_driver(*args)
-    ag3._driver = held
+        return plain_run(driver, ctx, compute)
+    HostDriver.run = held
     worker = threading.Thread(target=lambda: ag3(x, w))
     worker.start()
     assert started.wait(30)
@@ -187,6 +188,7 @@ def _after_close(rank, world):
             out[name] = str(exc)
     release.set()
     worker.join(30)
+    HostDriver.run = plain_run
     ag3.close()
     pool2.close()
     out["live"] = live_pool_count()
