@@ -158,14 +158,15 @@ def _two_ops_two_pools(rank, world):
         # a second thread calling an op while it is in flight is refused with a clear error
         slow = threading.Event()
         release = threading.Event()
-        original = ag1._driver
+        from overlap.schedule import HostDriver
+        original = HostDriver.run
 
-        def held(*args):
+        def held(driver, ctx, compute=None):  # the worker's call is inside the op while this waits
             slow.set()
             release.wait(60)
-            return original(*args)
+            return original(driver, ctx, compute)
 
-        ag1._driver = held
+        HostDriver.run = held
         worker = threading.Thread(target=lambda: ag1(torch.randn(8, 8), torch.randn(8, 4)))
         worker.start()
         assert slow.wait(60), "the worker thread's call did not start"
@@ -173,6 +174,7 @@ def _two_ops_two_pools(rank, world):
             ag1(torch.randn(8, 8), torch.randn(8, 4))
         release.set()
         worker.join(60)
+        HostDriver.run = original
         assert not worker.is_alive(), "the worker thread's call did not finish"  # before the pools close
         p1.barrier()
     return True
