@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 -m launch.host_cost [--out FILE] [--reps 30]
 
+Needs a CUDA GPU and at least 2 ranks (two processes may share one GPU).
+
 Every call is timed on the host (perf_counter around the call, no synchronisation) while the device is held
 busy by a spin kernel, so the number is the enqueue cost alone: validation, the per-call M check, the
 program's stream operations, the GEMM launches. Each op and method runs with and without the eager-call
@@ -13,7 +15,6 @@ does slow every CUDA call a little: the ratio to torch.mm in the same process is
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,9 +26,15 @@ import torch.distributed as dist
 from launch.report import device_slug, format_table, write_results
 from launch.timing import progress
 
-from . import _dist
+from symm_mem._layout import BACKENDS
 
+from . import _dist
+from ._cli import ArgumentParser, output_file, require, run_launcher
+from ._limits import require_fits
+
+PROG = "launch.host_cost"
 HOLD_CYCLES = 40_000_000  # ~20 ms: the device stays busy through the timed call
+POOL_BYTES = 2 << 30
 
 
 def _host_us(fn, group, reps: int) -> list[float]:
@@ -100,21 +107,48 @@ def _step_calls(ctx, pool, m, hidden, ffn):
     return step, gemms, mlp
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="launch.host_cost", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--tokens", type=int, default=4096, help="M of the op calls and of the MLP step")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--backend", default="ipc", help="pool backend (ipc: several processes may share a GPU)")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/host_cost-<time>/host_cost.json)")
-    args = p.parse_args(argv)
+    p.add_argument("--reps", type=int, default=30, help="timed calls per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=8, help="untimed calls per variant first")
+    p.add_argument("--backend", default="ipc", choices=BACKENDS,
+                   help="pool backend (ipc: several processes may share a GPU)")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/host_cost-<time>/host_cost.json)")
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
+
+
+def _check(args, where) -> None:
+    """Every argument against the placement, before any process group, pool or GPU allocation."""
+    require(where.device.type == "cuda", "needs a CUDA GPU (it measures the host cost of CUDA calls with the "
+                                         "device held busy); run it on a GPU machine")
+    _dist.check_ranks(PROG, where, 2)
+    require(args.tokens > 0 and args.tokens % where.world_size == 0,
+            f"--tokens must be > 0 and a multiple of the TP size {where.world_size}, got {args.tokens}")
+    require(args.reps > 0, f"--reps must be > 0, got {args.reps}")
+    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    # the pool, and the largest of what the calls allocate (bf16): three [M, 4096] operands and the MLP's
+    # fc1 output and its gradient, 3 x 14336 / W columns
+    need = POOL_BYTES + args.tokens * (3 * 4096 + 3 * 14336 // where.world_size) * 2
+    require_fits(f"--tokens {args.tokens}", need, where, "give a smaller --tokens")
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
+
+
+def _run(args) -> int:
+    where = _dist.placement()
+    _check(args, where)
     from symm_mem import SymmetricPool
-    with _dist.job("launch.host_cost", force_cpu=False) as ctx:
-        if ctx.device.type != "cuda":
-            raise SystemExit("launch.host_cost measures CUDA enqueue cost: it needs a GPU")
+    with _dist.job(PROG, where=where) as ctx:
         rows = []
-        with SymmetricPool(2 << 30, group=ctx.group, device=ctx.device, backend=args.backend,
+        with SymmetricPool(POOL_BYTES, group=ctx.group, device=ctx.device, backend=args.backend,
                            num_device_words=1 << 14) as pool:
             calls = _op_calls(ctx, pool, args.tokens, 4096, 3072 // max(1, ctx.world_size // 2))
             step, gemms, mlp = _step_calls(ctx, pool, args.tokens, 4096, 14336)

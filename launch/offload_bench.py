@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import socket
 import sys
 import time
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import MODELS
+from overlap.offload_config import PACING
 from overlap.host_pool import HostPool, OffloadError
 from overlap.offload import OffloadEngine
 from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate,
@@ -48,7 +50,7 @@ from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 
 from . import _dist
-from ._cli import ArgumentParser, int_list, run_dir, run_launcher
+from ._cli import ArgumentParser, distinct, int_list, output_file, run_dir, run_launcher
 from ._bench_mlp import BenchMLP
 from ._offload_measure import measure_copies, measure_layer_times, rates_from
 
@@ -70,10 +72,12 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant")
     p.add_argument("--budget", default="auto", help="auto | bytes | a fraction of none's peak, e.g. 0.7x")
-    p.add_argument("--pacing", default="none,stagger", help="pacing modes for the planner variant (several ranks)")
+    p.add_argument("--pacing", default="none,stagger",
+                   help=f"pacing modes of the planner variant, comma-separated of {', '.join(PACING)} (several ranks)")
     p.add_argument("--time-budget-s", type=float, default=200.0, help="no new point starts past this")
     p.add_argument("--host-gib", type=float, default=None, help="host pool cap (default: half of MemAvailable)")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
                    ".json; results of record only with an explicit --out results/...)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
     return p
@@ -88,8 +92,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         p.error(f"--models: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
+    distinct("--models", names, "model")
     if any(m <= 0 for m in args.tokens or ()):
         p.error(f"--tokens must be > 0, got {','.join(map(str, args.tokens))}")
+    distinct("--tokens", args.tokens or (), "M")
+    try:
+        _budget(args.budget, 1)
+    except ValueError:
+        p.error(f"--budget: got {args.budget!r}; allowed: auto, a number of bytes > 0 (e.g. 40000000000), or a "
+                "fraction of none's peak > 0 with an x (e.g. 0.7x)")
+    pacing = args.pacing.split(",")
+    unknown = [mode for mode in pacing if mode not in PACING]
+    if unknown:
+        p.error(f"--pacing: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(PACING)}")
+    distinct("--pacing", pacing, "mode")
+    if args.host_gib is not None and not args.host_gib > 0:
+        p.error(f"--host-gib must be > 0, got {args.host_gib}")
     return args
 
 
@@ -137,11 +155,13 @@ def _estimate(model, m, args, cuda) -> dict:
 
 
 def _budget(text: str, none_peak: int):
+    """--budget as the planner takes it: "auto", or bytes (ValueError unless a positive number)."""
     if text == "auto":
         return "auto"
-    if text.endswith("x"):
-        return int(float(text[:-1]) * none_peak)
-    return int(text)
+    value = float(text[:-1]) * none_peak if text.endswith("x") else int(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"budget {text!r} is not > 0")
+    return int(value)
 
 
 def _measure_copies(host: HostPool, mlp, x: torch.Tensor) -> dict:

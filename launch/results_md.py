@@ -8,13 +8,15 @@ each table so that every number comes with the command that reproduces it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
+from launch._cli import ArgumentParser, require, run_launcher
 from launch.report import format_table
+
+PROG = "launch.results_md"
 
 SECTIONS = [  # (file prefix, title, columns)
     ("pool_bw", "Pool peer-read bandwidth (copy-engine pull) vs AllGather",
@@ -102,14 +104,28 @@ def render(directory: Path) -> str:
     return "\n".join(parts)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.results_md", description=__doc__)
-    p.add_argument("--dir", default="results")
-    args = p.parse_args(argv)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
+    p.add_argument("--dir", default="results", help="the results folder to render (its README.md is rewritten)")
+    return p
+
+
+def parse_args(argv=None):
+    args = make_parser().parse_args(argv)
+    require(Path(args.dir).is_dir(), f"--dir {args.dir}: no such directory (give the results folder, e.g. results)")
+    require(any(Path(args.dir).glob("*.json")), f"--dir {args.dir}: no results JSON in it; nothing to render")
+    return args
+
+
+def _run(args) -> int:
     directory = Path(args.dir)
     (directory / "README.md").write_text(render(directory))
     print(f"wrote {directory / 'README.md'}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":
