@@ -199,7 +199,8 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
         files["plot"] = str(_plots.plot_sweep([r for r in rows if r["op"] != "ag_regime"], stem.with_suffix(".png"),
                                               max_k=args.max_k, title=stem.name))
         files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines],
-                                                     stem.parent / f"{stem.name}_timeline.png"))
+                                                     stem.parent / f"{stem.name}_timeline.png",
+                                                     xlabel="ms from the start of the overlapped step"))
         files["traces"] = [str(stem.parent / f"{stem.name}_{op}.trace.json") for op, _ in timelines]
     if args.write_config:
         cfg = tuned_config(base_cfg, best, device_name=ctx.device_name, world=ctx.world_size, num_sms=num_sms)

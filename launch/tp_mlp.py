@@ -82,7 +82,8 @@ def make_parser() -> ArgumentParser:
                    help="comma-separated subset of nccl,torch_symm (default: both on GPU, nccl on CPU and "
                         "with --cuda-graphs; nccl is always run: the numerics check and the speedup use it)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
-    p.add_argument("--out", type=output_file, default=None, help="results JSON (default: runs/tp_mlp-<UTC time>/tp_mlp_<gpu>_tp<W>"
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/tp_mlp-<UTC time>/tp_mlp_<gpu>_tp<W>"
                    "[_graphs].json; results of record only with an explicit --out results/...)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
@@ -157,9 +158,9 @@ def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict
     png = None
     if ctx.rank == 0 and lanes:
         png = _plots.plot_timeline(
-            [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms",
-              {lane: [(a, b) for a, b, _ in spans] for lane, spans in by_lane.items()})
-             for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png")
+            [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms", by_lane)
+             for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png",
+            xlabel="ms from the step's first GPU activity (rank 0)")
         png = str(png)
     return summaries, png
 
