@@ -67,7 +67,7 @@ def _check_tokens(args, tokens, world: int) -> None:
     if not bad:
         return
     example = ",".join(str(math.ceil(m / world) * world) for m in tokens)
-    given = f"--tokens {bad[0]}" if args.tokens else f"the default M={bad[0]}"
+    given = f"--tokens={bad[0]}" if args.tokens else f"the default M={bad[0]}"
     raise UsageError(f"{given} is not divisible by the TP size {world} (each rank holds M/{world} rows); give "
                      f"multiples of {world}, e.g. --tokens {example}")
 

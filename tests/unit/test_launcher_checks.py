@@ -74,7 +74,7 @@ def test_a_tp_size_no_built_in_model_divides_says_how_to_give_one():
         "{name: mine, hidden: 64, ffn_hidden: 192}` and pass it with --config")
     with pytest.raises(_cli.UsageError, match=r"--model llama8b,llama70b fits; or give a model of your own"):
         _tp_mlp_plan.plan(_tp_mlp_args(), _cpu(7))
-    with pytest.raises(_cli.UsageError, match=r"^--tokens 100 is not divisible by the TP size 7 .* e.g. --tokens 105$"):
+    with pytest.raises(_cli.UsageError, match=r"^--tokens=100 is not divisible by the TP size 7 .* e.g. --tokens 105$"):
         _tp_mlp_plan.plan(_tp_mlp_args(model="llama8b", tokens=(100,)), _cpu(7))
 
 
