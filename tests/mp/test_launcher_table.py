@@ -153,6 +153,7 @@ def test_help_exits_0_and_shows_the_default_of_every_option_with_a_value(outcome
         takes_value = re.match(r"^\s+(?:-\w, )?--[\w-]+ (?!\s)\S", block) and not block.lstrip().startswith("-h")
         if takes_value:
             assert "default" in block, f"launch.{module}: {block}"
+        assert block.count("(default") <= 1, f"launch.{module}: two defaults for one option: {block}"
 
 
 @pytest.mark.parametrize("case,module,argv,ranks,expected",
