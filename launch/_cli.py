@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "distinct", "input_file", "output_file",
+__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "distinct", "names", "input_file", "output_file",
            "output_dir", "run_launcher", "run_dir", "env_rank", "under_torchrun", "RUNS_DIR"]
 
 RUNS_DIR = "runs"
@@ -107,6 +107,15 @@ def distinct(flag: str, values, what: str = "value") -> None:
     for value in values:
         require(value not in seen, f"{flag}: {value} is given twice; give each {what} once")
         seen.add(value)
+
+
+def names(flag: str, text: str, allowed, what: str = "name") -> list[str]:
+    """A comma-separated list of names out of `allowed`, each given once (a UsageError naming the flag)."""
+    items = [item for item in text.split(",") if item]
+    unknown = [item for item in items if item not in allowed]
+    require(not unknown, f"{flag}: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+    distinct(flag, items, what)
+    return items
 
 
 def input_file(text: str) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from ._cli import UsageError
 
-__all__ = ["memory_limit", "require_fits", "format_bytes"]
+__all__ = ["memory_limit", "require_fits", "format_bytes", "available_host_bytes"]
 
 
 def format_bytes(n: int) -> str:
@@ -31,6 +31,15 @@ def _host_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
         return 1 << 62   # unknown: no limit rather than a false refusal
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (8 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 8 << 30
 
 
 def _local_ranks(world_size: int) -> int:

@@ -49,8 +49,9 @@ from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offs
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 
-from . import _dist
+from . import _cli, _dist
 from ._cli import ArgumentParser, distinct, int_list, output_file, run_dir, run_launcher
+from ._limits import available_host_bytes
 from ._bench_mlp import BenchMLP
 from ._offload_measure import measure_copies, measure_layer_times, rates_from
 
@@ -88,11 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.layers < 1 or args.reps < 1 or args.warmup < 0 or args.time_budget_s <= 0:
         p.error("--layers and --reps must be >= 1, --warmup >= 0, --time-budget-s > 0")
-    names = (args.models or "").split(",") if args.models else []
-    unknown = [n for n in names if n not in MODELS]
+    models = args.models.split(",") if args.models else []
+    unknown = [n for n in models if n not in MODELS]
     if unknown:
         p.error(f"--models: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
-    distinct("--models", names, "model")
+    distinct("--models", models, "model")
     if any(m <= 0 for m in args.tokens or ()):
         p.error(f"--tokens must be > 0, got {','.join(map(str, args.tokens))}")
     distinct("--tokens", args.tokens or (), "M")
@@ -101,11 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--budget: got {args.budget!r}; allowed: auto, a number of bytes > 0 (e.g. 40000000000), or a "
                 "fraction of none's peak > 0 with an x (e.g. 0.7x)")
-    pacing = args.pacing.split(",")
-    unknown = [mode for mode in pacing if mode not in PACING]
-    if unknown:
-        p.error(f"--pacing: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(PACING)}")
-    distinct("--pacing", pacing, "mode")
+    _cli.names("--pacing", args.pacing, PACING, "mode")
     if args.host_gib is not None and not args.host_gib > 0:
         p.error(f"--host-gib must be > 0, got {args.host_gib}")
     return args
@@ -116,17 +113,6 @@ def _local_ranks(ctx) -> tuple[int, int]:
     dist.all_gather_object(names, socket.gethostname(), group=ctx.group)
     mine = [r for r, n in enumerate(names) if n == names[ctx.rank]]
     return mine.index(ctx.rank), len(mine)
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def _shape(model, m, layers) -> MLPShape:
@@ -345,7 +331,7 @@ def _run(args) -> int:
             else:
                 chosen.append((est, n, m))
                 spent += est["seconds"]
-        cap = int((args.host_gib * 2**30) if args.host_gib else _mem_available() // 2)
+        cap = int((args.host_gib * 2**30) if args.host_gib else available_host_bytes() // 2)
         need = max([e["host_bytes"] for e, _, _ in chosen], default=COPY_BYTES)
         host = HostPool(min(need, cap), device=ctx.device)
         pool_stats = host.stats()
