@@ -55,7 +55,8 @@ def _log_k_axis(ax, values, max_k) -> None:
         ax.axhline(max_k, color="tab:red", linestyle=":", linewidth=1)
 
 
-def _legend(fig, methods: list[str], chunks: list, max_k, with_lines: bool) -> None:
+def _legend(fig, methods: list[str], chunks: list, max_k, with_lines: bool) -> float:
+    """Draw the legend below the panels; returns the bottom margin (a fraction of the height) it needs."""
     from matplotlib.lines import Line2D
     handles = [Line2D([], [], color=_color(m, i), linewidth=3, label=f"method {m}") for i, m in enumerate(methods)]
     if with_lines:
@@ -63,12 +64,20 @@ def _legend(fig, methods: list[str], chunks: list, max_k, with_lines: bool) -> N
     else:
         handles += [Line2D([], [], color="black", marker=MARKERS[i], linestyle="", label=text)
                     for i, (_, _, text) in enumerate(K_LINES)]
-    handles += [Line2D([], [], color="black", marker=MARKERS[i % len(MARKERS)], linestyle="",
-                       label=f"chunks_per_rank={c}") for i, c in enumerate(chunks) if len(chunks) > 1]
+    shown = [c for c in chunks if c is not None]   # GEMM+RS rows have no chunks_per_rank
+    handles += [Line2D([], [], color="black", marker=_marker(chunks, c), linestyle="", label=f"chunks_per_rank={c}")
+                for c in shown if len(shown) > 1]
     if max_k:
         handles.append(Line2D([], [], color="tab:red", linestyle=":", label=f"gate: k <= {max_k}"))
     handles.append(Line2D([], [], color="grey", linewidth=0.6, label="k = 1: no slow-down"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
+    ncol = max(1, min(4, len(handles), int(fig.get_figwidth() // 3.2)))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    return (0.65 + 0.2 * math.ceil(len(handles) / ncol)) / fig.get_figheight()
+
+
+def _marker(chunks: list, value) -> str:
+    shown = [c for c in chunks if c is not None]
+    return MARKERS[shown.index(value) % len(MARKERS)] if value in shown else MARKERS[0]
 
 
 def _swept_key(rows: list[dict]) -> str | None:
@@ -100,7 +109,7 @@ def _plot_lines(rows, key: str, path, max_k, title) -> Path:
     chunks = sorted({r.get(other) for r in rows}, key=str)
     cols = min(4, len(panels))
     grid_rows = math.ceil(len(panels) / cols)
-    fig = plt.figure(figsize=(4.4 * cols, 4.4 * grid_rows + 1.6))
+    fig = plt.figure(figsize=(max(8.0, 4.4 * cols), 4.4 * grid_rows + 1.6))
     outer = fig.add_gridspec(grid_rows, cols, hspace=0.3, wspace=0.3)
     xs_all = sorted({r[key] for r in rows})
     for n, ((op, layer, m, k, nn), items) in enumerate(panels.items()):
@@ -108,11 +117,11 @@ def _plot_lines(rows, key: str, path, max_k, title) -> Path:
         inner = outer[n // cols, col].subgridspec(2, 1, height_ratios=[2.2, 1], hspace=0.08)
         ax_k, ax_e = fig.add_subplot(inner[0]), fig.add_subplot(inner[1])
         for i, method in enumerate(methods):
-            for j, c in enumerate(chunks):
+            for c in chunks:
                 pts = sorted((r for r in items if r["method"] == method and r.get(other) == c), key=lambda r: r[key])
                 if not pts:
                     continue
-                xs, marker = [r[key] for r in pts], MARKERS[j % len(MARKERS)]
+                xs, marker = [r[key] for r in pts], _marker(chunks, c)
                 for metric, style, _ in K_LINES:
                     ax_k.plot(xs, [r[metric] for r in pts], color=_color(method, i), linestyle=style, marker=marker,
                               markersize=4)
@@ -131,8 +140,8 @@ def _plot_lines(rows, key: str, path, max_k, title) -> Path:
             ax_e.set_ylabel("E", fontsize=8)
     fig.suptitle(f"{title}: slow-down of each side under overlap (k, top) and comm hidden (E, bottom)\n{E_TEXT}",
                  fontsize=10)
-    _legend(fig, methods, chunks, max_k, with_lines=True)
-    fig.subplots_adjust(top=1 - 1.0 / fig.get_figheight(), bottom=1.0 / fig.get_figheight())
+    bottom = _legend(fig, methods, chunks, max_k, with_lines=True)
+    fig.subplots_adjust(top=1 - 1.0 / fig.get_figheight(), bottom=bottom)
     return _save(fig, path, plt)
 
 
@@ -165,8 +174,8 @@ def _plot_points(rows, path, max_k, title) -> Path:
         ax_e.set_ylabel("E", fontsize=8)
     fig.suptitle(f"{title}: slow-down of each side under overlap (k, top) and comm hidden (E, bottom)\n{E_TEXT}",
                  fontsize=10)
-    _legend(fig, methods, [], max_k, with_lines=False)
-    fig.subplots_adjust(top=1 - 1.0 / fig.get_figheight(), bottom=1.3 / fig.get_figheight(), hspace=0.25)
+    bottom = _legend(fig, methods, [], max_k, with_lines=False)
+    fig.subplots_adjust(top=1 - 1.0 / fig.get_figheight(), bottom=bottom + 0.3 / fig.get_figheight(), hspace=0.25)
     return _save(fig, path, plt)
 
 
