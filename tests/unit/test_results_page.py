@@ -70,10 +70,11 @@ def test_every_recorded_command_runs_from_a_checkout_or_says_why_not(path, monke
 
 
 def test_the_results_speak_of_the_project_not_of_how_the_numbers_came_about():
-    texts = [RESULTS / "README.md", RESULTS / "captions.yaml", *RESULTS.rglob("*.yaml"),
-             *(RESULTS / "logs").glob("*.txt")]
-    texts += [p for p in (ROOT / "launch").glob("*.py")]
+    texts = [RESULTS / "README.md", *RESULTS.rglob("*.yaml"), *(RESULTS / "logs").glob("*.txt")]
     found = [(str(p.relative_to(ROOT)), m.group(0)) for p in texts for m in DIARY.finditer(p.read_text())]
+    code = [p for p in (ROOT / "launch").glob("*.py")]   # "helper" is a plain word in code
+    found += [(str(p.relative_to(ROOT)), m.group(0)) for p in code for m in DIARY.finditer(p.read_text())
+              if not m.group(0).lower().startswith("helper")]
     assert not found, found
     assert not (RESULTS / "NOTES.md").exists()
 
