@@ -5,8 +5,10 @@ printed as ONE line, `<prog>: <message>`, on stderr, and the process exits non-z
 
 * usage errors (`UsageError`: a bad argument, found before the process group or any pool exists;
   `ConfigError`: a preset): every rank finds the same error from the same arguments, so only rank 0
-  prints, with exit status 2. Under torchrun the other ranks then exit 0: torchrun still fails the job
-  (rank 0 failed) and reports one failed rank instead of one report per rank.
+  prints, with exit status 2. Under torchrun the other ranks exit 0 and rank 0 waits (at most
+  SIBLING_WAIT_S) until they have: torchrun stops any worker still running when one fails, and lists
+  each one it stopped as a failure of its own (exit code -15, SIGTERM); this way its report names one
+  failed rank, rank 0 with exit code 2.
 * any other error: exit status 1 on every rank that raised it; rank 0 prints, and another rank prints
   (`<prog>: rank R: ...`) unless its error is one every rank raises the same way (`OpInputError`,
   `PeerAbortError`: a peer gave up, that peer says why).
@@ -25,15 +27,17 @@ import argparse
 import datetime
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "run_launcher", "run_dir", "env_rank",
-           "under_torchrun", "RUNS_DIR"]
+__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "distinct", "names", "input_file", "output_file",
+           "output_dir", "run_launcher", "run_dir", "env_rank", "under_torchrun", "RUNS_DIR"]
 
 RUNS_DIR = "runs"
 USAGE_EXIT, ERROR_EXIT = 2, 1
+SIBLING_WAIT_S = 10.0
 
 
 class UsageError(Exception):
@@ -97,6 +101,54 @@ def require(condition: bool, message: str) -> None:
         raise UsageError(message)
 
 
+def distinct(flag: str, values, what: str = "value") -> None:
+    """Refuse a list option that names one value twice (e.g. two MLPs would reserve the same pool regions)."""
+    seen = set()
+    for value in values:
+        require(value not in seen, f"{flag}: {value} is given twice; give each {what} once")
+        seen.add(value)
+
+
+def names(flag: str, text: str, allowed, what: str = "name") -> list[str]:
+    """A comma-separated list of names out of `allowed`, each given once (a UsageError naming the flag)."""
+    items = [item for item in text.split(",") if item]
+    unknown = [item for item in items if item not in allowed]
+    require(not unknown, f"{flag}: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+    distinct(flag, items, what)
+    return items
+
+
+def input_file(text: str) -> str:
+    """argparse type of a file to read (a YAML preset): a directory or a missing file is a usage error."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a YAML preset file, e.g. configs/cpu.yaml")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type of a file a run writes at its end: refused now if it cannot be one (a directory, or
+    under a path that is a file), not after the run."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give the path of the file to write")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {blocker} is a file, not a directory")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """argparse type of a folder a run writes into (created when missing)."""
+    path = Path(text)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {blocker} is a file, not a directory")
+    return text
+
+
 def _quiet_on_other_ranks(exc: BaseException) -> bool:
     """Errors that every rank raises the same way (rank 0's line says it)."""
     from overlap import ConfigError, OpInputError
@@ -112,6 +164,33 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, (UsageError, ConfigError)):
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _a_sibling_runs() -> bool:
+    """Whether another child of this process's parent (under torchrun: another local worker) still runs."""
+    parent, me = os.getppid(), os.getpid()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:   # no procfs: nothing to wait for
+        return False
+    for name in entries:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent and state not in ("Z", "X"):
+            return True
+    return False
+
+
+def _wait_for_sibling_ranks(timeout_s: float = SIBLING_WAIT_S) -> None:
+    """Let the other local workers exit first (bounded): see the module docstring, usage errors."""
+    deadline = time.monotonic() + timeout_s
+    while _a_sibling_runs() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> int:
@@ -133,9 +212,11 @@ def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> 
             print(f"{prog}: {_one_line(exc)}", file=sys.stderr, flush=True)
         elif not _quiet_on_other_ranks(exc):
             print(f"{prog}: rank {rank}: {_one_line(exc)}", file=sys.stderr, flush=True)
-        if usage:
-            return 0 if rank != 0 and under_torchrun() else USAGE_EXIT
-        return ERROR_EXIT
+        if usage and under_torchrun():
+            if rank != 0:
+                return 0
+            _wait_for_sibling_ranks()
+        return USAGE_EXIT if usage else ERROR_EXIT
 
 
 def run_dir(launcher: str) -> Path:

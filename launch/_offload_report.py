@@ -18,9 +18,12 @@ allocated here for the plan (once per call) unless `host_pool` is passed.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
+from overlap.config import ConfigError
 from overlap.host_pool import HostPool
 from overlap.offload import OffloadEngine, host_bytes, plan_for
 from overlap.offload_config import OffloadConfig, parse_offload_arg
@@ -34,8 +37,16 @@ __all__ = ["add_offload_argument", "offload_report"]
 COPY_BYTES = 64 << 20
 
 
+def _offload_arg(text: str) -> OffloadConfig:
+    """argparse type of --offload: a bad value is a usage error that lists the allowed forms."""
+    try:
+        return parse_offload_arg(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.detail) from None
+
+
 def add_offload_argument(parser) -> None:
-    parser.add_argument("--offload", type=parse_offload_arg, default=OffloadConfig(enabled=False),
+    parser.add_argument("--offload", type=_offload_arg, default=OffloadConfig(enabled=False),
                         metavar="auto|none|LIST",
                         help="also time the step with activation offload: auto (the planner), none (default), "
                              "or tensors by hand, e.g. h,a=recompute (x: gathered input, h: fc1 output, a: act)")

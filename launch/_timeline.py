@@ -19,9 +19,20 @@ import torch.distributed as dist
 from .k_factor import _cpu_switch_interval, _PairRunner
 from .timing import mark_ms as _ms
 
-__all__ = ["profile_steps", "stream_lanes", "summarise", "step_timeline"]
+__all__ = ["profile_steps", "stream_lanes", "summarise", "step_timeline", "event_kind", "lane_roles", "KINDS"]
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# what a GPU event does, from its name (first match wins); "other" last
+KINDS = {
+    "GEMM": ("nvjet", "gemm", "cutlass", "xmma", "sm90_"),
+    "NCCL collective": ("nccl",),
+    "copy": ("memcpy",),
+    "flag wait / signal": ("wait_kernel", "signal", "write_value", "wait_value"),
+    "reduction of partials": ("reduce_partials",),
+    "device hold (spin)": ("spin_kernel",),
+    "memset": ("memset",),
+    "elementwise / other": (),
+}
 
 
 def stream_lanes(trace: dict) -> dict[str, list[tuple[float, float, str]]]:
@@ -36,6 +47,28 @@ def stream_lanes(trace: dict) -> dict[str, list[tuple[float, float, str]]]:
         start = (e["ts"] - t0) / 1e3
         lanes.setdefault(f"stream {stream}", []).append((start, start + e.get("dur", 0) / 1e3, e["name"]))
     return lanes
+
+
+def event_kind(name: str) -> str:
+    """The KINDS entry of a GPU event's name (a cuBLAS `nvjet_...` kernel is a GEMM, `Memcpy PtoP` a copy)."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS.items() if any(k in low for k in keys)), "elementwise / other")
+
+
+def lane_roles(lanes: dict[str, list]) -> dict[str, str]:
+    """{lane: what it runs}: its kinds by busy time, the two largest (`GEMM + copy`); the stream
+    number, which says nothing to a reader and differs between runs, is left out (a repeat gets `#2`)."""
+    roles: dict[str, str] = {}
+    for lane, spans in lanes.items():
+        busy: dict[str, float] = {}
+        for start, stop, name in spans:
+            kind = event_kind(name)
+            busy[kind] = busy.get(kind, 0.0) + stop - start
+        top = [k for k, _ in sorted(busy.items(), key=lambda kv: -kv[1]) if k != "memset"][:2] or ["memset"]
+        role = " + ".join(top)
+        count = sum(r.split(" #")[0] == role for r in roles.values())
+        roles[lane] = f"{role} #{count + 1}" if count else role
+    return roles
 
 
 def _union_ms(intervals) -> float:

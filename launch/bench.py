@@ -26,7 +26,9 @@ from launch.timing import progress
 from launch.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 
 from . import _dist
-from ._cli import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
+from ._cli import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,
+                   run_launcher)
+from ._limits import require_fits
 
 PROG = "launch.bench"
 OPS = ("pool_bw", "ag_gemm", "gemm_rs")
@@ -46,15 +48,18 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--layers", default=None,
                    help="comma-separated layer names of the shape table (default: every layer on GPU; on "
                         "CPU tiny shapes unless given)")
-    p.add_argument("--shape", default=None, help="one custom point MxKxN instead of the table (K, N local)")
+    p.add_argument("--shape", default=None,
+                   help="one custom point MxKxN instead of the table (K, N local) (default: the table)")
     p.add_argument("--methods", default=None,
                    help="methods of ours (default: every method on GPU, decomposed and pair on CPU)")
     p.add_argument("--sm-margins", type=int_list, default=DEFAULT_SM_MARGINS,
                    help="gemm_rs: sm_margin sweep of the fused method")
-    p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU and TP size)")
+    p.add_argument("--config", type=input_file, default=None,
+                   help="YAML preset (default: auto-selected by GPU and TP size)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (median reported)")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/bench-<UTC time>/<op>_<gpu>_tp<W>"
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/bench-<UTC time>/<op>_<gpu>_tp<W>"
                    "[_graphs].json; results of record only with an explicit --out results/...)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -75,6 +80,7 @@ def _points(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
         points = [ShapePoint("custom", op, m, k, n)]
     elif cuda or args.layers:
         layers = args.layers.split(",") if args.layers else None
+        distinct("--layers", layers or (), "layer")
         table = ag_points if op == "ag_gemm" else rs_points
         known = {p.layer for p in table(world)}
         unknown = sorted(set(layers or ()) - known)
@@ -84,8 +90,43 @@ def _points(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
         points = [ShapePoint("cpu.tiny", op, m, CPU_K, CPU_N) for m in args.tokens or CPU_M_VALUES]
     for p in points:
         require(min(p.m, p.k, p.n) > 0, f"{p.layer}: M, K and N must be > 0, got {p.m}x{p.k}x{p.n}")
-        require(p.m % world == 0, f"{p.layer}: M={p.m} is not divisible by the TP size {world}")
+        require(p.m % world == 0, f"{p.layer}: M={p.m} is not divisible by the TP size {world}; give multiples of "
+                                  f"{world}, e.g. --tokens {-(-p.m // world) * world}")
     return points
+
+
+def _op_bytes(p: ShapePoint, num_configs: int) -> int:
+    """Lower bound of one point's bytes per rank (launch/op_bench.py): the pool's regions, one per config, and
+    the operands, the gathered input and two outputs (bf16)."""
+    if p.op == "ag_gemm":
+        return num_configs * 2 * p.m * p.k * 2 + (p.m * p.k * 2 + p.k * p.n + 2 * p.m * p.n) * 2
+    return num_configs * 2 * p.m * p.n * 2 + (p.m * p.k + p.k * p.n + 2 * p.m * p.n) * 2
+
+
+def _check(args, where, cuda: bool):
+    """Every argument against the placement, before any group or pool: (points, configs) of ag_gemm/gemm_rs."""
+    require(args.reps > 0, f"--reps must be > 0, got {args.reps}")
+    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
+    _dist.check_ranks(PROG, where, 2)
+    distinct("--tokens", args.tokens or (), "M")
+    if args.op == "pool_bw":
+        bad = [s for s in args.sizes_mb or () if s <= 0]
+        require(not bad, f"--sizes-mb must be > 0, got {','.join(map(str, bad))}")
+        distinct("--sizes-mb", args.sizes_mb or (), "size")
+        largest = max(args.sizes_mb or (256,)) << 20   # the pool, the pulled copies, the collective's in and out
+        require_fits(f"--sizes-mb {largest >> 20}", largest * (2 * where.world_size + 2), where,
+                     "give smaller --sizes-mb")
+        return None, None
+    bad = [s for s in args.sm_margins if s < 0]
+    require(not bad, f"--sm-margins must be >= 0, got {','.join(map(str, bad))}")
+    distinct("--sm-margins", args.sm_margins, "sm_margin")
+    points = _points(args, args.op, where.world_size, cuda)
+    configs = _configs(args, where, args.op)
+    worst = max(points, key=lambda p: _op_bytes(p, len(configs)))
+    require_fits(f"{worst.layer} M={worst.m} K={worst.k} N={worst.n}", _op_bytes(worst, len(configs)), where,
+                 "give a smaller --tokens or --shape")
+    return points, configs
 
 
 def _configs(args, ctx, op: str):
@@ -97,6 +138,7 @@ def _configs(args, ctx, op: str):
         unknown = [m for m in methods if m not in METHODS[op]]
         require(not unknown, f"--methods: unknown {', '.join(map(repr, unknown))} for {op}; allowed: "
                 f"{', '.join(METHODS[op])}")
+        distinct("--methods", methods, "method")
     else:
         methods = ["decomposed", "fused"] if ctx.device.type == "cuda" else ["decomposed"]
         if op == "gemm_rs":
@@ -126,18 +168,7 @@ COLUMNS = {
 def _run(args) -> int:
     where = _dist.placement(force_cpu=args.cpu)
     cuda = where.device.type == "cuda"
-    require(args.reps > 0, f"--reps must be > 0, got {args.reps}")
-    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
-    require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
-    _dist.check_ranks(PROG, where, 2)
-    if args.op == "pool_bw":
-        bad = [s for s in args.sizes_mb or () if s <= 0]
-        require(not bad, f"--sizes-mb must be > 0, got {','.join(map(str, bad))}")
-    else:
-        bad = [s for s in args.sm_margins if s < 0]
-        require(not bad, f"--sm-margins must be >= 0, got {','.join(map(str, bad))}")
-        points = _points(args, args.op, where.world_size, cuda)
-        configs = _configs(args, where, args.op)
+    points, configs = _check(args, where, cuda)
     labels = run_labels(where.device.type, where.world_size)
     for line in labels.header:
         progress(line, rank=where.rank)

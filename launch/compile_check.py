@@ -1,17 +1,18 @@
 """Compile the GEMM kernels for a CUDA target without a GPU: does every configuration we might launch
 compile with this Triton, and what does it cost in shared memory, registers and spills?
 
-    python -m launch.compile_check [--arch 90] [--table] [--candidates] [--fp8] [--jobs 2]
+    python -m launch.compile_check [--table] [--candidates] [--fp8] [--configs NAME,...] [--jobs 2]
 
-`--table` checks every configuration of the block tables (configs/gemm_blocks/), `--candidates` the
-sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and the quantisers. Exit status 1 when a
-configuration fails to compile or spills registers. Runs on CPU (Triton's own ptxas); it checks the
-compiler, not speed or results.
+The target is sm_90 (Hopper). `--table` checks every configuration of the block tables
+(configs/gemm_blocks/), `--candidates` the sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and
+the quantisers, `--configs` the bf16 configurations named (BMxBNxBKw<warps>s<stages>[g<group>][ws][fl][es2]
+[sk<waves>], e.g. 128x256x64w8s3); give at least one of the four. Exit status 1 when a configuration fails
+to compile or spills registers. Runs on CPU (Triton's own ptxas); it checks the compiler, not speed or
+results.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import re
@@ -22,7 +23,11 @@ import time
 
 from overlap.gemm_blocks import GemmBlocks
 
+from ._cli import ArgumentParser, run_launcher
+
 __all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_fp8_gemm", "compile_quantizers"]
+
+PROG = "launch.compile_check"
 
 
 def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
@@ -151,15 +156,34 @@ def _check(job):
     return kind, name, extra, usage
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.compile_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--table", action="store_true", help="every configuration of the block tables")
     p.add_argument("--candidates", action="store_true", help="launch.gemm_tune's sweep")
     p.add_argument("--fp8", action="store_true", help="the FP8 GEMM candidates and the quantisers")
-    p.add_argument("--configs", default="", help="comma-separated extra bf16 configuration names")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--configs", default="", help="comma-separated extra bf16 configuration names (default: none)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="compiler processes in parallel (default: the number of CPUs)")
+    return p
+
+
+def parse_args(argv=None):
+    p = make_parser()
     args = p.parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    for name in names:
+        try:
+            GemmBlocks.parse(name)
+        except ValueError as exc:
+            p.error(f"--configs: {exc}")
+    if not (names or args.table or args.candidates or args.fp8):
+        p.error("nothing to compile: give --table, --candidates, --fp8 or --configs NAME,...")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
+
+
+def _jobs(args) -> set:
     from launch.gemm_tune import candidate_names, fp8_candidate_names
     from overlap.gemm_blocks import LAYOUTS, block_table_path, load_block_table
 
@@ -183,10 +207,16 @@ def main(argv=None) -> int:
         for name in fp8_candidate_names():
             jobs.add(("fp8", name, False))
         jobs.add(("fp8", fp8_candidate_names()[0], True))
+    return jobs
+
+
+def _run(args) -> int:
+    jobs = _jobs(args)
+    if args.fp8:
         for kernel, compiled in compile_quantizers().items():
             print(f"{kernel}: {resource_usage(compiled)}")
     failures = 0
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs or os.cpu_count() or 1) as pool:
         for kind, name, extra, usage in pool.map(_check, sorted(jobs)):
             bad = usage["error"] or usage.get("spill", 0) != 0
             failures += bool(bad)
@@ -196,6 +226,10 @@ def main(argv=None) -> int:
                   + (f" {usage['error']}" if usage["error"] else ""), flush=True)
     print(f"{len(jobs) - failures} of {len(jobs)} compiled without spills")
     return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":

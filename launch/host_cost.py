@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 -m launch.host_cost [--out FILE] [--reps 30]   (needs a GPU)
 
+Needs a CUDA GPU and at least 2 ranks (two processes may share one GPU).
+
 Every call is timed on the host (perf_counter around the call, no synchronisation) while the device is held
 busy by a spin kernel, so the number is the enqueue cost alone. Median of `--reps` per rank, max over ranks.
 
@@ -32,11 +34,16 @@ import torch.distributed as dist
 from launch.report import format_table, write_results
 from launch.timing import progress
 
+from symm_mem._layout import BACKENDS
+
 from . import _dist
-from ._cli import ArgumentParser, require, run_dir, run_launcher
+from ._cli import ArgumentParser, output_file, require, run_dir, run_launcher
+from ._limits import require_fits
 
 PROG = "launch.host_cost"
 HOLD_CYCLES = 40_000_000  # ~20 ms: the device stays busy through the timed call
+POOL_BYTES = 2 << 30
+HIDDEN, FFN = 4096, 14336  # llama8b: the MLP step's shapes, and K of the op calls
 COLUMNS = ["op", "method", "eager_graphs", "host_us", "ref", "ref_host_us", "ratio", "py_calls", "host_min_us",
            "host_max_us"]
 
@@ -133,37 +140,59 @@ def _measure(rows, op, method, graphs, call, ref_name, ref, ctx, args):
              f"({base[0]:.0f} us), {py:.0f} Python calls", rank=ctx.rank)
 
 
-def _parse(argv):
+def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--tokens", type=int, default=4096, help="M of the op calls and of the MLP step")
-    p.add_argument("--reps", type=int, default=30, help="timed calls per variant")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per variant (median reported)")
     p.add_argument("--warmup", type=int, default=8, help="untimed calls per variant first")
-    p.add_argument("--backend", default="ipc", help="pool backend (ipc: several processes may share a GPU)")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/host_cost-<time>/host_cost.json)")
-    args = p.parse_args(argv)
-    require(args.tokens > 0 and args.reps >= 3 and args.warmup >= 2,
-            "--tokens must be > 0, --reps >= 3 and --warmup >= 2 (a call's graph is recorded on its second call)")
-    where = _dist.placement()
-    require(where.device.type == "cuda", "launch.host_cost measures the host cost of CUDA calls: it needs a GPU")
-    require(args.tokens % where.world_size == 0,
-            f"--tokens {args.tokens} must be a multiple of the number of ranks ({where.world_size})")
-    return args
+    p.add_argument("--backend", default="ipc", choices=BACKENDS,
+                   help="pool backend (ipc: several processes may share a GPU)")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/host_cost-<time>/host_cost.json)")
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
+
+
+def _check(args, where) -> None:
+    """Every argument against the placement, before any process group, pool or GPU allocation."""
+    require(where.device.type == "cuda", "needs a CUDA GPU (it measures the host cost of CUDA calls with the "
+                                         "device held busy); run it on a GPU machine")
+    _dist.check_ranks(PROG, where, 2)
+    require(args.tokens > 0 and args.tokens % where.world_size == 0,
+            f"--tokens must be > 0 and a multiple of the TP size {where.world_size}, got {args.tokens}")
+    require(args.reps >= 3, f"--reps must be >= 3, got {args.reps}")
+    require(args.warmup >= 2, f"--warmup must be >= 2 (a call's graph is recorded on its second call), got "
+                              f"{args.warmup}")
+    # the pool, what the calls allocate (bf16: three [M, 4096] operands, the MLP's fc1 output and its gradient,
+    # 3 x 14336 / W columns) and the one-rank NCCL MLP of the reference step (full weights and activations)
+    need = POOL_BYTES + args.tokens * (3 * HIDDEN + 3 * FFN // where.world_size) * 2
+    need += (3 * HIDDEN * FFN + args.tokens * (3 * HIDDEN + 3 * FFN)) * 2
+    require_fits(f"--tokens {args.tokens}", need, where, "give a smaller --tokens")
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 def _run(args) -> int:
+    where = _dist.placement()
+    _check(args, where)
     from symm_mem import SymmetricPool
-    with _dist.job(PROG, force_cpu=False) as ctx:
+    with _dist.job(PROG, where=where) as ctx:
         rows = []
         nccl_groups = [dist.new_group([r], backend="nccl") for r in range(ctx.world_size)]
-        with SymmetricPool(2 << 30, group=ctx.group, device=ctx.device, backend=args.backend,
+        with SymmetricPool(POOL_BYTES, group=ctx.group, device=ctx.device, backend=args.backend,
                            num_device_words=1 << 14) as pool:
-            calls = _op_calls(ctx, pool, args.tokens, 4096, 3072 // max(1, ctx.world_size // 2))
+            calls = _op_calls(ctx, pool, args.tokens, HIDDEN, 3072 // max(1, ctx.world_size // 2))
             for (op_name, method), (op, call, mm) in calls.items():
                 for graphs in (True, False):
                     op.set_eager_graphs(graphs)
                     _measure(rows, op_name, method, graphs, call, "torch.mm", mm, ctx, args)
                 op.close()
-            step, nccl_step, mlp = _mlp_steps(ctx, pool, args.tokens, 4096, 14336, nccl_groups[ctx.rank])
+            step, nccl_step, mlp = _mlp_steps(ctx, pool, args.tokens, HIDDEN, FFN, nccl_groups[ctx.rank])
             _measure(rows, "tp_mlp step (fwd+bwd)", "preset", True, step, "overlap=False step (NCCL)", nccl_step,
                      ctx, args)
             mlp.check_errors()
@@ -183,10 +212,6 @@ def _run(args) -> int:
             print(format_table(rows, COLUMNS))
             print(f"wrote {out}")
     return 0
-
-
-def main(argv=None) -> int:
-    return run_launcher(PROG, _parse, _run, argv)
 
 
 if __name__ == "__main__":

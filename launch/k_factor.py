@@ -1,4 +1,4 @@
-"""k-factor: how much overlapped communication and computation slow each other down (seed 000 §4.1).
+"""k-factor: how much overlapped communication and computation slow each other down (docs/ARCHITECTURE.md, "k").
 
 Every time is in ms: the median over reps of the MAX over the ranks of the group.
 

@@ -6,17 +6,18 @@
         [--max-k 1.15] [--gate all|best] [--write-config tuned.yaml] [--out-dir DIR]
 
 Ops: `ag_gemm` and `gemm_rs` are swept over the grid (one row per shape x config, definitions of solo and
-overlapped in launch/k_factor.py); `regimes` measures the seed's two regimes on the AG shapes: our
-copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each next to the shape's GEMM
-("gemm", compute-bound) and next to an RMSNorm over the gathered [M, H] repeated to last about as long
-as the CE gather ("membound").
+overlapped in launch/k_factor.py); `regimes` puts the AllGather next to the two kinds of work it may overlap
+with, on the AG shapes: our copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each
+next to the shape's GEMM ("gemm", compute-bound) and next to an RMSNorm over the gathered [M, H] repeated
+to last about as long as the CE gather ("membound").
 
 --sweep KEY=V1,V2 (repeatable; keys method, sm_margin, chunks_per_rank, num_comm_sms, lead_fraction (AG decomposed only); a token holding '='
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
 chunks_per_rank is not used. Shapes: the table of launch/shapes.py at the job's TP size on GPUs, tiny ones on CPU
-(M = 256, 512; K = N = 64), or --shapes MxKxN (K, N local to a rank; applies to every op).
+(M = 256, 512; K = N = 64; with --layers, the table's), or --shapes MxKxN (K, N local to a rank; applies to
+every op).
 
 Gate: exit status 1, naming op, shape, config and k, when a k_comm or k_comp of an op row exceeds --max-k
 (`--gate best`: only the configs written to the preset). The default gate is 1.15 on GPUs; on CPU there is
@@ -46,155 +47,34 @@ import torch.distributed as dist
 
 from overlap import envs
 from overlap.ag_gemm import AgGemm
-from overlap.config import METHODS, ConfigError, OverlapConfig
-from overlap.presets import dump_config, load_config, load_preset, to_dict
+from overlap.config import OverlapConfig
+from overlap.presets import dump_config, load_config, to_dict
 from overlap.gemm_rs import GemmRs
 from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
                              trace_op)
 from launch._timeline import step_timeline
 from overlap.reference import ag_gemm_reference, gemm_rs_reference
 from launch.report import device_slug, format_table, run_labels, write_results
-from launch.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
+from launch.shapes import ShapePoint
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from . import _dist
-from ._cli import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
+from . import _dist, _kfactor_args as _args
+from ._cli import ArgumentParser, run_dir, run_launcher
+from ._kfactor_args import GPU_MAX_K, PROG, configs_for, parse_sweep, points_for  # noqa: F401 (the API)
 from ._tune import best_configs, config_row, gate_failures, tuned_config
 
-PROG = "launch.kfactor"
-OPS = ("ag_gemm", "gemm_rs", "regimes")
-SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}
-GPU_GRID = {"method": ("decomposed", "fused"), "sm_margin": (0, 8, 16, 32), "chunks_per_rank": (1, 2)}
-CPU_GRID = {"sm_margin": (0, 8), "chunks_per_rank": (1, 2)}
-GPU_MAX_K = 1.15
 MAX_MEMBOUND_PASSES = 256
 COLUMNS = ["run_kind", "op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "comm", "comp",
            "t_comm_solo_ms", "t_comp_solo_ms", "k_comm", "k_comp", "E", "hidden_comm", "t_op_ms", "E_op"]
 
 
-def parse_sweep(items: list[str] | None) -> dict[str, tuple]:
-    """['sm_margin=0,8', 'chunks_per_rank=1,2'] (or one item 'sm_margin=0,8,chunks_per_rank=1,2') -> grid."""
-    grid: dict[str, list] = {}
-    key = None
-    for token in (t.strip() for item in items or [] for t in item.split(",")):
-        if "=" in token:
-            key, token = (s.strip() for s in token.split("=", 1))
-            if key not in SWEEP_KEYS:
-                raise ValueError(f"--sweep: unknown key {key!r}; allowed: {', '.join(SWEEP_KEYS)}")
-            if key in grid:
-                raise ValueError(f"--sweep: key {key!r} given twice")
-            grid[key] = []
-        if key is None:
-            raise ValueError(f"--sweep: {token!r} has no KEY= in front (write KEY=V1,V2)")
-        if token:
-            try:
-                grid[key].append(SWEEP_KEYS[key](token))
-            except ValueError:
-                kind = "an int" if SWEEP_KEYS[key] is int else "a number"
-                raise ValueError(f"--sweep: {key}={token!r} is not {kind}") from None
-    for k, values in grid.items():
-        if not values:
-            raise ValueError(f"--sweep: {k}= has no values")
-    return {k: tuple(dict.fromkeys(v)) for k, v in grid.items()}
-
-
 def make_parser() -> ArgumentParser:
-    p = ArgumentParser(PROG, description=__doc__)
-    p.add_argument("--config", default=None, help="base YAML preset (default: auto-selected by GPU and TP)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--shapes", default=None, help="MxKxN,... (K, N local) instead of the shape table")
-    p.add_argument("--tokens", dest="m", type=int_list, default=None, metavar="M[,M...]",
-                   help="M values of the shape table (default: 1024,4096,16384 on GPU; 256,512 on CPU)")
-    p.add_argument("--m", dest="m", type=int_list, default=None, help=argparse.SUPPRESS)  # the old name
-    p.add_argument("--layers", default=None, help="layer names of the shape table (comma-separated; default: all)")
-    p.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
-                   help="grid axis, repeatable (default: GPU method=decomposed,fused sm_margin=0,8,16,32 "
-                        "chunks_per_rank=1,2; CPU sm_margin=0,8 chunks_per_rank=1,2)")
-    p.add_argument("--max-k", type=float, default=None,
-                   help=f"gate: largest allowed k_comm and k_comp (default: {GPU_MAX_K} on GPU, no gate on CPU)")
-    p.add_argument("--gate", choices=("all", "best"), default="all", help="op rows the gate checks")
-    p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up repetitions per measurement")
-    p.add_argument("--out-dir", default=None, help="where JSON, PNGs and the Chrome traces go (default: a new "
-                   "run folder runs/kfactor-<UTC time>/; results of record only with --out-dir results)")
-    p.add_argument("--write-config", default=None, metavar="PATH", help="write the tuned YAML preset here")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNGs and the Chrome trace")
-    p.add_argument("--inject-comm-delay-ms", type=float, default=0.0,
-                   help="test aid: slow the comm path by this much, only while compute runs")
-    p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
-    return p
+    return _args.make_parser(__doc__)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = make_parser()
-    args = p.parse_args(argv)
-    try:
-        args.grid = parse_sweep(args.sweep)
-    except ValueError as exc:
-        p.error(str(exc))
-    args.ops = [o for o in args.ops.split(",") if o]
-    bad = [o for o in args.ops if o not in OPS]
-    if bad or not args.ops:
-        p.error(f"--ops: unknown {bad}; allowed: {', '.join(OPS)}")
-    if args.reps < 1 or args.warmup < 0:
-        p.error(f"--reps must be > 0 and --warmup >= 0, got {args.reps} and {args.warmup}")
-    if args.max_k is not None and not args.max_k > 0:
-        p.error(f"--max-k must be > 0, got {args.max_k}")
-    return args
-
-
-def _shape(text: str) -> tuple[int, int, int]:
-    try:
-        m, k, n = (int(x) for x in text.split("x"))
-    except ValueError:
-        raise UsageError(f"--shapes: expected MxKxN (three integers), got {text!r}") from None
-    return m, k, n
-
-
-def points_for(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
-    shape_op = "gemm_rs" if op == "gemm_rs" else "ag_gemm"
-    if args.shapes:
-        pts = [ShapePoint("custom", shape_op, *_shape(s)) for s in args.shapes.split(",") if s]
-    elif cuda:
-        layers = args.layers.split(",") if args.layers else None
-        table = rs_points if op == "gemm_rs" else ag_points
-        pts = table(world, ms=args.m or M_VALUES, layers=layers)
-    else:
-        pts = [ShapePoint("cpu.tiny", shape_op, m, CPU_K, CPU_N) for m in args.m or CPU_M_VALUES]
-    require(pts, f"no {op} shape selected (--layers / --shapes)")
-    for pt in pts:
-        require(min(pt.m, pt.k, pt.n) > 0, f"M, K and N must be > 0, got {pt.m}x{pt.k}x{pt.n}")
-        require(pt.m % world == 0, f"M={pt.m} is not divisible by the TP size {world}")
-    return pts
-
-
-def configs_for(op: str, base_cfg: OverlapConfig, grid: dict, cuda: bool, num_sms: int | None) -> list:
-    base = getattr(base_cfg, op).default
-    axes = dict(grid)
-    out = []
-    for values in itertools.product(*axes.values()):
-        fields = dict(zip(axes, values))
-        if fields.get("method", base.method) not in METHODS[op]:
-            continue   # a method of the other op (e.g. epilogue_reduce in a sweep over both ops)
-        if fields.get("lead_fraction") and (op, fields.get("method", base.method)) != ("ag_gemm", "decomposed"):
-            continue   # a lead GEMM exists only for the decomposed AG consumer
-        fields = {k: v for k, v in fields.items() if hasattr(base, k)}  # e.g. chunks_per_rank: AG only
-        method = fields.pop("method", base.method)
-        if op == "gemm_rs" and method == "fused" and "sm_margin" in fields:
-            if fields["sm_margin"] < 1:
-                continue   # fused runs its reduction on reserved SMs
-            fields.setdefault("num_comm_sms", fields["sm_margin"])
-        try:
-            cfg = base.with_method(method, **fields)
-            cfg.validate(num_sms=num_sms)
-        except ConfigError:
-            continue   # a combination the method cannot run (e.g. pair at W != 2 is dropped by the op)
-        if cfg not in out:
-            out.append(cfg)
-    if not out:
-        raise UsageError(f"no swept method applies to {op} (allowed: {', '.join(METHODS[op])})")
-    return out
+    return _args.parse_args(argv, __doc__)
 
 
 class _Bar:
@@ -319,7 +199,8 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
         files["plot"] = str(_plots.plot_sweep([r for r in rows if r["op"] != "ag_regime"], stem.with_suffix(".png"),
                                               max_k=args.max_k, title=stem.name))
         files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines],
-                                                     stem.parent / f"{stem.name}_timeline.png"))
+                                                     stem.parent / f"{stem.name}_timeline.png",
+                                                     xlabel="ms from the start of the overlapped step"))
         files["traces"] = [str(stem.parent / f"{stem.name}_{op}.trace.json") for op, _ in timelines]
     if args.write_config:
         cfg = tuned_config(base_cfg, best, device_name=ctx.device_name, world=ctx.world_size, num_sms=num_sms)
@@ -341,15 +222,9 @@ def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: P
 
 def _run(args) -> int:
     where = _dist.placement(force_cpu=args.cpu)
-    cuda = where.device.type == "cuda"
-    _dist.check_ranks(PROG, where, 2)
-    base_cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
-    base_cfg.check_world_size(where.world_size)
-    num_sms = torch.cuda.get_device_properties(where.device).multi_processor_count if cuda else None
-    plan = [(op, points_for(args, op, where.world_size, cuda)) for op in args.ops]
-    args.effective_grid = dict(args.grid or (GPU_GRID if cuda else CPU_GRID))
-    configs = {op: configs_for(op, base_cfg, args.effective_grid, cuda, num_sms)
-               for op in args.ops if op != "regimes"}
+    checked = _args.check(args, where)
+    cuda, base_cfg, num_sms, plan, configs = (checked.cuda, checked.base_cfg, checked.num_sms, checked.plan,
+                                              checked.configs)
     if args.max_k is None and cuda:
         args.max_k = GPU_MAX_K
     labels = run_labels(where.device.type, where.world_size)

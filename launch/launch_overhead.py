@@ -2,20 +2,22 @@
 of AG+GEMM at small M. For each launch kind: host µs per launch (enqueue only, 2,000 launches) and device
 µs per launch (the same 2,000 back to back, timed with events).
 
-    python -m launch.launch_overhead [--out FILE]   (default: runs/launch_overhead-<UTC time>/launch_overhead_<gpu>.json)
+    python -m launch.launch_overhead [--out FILE]
+
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from launch._cli import run_dir
+from launch._cli import ArgumentParser, output_file, require, run_dir, run_launcher
 from launch.report import device_slug, format_table, write_results
 
+PROG = "launch.launch_overhead"
 N = 2000
 
 
@@ -34,13 +36,24 @@ def _time(fn) -> tuple[float, float]:
     return host_us, start.elapsed_time(end) / N * 1e3
 
 
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/launch_overhead-<UTC time>/launch_overhead_<gpu>.json)")
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.launch_overhead", description=__doc__)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
+    return run_launcher(PROG, parse_args, _run, argv)
+
+
+def _run(args) -> int:
+    require(torch.cuda.is_available(), "needs a CUDA GPU (it times kernel launches on one GPU); run it on a GPU "
+                                       "machine")
     from kernels.flags import launch_signal, launch_signal_range, launch_wait
     from overlap.triton_gemm import GemmBlocks, triton_mm
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import socket
 import sys
 import time
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import MODELS
+from overlap.offload_config import PACING
 from overlap.host_pool import HostPool, OffloadError
 from overlap.offload import OffloadEngine
 from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload, simulate,
@@ -47,8 +49,9 @@ from overlap.offload_plan import (MLPShape, OffloadPlanError, Rates, pacing_offs
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 
-from . import _dist
-from ._cli import ArgumentParser, int_list, run_dir, run_launcher
+from . import _cli, _dist
+from ._cli import ArgumentParser, distinct, int_list, output_file, run_dir, run_launcher
+from ._limits import available_host_bytes
 from ._bench_mlp import BenchMLP
 from ._offload_measure import measure_copies, measure_layer_times, rates_from
 
@@ -70,10 +73,12 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant")
     p.add_argument("--budget", default="auto", help="auto | bytes | a fraction of none's peak, e.g. 0.7x")
-    p.add_argument("--pacing", default="none,stagger", help="pacing modes for the planner variant (several ranks)")
+    p.add_argument("--pacing", default="none,stagger",
+                   help=f"pacing modes of the planner variant, comma-separated of {', '.join(PACING)} (several ranks)")
     p.add_argument("--time-budget-s", type=float, default=200.0, help="no new point starts past this")
     p.add_argument("--host-gib", type=float, default=None, help="host pool cap (default: half of MemAvailable)")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/offload_bench-<UTC time>/offload_<gpu>"
                    ".json; results of record only with an explicit --out results/...)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if GPUs are present")
     return p
@@ -84,12 +89,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.layers < 1 or args.reps < 1 or args.warmup < 0 or args.time_budget_s <= 0:
         p.error("--layers and --reps must be >= 1, --warmup >= 0, --time-budget-s > 0")
-    names = (args.models or "").split(",") if args.models else []
-    unknown = [n for n in names if n not in MODELS]
+    models = args.models.split(",") if args.models else []
+    unknown = [n for n in models if n not in MODELS]
     if unknown:
         p.error(f"--models: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
+    distinct("--models", models, "model")
     if any(m <= 0 for m in args.tokens or ()):
         p.error(f"--tokens must be > 0, got {','.join(map(str, args.tokens))}")
+    distinct("--tokens", args.tokens or (), "M")
+    try:
+        _budget(args.budget, 1)
+    except ValueError:
+        p.error(f"--budget: got {args.budget!r}; allowed: auto, a number of bytes > 0 (e.g. 40000000000), or a "
+                "fraction of none's peak > 0 with an x (e.g. 0.7x)")
+    _cli.names("--pacing", args.pacing, PACING, "mode")
+    if args.host_gib is not None and not args.host_gib > 0:
+        p.error(f"--host-gib must be > 0, got {args.host_gib}")
     return args
 
 
@@ -98,17 +113,6 @@ def _local_ranks(ctx) -> tuple[int, int]:
     dist.all_gather_object(names, socket.gethostname(), group=ctx.group)
     mine = [r for r, n in enumerate(names) if n == names[ctx.rank]]
     return mine.index(ctx.rank), len(mine)
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def _shape(model, m, layers) -> MLPShape:
@@ -137,11 +141,13 @@ def _estimate(model, m, args, cuda) -> dict:
 
 
 def _budget(text: str, none_peak: int):
+    """--budget as the planner takes it: "auto", or bytes (ValueError unless a positive number)."""
     if text == "auto":
         return "auto"
-    if text.endswith("x"):
-        return int(float(text[:-1]) * none_peak)
-    return int(text)
+    value = float(text[:-1]) * none_peak if text.endswith("x") else int(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"budget {text!r} is not > 0")
+    return int(value)
 
 
 def _measure_copies(host: HostPool, mlp, x: torch.Tensor) -> dict:
@@ -325,7 +331,7 @@ def _run(args) -> int:
             else:
                 chosen.append((est, n, m))
                 spent += est["seconds"]
-        cap = int((args.host_gib * 2**30) if args.host_gib else _mem_available() // 2)
+        cap = int((args.host_gib * 2**30) if args.host_gib else available_host_bytes() // 2)
         need = max([e["host_bytes"] for e, _, _ in chosen], default=COPY_BYTES)
         host = HostPool(min(need, cap), device=ctx.device)
         pool_stats = host.stats()

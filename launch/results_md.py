@@ -1,115 +1,175 @@
-"""Render results/README.md from the JSON files in results/ (tables with E and speedup columns).
+"""Render results/README.md from the files in results/: per results file, what was measured, on what hardware,
+at which commit, with which command, its table and figures, and what it means.
 
-    python -m launch.results_md [--dir results]
+    python -m launch.results_md [--dir results] [--plots]
 
-Each results file keeps its provenance (device, TP size, commit, command, date); the page shows it above
-each table so that every number comes with the command that reproduces it.
+The numbers, the hardware, the commit and the command come from each JSON; the words (what was measured,
+what it means, figure captions) from the folder's captions.yaml. `--plots` first redraws every PNG from
+the data next to it (launch/_results_plots.py; needs matplotlib).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-from launch.report import format_table
+import yaml
 
-SECTIONS = [  # (file prefix, title, columns)
-    ("pool_bw", "Pool peer-read bandwidth (copy-engine pull) vs AllGather",
-     ["size_bytes", "pool_backend", "ce_pull_median_ms", "ce_pull_GBps", "allgather_median_ms", "allgather_GBps"]),
-    ("gemm", "Persistent Triton GEMM (local epilogue, all SMs) vs cuBLAS",
-     ["layer", "op", "tp", "layout", "M", "K", "N", "t_cublas_ms", "t_triton_best_ms", "best_blocks",
-      "triton_over_cublas", "t_table_ms", "table_blocks", "table_over_cublas", "heuristic_over_cublas"]),
-    ("gemm_fp8", "FP8 block-scaled Triton GEMM vs torch._scaled_mm and bf16 cuBLAS (one GPU)",
-     ["layer", "tp", "M", "K", "N", "t_cublas_bf16_ms", "t_scaled_mm_ms", "best_blocks", "t_best_ms",
-      "best_over_scaled_mm", "best_over_bf16", "default_rel_err"]),
-    ("host_cost", "Host time of one eager call vs one torch.mm (device held busy; 2 processes on one GPU)",
-     ["op", "method", "eager_graphs", "host_us", "mm_host_us", "ratio_to_mm", "host_min_us", "host_max_us"]),
-    ("offload", "Activation offload: peak memory and step time per variant (one GPU)",
-     ["model", "M", "layers", "variant", "peak_gib", "peak_vs_none", "t_step_ms", "time_vs_none", "bitwise",
-      "pred_step_ms", "pred_peak_gib"]),
-    ("ag_gemm", "AllGather + GEMM",
-     ["layer", "M", "K", "N", "method", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms", "t_comm_ms",
-      "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch", "k_comm", "k_comp"]),
-    ("gemm_rs", "GEMM + ReduceScatter",
-     ["layer", "M", "K", "N", "method", "sm_margin", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms",
-      "t_comm_ms", "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch"]),
-    ("ag_host_cost", "Host enqueue vs device time of one AllGather+GEMM call",
-     ["layer", "M", "variant", "device_hold", "t_device_ms", "t_host_enqueue_ms"]),
-    ("kfactor", "k-factors (launch.kfactor)",
-     ["op", "layer", "M", "method", "sm_margin", "chunks_per_rank", "t_comm_solo_ms", "t_comp_solo_ms", "k_comm",
-      "k_comp", "E", "t_op_ms", "start_late_ms"]),
-    ("tp_mlp", "TP MLP training step (launch.tp_mlp)",
-     ["model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
-      "speedup_vs_torch_symm", "speedup_sustained", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"]),
-]
+from launch._cli import ArgumentParser, require, run_launcher
+
+from . import _results_tables as tables
+
+PROG = "launch.results_md"
+CAPTIONS = "captions.yaml"
+HEADER = ("<!-- Rendered by `python -m launch.results_md` from the files in this folder: edit captions.yaml (the "
+          "words) or the JSON (the numbers), not this page. -->")
 
 
-def _best_rows(rows: list[dict]) -> list[dict]:
-    """One row per shape point: the fastest of our methods/configs."""
-    best: dict[tuple, dict] = {}
-    for row in rows:
-        key = (row.get("layer"), row.get("M"), row.get("K"), row.get("N"))
-        if key not in best or row["t_ours_ms"] < best[key]["t_ours_ms"]:
-            best[key] = row
-    return list(best.values())
+def _on(doc: dict) -> str:
+    """The hardware a file ran on, as a reader would say it."""
+    device, tp = doc.get("device"), doc.get("tp")
+    one = f"one {device}" if device else "one GPU"
+    if doc.get("op") in ("gemm", "gemm_fp8"):   # launch.gemm_bench: one GPU, the local shapes of TP sizes
+        return f"{one}; the local GEMMs of TP {', '.join(map(str, doc.get('tp_sizes') or [tp]))}"
+    if not tp or tp == 1:
+        return one
+    return f"{tp} ranks, {device}"
 
 
-def _summary(rows: list[dict]) -> str:
-    if not rows or "E_ours" not in rows[0]:
-        return ""
-    best = _best_rows(rows)
-    e = [r["E_ours"] for r in best]
-    lines = [f"Best configuration per point: median E_ours {statistics.median(e):.3f} "
-             f"(min {min(e):.3f}, max {max(e):.3f}) over {len(best)} points; median E_seq "
-             f"{statistics.median(r['E_seq'] for r in best):.3f}."]
-    if all(r.get("speedup_vs_seq") for r in best):
-        faster = sum(r["speedup_vs_seq"] > 1 for r in best)
-        lines.append(f"Faster than NCCL-then-GEMM on {faster} of {len(best)} points.")
-    if all(r.get("speedup_vs_torch") for r in best):
-        faster = sum(r["speedup_vs_torch"] > 1 for r in best)
-        lines.append(f"Faster than PyTorch async-TP on {faster} of {len(best)} points.")
-    return " ".join(lines)
+def _provenance(name: str, doc: dict) -> list[str]:
+    date = f" · {doc['date'][:10]}" if doc.get("date") else ""
+    lines = [f"`{name}` · {_on(doc)} · commit `{tables.short_commit(doc.get('commit'))}`{date}  "]
+    if doc.get("command"):
+        lines.append(f"Command: `{doc['command']}`")
+    else:
+        lines.append(f"Command: none that runs from this checkout ({doc.get('command_note', 'not recorded')})")
+    return lines
+
+
+def _figure(directory: Path, png: str, caption: str | None) -> list[str]:
+    return [f"![{png}]({png})", "", f"*{caption.strip()}*" if caption else f"*{png}*", ""]
+
+
+def _section(directory: Path, name: str, caption: dict) -> list[str]:
+    doc = json.loads((directory / name).read_text())
+    parts = [f"### {caption.get('title', name)}", "", *_provenance(name, doc), ""]
+    written = str(caption.get("commit", ""))
+    if written and not str(doc.get("commit", "")).startswith(written):
+        parts += [f"(The text of this section was written for the data of commit {written}; this file is from "
+                  f"{tables.short_commit(doc.get('commit'))}: check that it still holds.)", ""]
+    if caption.get("what"):
+        parts += [f"**Measured.** {caption['what'].strip()}", ""]
+    for block in tables.file_tables(name, doc):
+        parts += [block, ""]
+    stem = Path(name).stem
+    figures = dict(caption.get("figures") or {})
+    for png in (f"{stem}.png", f"{stem}_timeline.png"):
+        if (directory / png).is_file():
+            figures.setdefault(png, None)
+    for png, text in figures.items():
+        parts += _figure(directory, png, text)
+    if caption.get("means"):
+        parts += [f"**What it means.** {caption['means'].strip()}", ""]
+    return parts
+
+
+def _anchor(heading: str) -> str:
+    keep = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return keep.replace(" ", "-")
+
+
+def _groups(directory: Path, captions: dict) -> list[dict]:
+    """The caption groups, plus one for the results files no caption names."""
+    groups = [g for g in captions.get("groups", [])]
+    named = {name for g in groups for name in g["files"]}
+    other = sorted(p.name for p in directory.glob("*.json") if not p.name.endswith(".trace.json")
+                   and p.name not in named)
+    if other:
+        groups.append({"heading": "Other results (no text yet in captions.yaml)", "files": {n: {} for n in other}})
+    return groups
+
+
+def _undone_commands(directory: Path) -> list[str]:
+    rows = []
+    for path in sorted(p for p in directory.rglob("*.json") if not p.name.endswith(".trace.json")):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and "command" in doc and not doc["command"]:
+            rows.append({"file": str(path.relative_to(directory)), "why": doc.get("command_note", ""),
+                         "recorded": f"`{doc.get('command_recorded', '')}`"})
+    return [tables.format_table(rows, ["file", "why", "recorded"])] if rows else []
+
+
+def _appendix(directory: Path, captions: dict) -> list[str]:
+    parts = ["## Recorded commands that do not run from this checkout", "",
+             "Each of these files keeps the command it ran as `command_recorded`; `command` is empty because "
+             "what it ran is not in the repository. Every other file's command runs from a checkout.", "",
+             *_undone_commands(directory), ""]
+    history = directory / "history"
+    if history.is_dir():
+        steps, ops, other = tables.history_tables(history)
+        parts += ["## Earlier measurements (history/)", "", captions.get("history", "").strip(), "",
+                  "TP MLP training steps:", "", steps, "", "Op benchmarks (best method per point):", "", ops, "",
+                  "Other measurements:", "", other, ""]
+    traces = directory / "traces"
+    if traces.is_dir():
+        about = captions.get("traces", {})
+        parts += ["## Profiles of one step (traces/)", "", about.get("about", "").strip(), "",
+                  tables.trace_table(traces), ""]
+        for png, text in (about.get("figures") or {}).items():
+            parts += _figure(directory, png, text)
+    logs = directory / "logs"
+    if logs.is_dir():
+        about = captions.get("logs", {})
+        parts += ["## Logs (logs/)", "", about.get("gpu_tests", "").strip(), "", tables.suite_table(logs), ""]
+        parts += [f"* `logs/{name}`: {text}" for name, text in (about.get("files") or {}).items()] + [""]
+    return parts
 
 
 def render(directory: Path) -> str:
-    parts = ["# Measured results", "",
-             "Generated by `python -m launch.results_md` from the JSON files here; each JSON holds the device, "
-             "TP size, commit, exact command and date. Times are medians of interleaved repetitions "
-             "(max over ranks, L2 flushed); min/max are in the JSON. `speedup_sustained` (launch.tp_mlp "
-             "--sustained) is from blocks of back-to-back steps instead, without pauses or flushes.", ""]
-    for prefix, title, columns in SECTIONS:
-        for path in sorted(directory.glob(f"{prefix}_*.json")):
-            if (prefix == "gemm" and path.name.startswith(("gemm_rs", "gemm_fp8"))) or path.name.endswith(".trace.json"):
-                continue
-            doc = json.loads(path.read_text())
-            graphs = " (CUDA-graph replays)" if doc.get("cuda_graphs") else ""
-            parts += [f"## {title}{graphs}: {doc['device']}, TP{doc['tp']}", "",
-                      f"`{path.name}` — commit `{doc['commit']}`, {doc['date']}  ",
-                      f"command: `{doc['command']}`", ""]
-            summary = _summary(doc["rows"])
-            if summary:
-                parts += [summary, ""]
-            parts += [format_table(doc["rows"], columns), ""]
-            for png in (directory / f"{path.stem}{suffix}.png" for suffix in ("", "_timeline")):
-                if png.is_file():
-                    parts += [f"![{png.stem}]({png.name})", ""]
-    extra = directory / "NOTES.md"
-    if extra.is_file():
-        parts += [extra.read_text()]
-    return "\n".join(parts)
+    captions_path = directory / CAPTIONS
+    captions = yaml.safe_load(captions_path.read_text()) if captions_path.is_file() else {}
+    groups = _groups(directory, captions)
+    extra = ["Recorded commands that do not run from this checkout", "Earlier measurements (history/)",
+             "Profiles of one step (traces/)", "Logs (logs/)"]
+    parts = [HEADER, "", "# Measured results", "", (captions.get("intro") or "").strip(), "", "Contents:", ""]
+    parts += [f"* [{h}](#{_anchor(h)})" for h in [g["heading"] for g in groups] + extra] + [""]
+    for group in groups:
+        parts += [f"## {group['heading']}", ""]
+        for name, caption in group["files"].items():
+            if (directory / name).is_file():
+                parts += _section(directory, name, caption or {})
+    parts += _appendix(directory, captions)
+    return "\n".join(parts).rstrip() + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.results_md", description=__doc__)
-    p.add_argument("--dir", default="results")
-    args = p.parse_args(argv)
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(PROG, description=__doc__)
+    p.add_argument("--dir", default="results", help="the results folder to render (its README.md is rewritten)")
+    p.add_argument("--plots", action="store_true", help="redraw every PNG from its data first (needs matplotlib)")
+    return p
+
+
+def parse_args(argv=None):
+    args = make_parser().parse_args(argv)
+    require(Path(args.dir).is_dir(), f"--dir {args.dir}: no such directory (give the results folder, e.g. results)")
+    require(any(Path(args.dir).glob("*.json")), f"--dir {args.dir}: no results JSON in it; nothing to render")
+    return args
+
+
+def _run(args) -> int:
     directory = Path(args.dir)
+    if args.plots:
+        from ._results_plots import redraw
+        done, missing = redraw(directory)
+        print(f"redrew {len(done)} PNG(s)" + (f"; no data for {', '.join(missing)}" if missing else ""))
     (directory / "README.md").write_text(render(directory))
     print(f"wrote {directory / 'README.md'}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_launcher(PROG, parse_args, _run, argv)
 
 
 if __name__ == "__main__":

@@ -34,28 +34,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from overlap import envs
 from overlap.config import ACTIVATIONS, MODELS, ModelConfig
-from overlap.presets import FP8_RS_METHODS, load_config, load_preset
-from overlap.layers import BASELINES, TPMLP, pool_requirements
+from overlap.layers import TPMLP, pool_requirements
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from . import _dist
+from . import _dist, _tp_mlp_plan as _plan
 from ._offload_report import add_offload_argument, offload_report
-from ._cli import ArgumentParser, int_list, require, run_dir, run_launcher
+from ._cli import ArgumentParser, input_file, int_list, output_dir, output_file, run_dir, run_launcher
+from ._tp_mlp_plan import DTYPES
 from ._step_k import max_over_ranks, step_k_factors
 from ._sustained import sustained_blocks
 
 PROG = "launch.tp_mlp"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
 # e4m3 costs ~4e-2 per GEMM on Gaussian data and a gradient chains up to three quantised GEMMs
 FP8_TOLERANCE = 0.15
@@ -68,7 +65,9 @@ COLUMNS = ["run_kind", "model", "M", "activation", "t_step_overlap_ms", "t_step_
 
 def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
-    p.add_argument("--config", default=None, help="YAML preset (default: auto-selected by GPU name and TP size)")
+    p.add_argument("--config", type=input_file, default=None,
+                   help="YAML preset (default: auto-selected by GPU name and TP size); its model section, if "
+                        "any, is the model to build unless --model is given")
     p.add_argument("--model", default=None, help=f"comma-separated names of {', '.join(MODELS)} "
                    "(default: the preset's model section, else llama8b on GPU / tiny on CPU)")
     p.add_argument("--activation", default=None, choices=ACTIVATIONS,
@@ -83,16 +82,17 @@ def make_parser() -> ArgumentParser:
                    help="comma-separated subset of nccl,torch_symm (default: both on GPU, nccl on CPU and "
                         "with --cuda-graphs; nccl is always run: the numerics check and the speedup use it)")
     p.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
-    p.add_argument("--out", default=None, help="results JSON (default: runs/tp_mlp-<UTC time>/tp_mlp_<gpu>_tp<W>"
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: runs/tp_mlp-<UTC time>/tp_mlp_<gpu>_tp<W>"
                    "[_graphs].json; results of record only with an explicit --out results/...)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="time each training step as a CUDA-graph replay (CUDA only; ours and the nccl baseline)")
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also time two blocks of about SECONDS of back-to-back steps per variant (A B C, "
                         "C B A), with SM clock and power where nvidia-smi answers (0: off)")
-    p.add_argument("--trace-dir", default=None,
+    p.add_argument("--trace-dir", type=output_dir, default=None,
                    help="CUDA: profile one step of ours and of the baseline per point; Chrome traces, a Gantt "
-                        "PNG and per-stream busy times go here (and into the row's `timeline`)")
+                        "PNG and per-stream busy times go here (and into the row's `timeline`) (default: off)")
     p.add_argument("--fp8", action="store_true",
                    help="also time our MLP with FP8 GEMMs (e4m3, 1x128 activation and 128x128 weight scales; "
                         f"variant overlap_fp8, checked against overlap=False within {FP8_TOLERANCE})")
@@ -102,21 +102,6 @@ def make_parser() -> ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     return make_parser().parse_args(argv)
-
-
-def _models(args, cfg, cuda: bool) -> list[ModelConfig]:
-    if args.model:
-        names = args.model.split(",")
-        unknown = [n for n in names if n not in MODELS]
-        require(not unknown, f"--model: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
-        models = [ModelConfig.named(name) for name in names]
-    elif cfg.model is not None:
-        models = [cfg.model]
-    else:
-        models = [ModelConfig.named("llama8b" if cuda else "tiny")]
-    if args.activation:
-        models = [dataclasses.replace(m, activation=args.activation) for m in models]
-    return models
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -173,9 +158,9 @@ def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict
     png = None
     if ctx.rank == 0 and lanes:
         png = _plots.plot_timeline(
-            [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms",
-              {lane: [(a, b) for a, b, _ in spans] for lane, spans in by_lane.items()})
-             for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png")
+            [(f"{model.name} M={m} {name}: span {summaries[name]['span_ms']:.2f} ms", by_lane)
+             for name, by_lane in lanes.items()], f"{args.trace_dir}/{stem}_timeline.png",
+            xlabel="ms from the step's first GPU activity (rank 0)")
         png = str(png)
     return summaries, png
 
@@ -287,47 +272,9 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     return row
 
 
-def _plan(args, where: _dist.Placement) -> SimpleNamespace:
-    """Everything a run needs that the arguments and the placement decide, validated before any process
-    group or pool exists (a bad value raises UsageError / ConfigError, the same on every rank)."""
-    cuda = where.device.type == "cuda"
-    require(args.steps > 0, f"--steps must be > 0, got {args.steps}")
-    require(args.warmup is None or args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
-    bad = [m for m in args.tokens or () if m <= 0]
-    require(not bad, f"--tokens must be > 0, got {','.join(map(str, bad))}")
-    require(math.isfinite(args.sustained) and args.sustained >= 0,
-            f"--sustained must be a finite number of seconds >= 0, got {args.sustained}")
-    require(cuda or not args.cuda_graphs, "--cuda-graphs needs CUDA devices")
-    require(cuda or not args.trace_dir, "--trace-dir needs CUDA devices (it profiles GPU streams)")
-    cfg = load_config(args.config) if args.config else load_preset(where.device_name, where.world_size)
-    cfg.check_world_size(where.world_size)
-    args.fp8 = args.fp8 or cfg.fp8   # the preset's `fp8: true` adds the FP8 variant too
-    require(not args.fp8 or args.dtype == "bf16", "--fp8 needs --dtype bf16 (the FP8 GEMMs write bf16)")
-    models = _models(args, cfg, cuda)
-    tokens = args.tokens or ((16384,) if cuda else (256,))
-    default_baselines = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
-    baselines = args.baselines.split(",") if args.baselines else default_baselines
-    unknown = [b for b in baselines if b not in BASELINES]
-    require(not unknown, f"--baselines: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(BASELINES)}")
-    require(cuda or "torch_symm" not in baselines, "--baselines torch_symm needs CUDA devices")
-    if "nccl" not in baselines:
-        baselines.insert(0, "nccl")  # the numerics check and the speedup are against it
-    for model in models:
-        require(model.ffn_hidden % where.world_size == 0,
-                f"{model.name}: ffn_hidden={model.ffn_hidden} is not divisible by the TP size {where.world_size}")
-    for m in tokens:
-        require(m % where.world_size == 0, f"--tokens={m} is not divisible by the TP size {where.world_size}")
-        method = cfg.op_config("gemm_rs", m).method
-        require(not args.fp8 or method in FP8_RS_METHODS,
-                f"--fp8: the preset's gemm_rs method at M={m} is {method}; FP8 needs {' or '.join(FP8_RS_METHODS)} "
-                f"(set ops.gemm_rs.method, or a by_m bucket, in a --config YAML)")
-    return SimpleNamespace(cfg=cfg, models=models, tokens=tokens, baselines=baselines,
-                           warmup=args.warmup if args.warmup is not None else (20 if cuda else 2))
-
-
 def _run(args) -> int:
     where = _dist.placement(force_cpu=args.cpu)
-    plan = _plan(args, where)
+    plan = _plan.plan(args, where)
     args.warmup = plan.warmup
     cfg, models, tokens = plan.cfg, plan.models, plan.tokens
     labels = run_labels(where.device.type, where.world_size)

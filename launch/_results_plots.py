@@ -1,0 +1,84 @@
+"""Redraw the PNGs of a results folder from the data next to them (`python -m launch.results_md --plots`).
+
+* `<stem>.png` next to a launch.kfactor JSON `<stem>.json`: its sweep (k and E against the swept setting).
+* `<prefix>_timeline<suffix>.png` next to Chrome traces `<prefix>[_<part>]<suffix>.trace.json` (part: a
+  launch.tp_mlp variant `overlap_rank0` / `baseline_rank0`, or a launch.kfactor op): one panel per trace,
+  lanes named by what they run, bars coloured by kind.
+
+A PNG without such data is reported, not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from . import _plots
+from ._timeline import stream_lanes, summarise
+
+__all__ = ["redraw"]
+
+PARTS = ("overlap_rank0", "baseline_rank0", "ag_gemm", "gemm_rs")
+XLABEL = "ms from the step's first GPU activity (rank 0)"
+
+
+def _kfactor_doc(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return doc if doc.get("kind") == "kfactor" else None
+
+
+def _traces(png: Path) -> list[tuple[str, Path]]:
+    prefix, _, suffix = png.stem.partition("_timeline")
+    found = [(part, png.with_name(f"{prefix}_{part}{suffix}.trace.json")) for part in PARTS]
+    found.append(("", png.with_name(f"{prefix}{suffix}.trace.json")))
+    return [(part, path) for part, path in found if path.is_file()]
+
+
+def _kfactor_title(doc: dict | None, op: str) -> str:
+    """The step kfactor profiles: the last shape of the op, at its fastest configuration."""
+    rows = [r for r in (doc or {}).get("rows", []) if r.get("op") == op and r.get("t_op_ms") is not None]
+    if not rows:
+        return op
+    shape = tuple(rows[-1][k] for k in ("layer", "M", "K", "N"))
+    best = min((r for r in rows if tuple(r[k] for k in ("layer", "M", "K", "N")) == shape), key=lambda r: r["t_op_ms"])
+    return (f"{op} {best['layer']} M={best['M']} K={best['K']} N={best['N']}: one overlapped step, {best['method']}, "
+            f"sm_margin={best['sm_margin']}, chunks_per_rank={best.get('chunks_per_rank')}")
+
+
+def _title(png: Path, part: str, lanes: dict, doc: dict | None) -> str:
+    span = summarise(lanes)["span_ms"]
+    match = re.match(r"tp_mlp_(\w+?)_M(\d+)(_graphs)?_timeline_(\w+)$", png.stem)
+    if match:
+        model, m, graphs, commit = match.groups()
+        variant = "ours (overlap)" if part.startswith("overlap") else "overlap=False (NCCL)"
+        kind = "CUDA-graph replay" if graphs else "eager"
+        return f"{model} M={m}, {variant}, one training step ({kind}, commit {commit}): span {span:.2f} ms"
+    op = part or next((r["op"] for r in (doc or {}).get("rows", [])), "")
+    return f"{_kfactor_title(doc, op) if op else png.stem.replace('_timeline', '')}: span {span:.2f} ms"
+
+
+def redraw(directory: Path) -> tuple[list[str], list[str]]:
+    """(PNGs redrawn, PNGs left as they are for want of data), as paths relative to `directory`."""
+    done, missing = [], []
+    for png in sorted(directory.rglob("*.png")):
+        doc = _kfactor_doc(png.with_suffix(".json"))
+        if doc is not None:
+            title = f"{png.stem} ({doc['device']}, TP{doc['tp']})"
+            _plots.plot_sweep(doc["rows"], png, max_k=doc.get("max_k"), title=title)
+        elif "_timeline" in png.stem and _traces(png):
+            prefix, _, suffix = png.stem.partition("_timeline")
+            owner = (_kfactor_doc(png.with_name(f"{prefix}{suffix}.json"))
+                     or _kfactor_doc(png.with_name(f"{prefix}.json")))
+            steps = []
+            for part, path in _traces(png):
+                lanes = stream_lanes(json.loads(path.read_text()))
+                steps.append((_title(png, part, lanes, owner), lanes))
+            _plots.plot_timeline(steps, png, xlabel=XLABEL)
+        else:
+            missing.append(str(png.relative_to(directory)))
+            continue
+        done.append(str(png.relative_to(directory)))
+    return done, missing
