@@ -85,7 +85,8 @@ def make_parser() -> ArgumentParser:
                    "default: none)")
     p.add_argument("--time-budget-s", type=float, default=600.0, help="wall-clock bound of the whole run")
     p.add_argument("--fp8", action="store_true", help="FP8 block-scaled GEMM vs torch._scaled_mm and bf16 cuBLAS")
-    p.add_argument("--write-table", default=None, help="--fp8: write the fastest FP8 blocks per shape there")
+    p.add_argument("--write-table", default=None,
+                   help="--fp8: write the fastest FP8 blocks per shape there (default: no table written)")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"--fp8: child processes compiling at once (default: CPU cores - 2, 1 to 12: {DEFAULT_JOBS} here)")
     p.add_argument("--out", default=None, help="results JSON (default: a file in runs/gemm_bench-<time>/)")
     p.add_argument("--shapes", type=parse_shapes, default=(), help="MxNxK,... instead of the TP tables (default: the TP tables)")
