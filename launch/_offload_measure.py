@@ -14,14 +14,55 @@ import statistics
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from overlap._activation import SavedInputActivation, activation_forward
 from overlap.offload_plan import Rates
 
-__all__ = ["CopyRates", "measure_copies", "measure_layer_times", "rates_from"]
+__all__ = ["CopyRates", "LiveBytes", "measure_copies", "measure_layer_times", "rates_from"]
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000
+
+
+class LiveBytes(TorchDispatchMode):
+    """Device bytes a stretch of code allocates and still holds, op by op: the CPU's max_memory_allocated.
+
+        with LiveBytes() as live:
+            ...; live.sample()      # bytes held now (also taken after every op)
+        live.peak                   # the most held right after any op
+
+    Counts the storage of every tensor an op creates (outputs that share an input's storage, views and
+    in-place or out= results, are not new) while it is alive (weak references): what existed before, such
+    as weights and inputs, is not counted. Autograd's backward runs its ops on this thread on CPU, so they
+    count too. A temporary freed inside one op is invisible, as are copies into memory made elsewhere
+    (the host pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                held = self._live.get(ref.cdata)
+                if ref.cdata not in inputs and (held is None or held[0].expired()):
+                    self._live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        self.sample()
+        return out
+
+    def sample(self) -> int:
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        self.now = sum(n for _, n in self._live.values())
+        self.peak = max(self.peak, self.now)
+        return self.now
 
 
 class CopyRates(dict):
