@@ -81,14 +81,15 @@ def _machine(ctx, stack, host: HostPool) -> tuple:
 
 def _plans(shape, rates, args, fixed, none_peak, local, notes) -> dict:
     """The hand variants, the planner at every --budget (one search), and its staggered form."""
-    plans = {v: plan_offload(shape, rates, forced=f, fixed_bytes=fixed) for v, f in HAND.items()}
+    plans = {v: plan_offload(shape, rates, forced=f, fixed_bytes=fixed, explain=False) for v, f in HAND.items()}
     asks = []
     for label, kind, value in args.budgets:
         if kind == "time":
             asks.append(("auto", value))
         else:
             asks.append((int(value * none_peak) if kind == "fraction" else value, 0.0))
-    for i, ((label, _, _), plan) in enumerate(zip(args.budgets, plan_sweep(shape, rates, asks, fixed_bytes=fixed))):
+    sweep = plan_sweep(shape, rates, asks, fixed_bytes=fixed, explain="first")
+    for i, ((label, _, _), plan) in enumerate(zip(args.budgets, sweep)):
         name = "planner" if i == 0 else f"planner[{label}]"
         if isinstance(plan, OffloadPlanError):
             notes.append(f"{name}: {plan}")

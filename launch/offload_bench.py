@@ -230,10 +230,23 @@ def _choose(points, args, cuda, ctx, notes) -> list:
     return chosen
 
 
+def _brief(r) -> str:
+    """One line per variant (the GPU script greps "= "): measured (predicted, error), ratios to none."""
+    g = 2**30
+    return (f"= {r['model']} L={r['layers']} M={r['M']} {r['variant']}: peak {r['peak_bytes'] / g:.2f} GiB "
+            f"(pred {r['pred_peak_bytes'] / g:.2f}, {r['peak_error']:+.1%}), act {r['act_peak_bytes'] / g:.2f} GiB "
+            f"(pred {r['pred_act_peak_bytes'] / g:.2f}, {r['act_error']:+.1%}), fixed {r['fixed_bytes'] / g:.2f} GiB, "
+            f"step {r['t_step_ms']:.1f} ms (pred {r['pred_step_ms']:.1f}, {r['time_error']:+.1%}, spread "
+            f"{r['spread']:.3f}); vs none: peak {r['peak_vs_none']:.3f}, act {r['act_vs_none']:.3f}, time "
+            f"{r['time_vs_none']:.3f}")
+
+
 def _summary(labels, rows, done, notes, out, plot, start) -> None:
     for line in labels.header:
         print(line)
     print(format_table([{"run_kind": labels.kind} | r for r in rows], COLUMNS))
+    for r in rows:
+        print(_brief(r))
     for point in done:
         c = point["copies"]
         print(f"\n{point['model']} L={point['layers']} M={point['M']}: copies D2H {c['d2h_gbps']:.1f} GB/s, H2D "

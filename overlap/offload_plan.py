@@ -235,11 +235,12 @@ def _allowed(shape: MLPShape, candidates, forced: dict) -> dict:
 def plan_offload(shape: MLPShape, rates: Rates, *, budget_bytes: int | str = "auto",
                  max_added: float = AUTO_MAX_ADDED, candidates: tuple[str, ...] = CANDIDATES,
                  prefetch_depth: int | str = "auto", forced: dict | None = None, fixed_bytes: int = 0,
-                 pacing_offset: int = 0) -> OffloadPlan:
-    """Choose keep / offload / recompute for every (layer, candidate); see the module doc."""
+                 pacing_offset: int = 0, explain: bool = True) -> OffloadPlan:
+    """Choose keep / offload / recompute for every (layer, candidate); see the module doc. explain=False:
+    no table rows (they simulate every alternative of every tensor)."""
     plan = plan_sweep(shape, rates, [(budget_bytes, max_added)], candidates=candidates,
                       prefetch_depth=prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
-                      pacing_offset=pacing_offset)[0]
+                      pacing_offset=pacing_offset, explain="all" if explain else "none")[0]
     if isinstance(plan, OffloadPlanError):
         raise plan
     return plan
@@ -247,9 +248,12 @@ def plan_offload(shape: MLPShape, rates: Rates, *, budget_bytes: int | str = "au
 
 def plan_sweep(shape: MLPShape, rates: Rates, budgets, *, candidates: tuple[str, ...] = CANDIDATES,
                prefetch_depth: int | str = "auto", forced: dict | None = None, fixed_bytes: int = 0,
-               pacing_offset: int = 0) -> list:
+               pacing_offset: int = 0, explain: str = "all") -> list:
     """One search, one choice per (budget_bytes, max_added) of `budgets`: an OffloadPlan, or the
-    OffloadPlanError that plan_offload would raise for it (a budget no plan fits)."""
+    OffloadPlanError that plan_offload would raise for it (a budget no plan fits). explain: which plans get
+    table rows, "all" | "first" | "none" (rows simulate every alternative of every tensor)."""
+    if explain not in ("all", "first", "none"):
+        raise OffloadPlanError(f"explain={explain!r}; allowed: all | first | none")
     forced = dict(forced or {})
     for _, max_added in budgets:
         if not (isinstance(max_added, (int, float)) and 0 <= max_added):
@@ -271,7 +275,7 @@ def plan_sweep(shape: MLPShape, rates: Rates, budgets, *, candidates: tuple[str,
             scored.append((round(sim.step_ms - keep.step_ms, 6), sim, plan, depth, canon, n_rec))
     frontier = search.frontier(scored)
     out = []
-    for budget_bytes, max_added in budgets:
+    for index, (budget_bytes, max_added) in enumerate(budgets):
         best = _choose(scored, keep, budget_bytes, max_added, candidates)
         if isinstance(best, OffloadPlanError):
             out.append(best)
@@ -286,7 +290,8 @@ def plan_sweep(shape: MLPShape, rates: Rates, budgets, *, candidates: tuple[str,
             step_ms=sim.step_ms, baseline_step_ms=keep.step_ms, peak_bytes=sim.peak_bytes,
             keep_peak_bytes=keep.peak_bytes, act_peak_bytes=sim.act_peak_bytes,
             keep_act_peak_bytes=keep.act_peak_bytes, fixed_bytes=fixed_bytes,
-            rows=_rows(search, plan, depth, sim, allowed, forced), frontier=frontier))
+            rows=_rows(search, plan, depth, sim, allowed, forced) if explain == "all" or (
+                explain == "first" and index == 0) else (), frontier=frontier))
     return out
 
 
