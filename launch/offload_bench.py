@@ -48,7 +48,7 @@ import torch.distributed as dist
 from overlap.config import MODELS
 from overlap.host_pool import HostPool, OffloadError
 from overlap.offload_config import DEFAULT_MAX_ADDED
-from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, plan_offload, simulate, tensor_bytes
+from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import progress
 
@@ -250,8 +250,8 @@ def _summary(labels, rows, done, notes, out, plot, start) -> None:
     for point in done:
         c = point["copies"]
         print(f"\n{point['model']} L={point['layers']} M={point['M']}: copies D2H {c['d2h_gbps']:.1f} GB/s, H2D "
-              f"{c['h2d_gbps']:.1f} GB/s, k_copy {c['k_copy_d2h']:.3f}/{c['k_copy_h2d']:.3f}, k_gemm {c['k_gemm']:.3f}; "
-              f"fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
+              f"{c['h2d_gbps']:.1f} GB/s, k_copy {c['k_copy_d2h']:.3f}/{c['k_copy_h2d']:.3f}, k_gemm "
+              f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
               f"planner {point['planner_s']:.1f} s")
         print(point["planner_table"])
         for key, (value, target, met) in point["targets"].items():

@@ -37,7 +37,6 @@ __all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "
 SAVE_POINTS_PER_LAYER = 3  # x, h, a
 RELEASE_MARGIN = 0.10      # release a copy's device memory only once 10 % past its predicted landing
 GRADS = ("step", "resident")
-_READY_AFTER = {"x": "fc1", "h": "act", "a": "fc2"}  # the op whose save packs the tensor (after it ran)
 
 
 class OffloadPlanError(OffloadError):

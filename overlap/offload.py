@@ -7,10 +7,11 @@
         disable_offload(mlps); engine.close()
 
 Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h); see
-overlap/offload_config.py), the plan says keep, offload or recompute. The engine runs the layer's forward
-under `torch.autograd.graph.saved_tensors_hooks`, so the custom ops (`tp_overlap::column_forward` /
-`row_forward`) and the activation save through it; weights and anything that is not the expected tensor
-are kept as they are.
+overlap/offload_config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
+moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops `tp_overlap::column_forward` /
+`row_forward` and the activation save through it; weights and anything that is not the expected tensor
+are kept as they are); an op whose tensor is kept runs without hooks, and backward hooks exist only in
+plans that offload, so keeping costs no per-tensor work.
 
 Streams and events (CUDA; every dependency is an event, nothing synchronises the host):
 * offload, at save time: the device-to-host stream (high priority) waits for the compute stream (the tensor

@@ -37,8 +37,8 @@ from ._offload_sim import (SAVE_POINTS_PER_LAYER, LayerTimes, MLPShape, OffloadP
                            grad_bytes, layer_times, simulate, tensor_bytes)
 from .offload_config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
 
-__all__ = ["MLPShape", "Rates", "LayerTimes", "PlanRow", "OffloadPlan", "OffloadPlanError", "plan_offload", "plan_sweep",
-           "simulate", "layer_times", "tensor_bytes", "grad_bytes", "pacing_offset", "plan_for",
+__all__ = ["MLPShape", "Rates", "LayerTimes", "PlanRow", "OffloadPlan", "OffloadPlanError", "plan_offload",
+           "plan_sweep", "simulate", "layer_times", "tensor_bytes", "grad_bytes", "pacing_offset", "plan_for",
            "AUTO_MAX_ADDED", "SAVE_POINTS_PER_LAYER", "EXHAUSTIVE_PLANS"]
 
 AUTO_MAX_ADDED = DEFAULT_MAX_ADDED   # budget "auto": plans may add at most this fraction of the step
