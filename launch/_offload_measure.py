@@ -3,8 +3,11 @@
 * copy bandwidth each way between a device buffer and a pinned host slot, on a high-priority side stream;
 * k of the copy under the step's GEMM and of the GEMM under copies (copy alone vs beside the GEMM, both
   started together behind a short device hold so that both are queued before either starts);
-* the layer's own times: fc1 and fc2 GEMMs, the activation forward (= the cost of recomputing a) and its
-  backward.
+* the layer's own times: fc1 (with the gathered copy the column layer makes) and fc2 forward, their
+  backward (dgrad and wgrad), the activation forward (= the cost of recomputing a), its backward, and the
+  plain module's activation backward (autograd's swiglu);
+* the optimizer step (time outside the layers), and the peak device bytes of a step (CUDA: the caching
+  allocator's counters; CPU: `LiveBytes`).
 On CPU the copies are memcpys and nothing runs concurrently: k is reported as 1.0, marked unmeasured.
 """
 
@@ -14,14 +17,56 @@ import statistics
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from overlap._activation import SavedInputActivation, activation_forward
 from overlap.offload_plan import Rates
 
-__all__ = ["CopyRates", "measure_copies", "measure_layer_times", "rates_from"]
+__all__ = ["CopyRates", "LiveBytes", "measure_copies", "measure_layer_times", "measure_ms", "peak_of",
+           "rates_from"]
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000
+
+
+class LiveBytes(TorchDispatchMode):
+    """Device bytes a stretch of code allocates and still holds, op by op: the CPU's max_memory_allocated.
+
+        with LiveBytes() as live:
+            ...; live.sample()      # bytes held now (also taken after every op)
+        live.peak                   # the most held right after any op
+
+    Counts the storage of every tensor an op creates (outputs that share an input's storage, views and
+    in-place or out= results, are not new) while it is alive (weak references): what existed before, such
+    as weights and inputs, is not counted. Autograd's backward runs its ops on this thread on CPU, so they
+    count too. A temporary freed inside one op is invisible, as are copies into memory made elsewhere
+    (the host pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                held = self._live.get(ref.cdata)
+                if ref.cdata not in inputs and (held is None or held[0].expired()):
+                    self._live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        self.sample()
+        return out
+
+    def sample(self) -> int:
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        self.now = sum(n for _, n in self._live.values())
+        self.peak = max(self.peak, self.now)
+        return self.now
 
 
 class CopyRates(dict):
@@ -104,7 +149,9 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, r
     out["d2h_ms"], out["h2d_ms"] = d2h_ms, h2d_ms
     if not cuda or gemm is None:
         return out
-    gemm_ms = statistics.median(_timed(gemm, torch.cuda.current_stream(), reps, True))
+    _pair(gemm, 1, d2h, 0)  # warm-up
+    # the GEMM alone, timed as beside the copies (queued behind the same hold): k compares like with like
+    gemm_ms = statistics.median(_pair(gemm, 1, d2h, 0)[0] for _ in range(reps))
     out["gemm_ms"] = gemm_ms
     for name, copy, alone in (("d2h", d2h, d2h_ms), ("h2d", h2d, h2d_ms)):
         # the copy under the GEMM: enough GEMMs to outlast the copy by half
@@ -120,32 +167,69 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, r
 
 
 def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
-    """Medians (ms) of one layer's pieces at this x: fc1 and fc2 GEMMs, activation forward and backward."""
+    """Medians (ms) of one layer's pieces at this x: fc1 (gathered copy + GEMM) and fc2 GEMMs forward, their
+    backward (dgrad + wgrad), the activation forward and backward, the plain (autograd) activation backward."""
     cuda = x.is_cuda
     stream = torch.cuda.current_stream() if cuda else None
     w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
     with torch.no_grad():
         h = x @ w1
         a = activation_forward(h, mlp.activation)
+        dy = torch.randn_like(x)
     h_req = h.detach().requires_grad_(True)
     a_graph = SavedInputActivation.apply(h_req, mlp.activation)
+    a_plain = activation_forward(h_req, mlp.activation)
     da = torch.randn_like(a)
+    dh = torch.randn_like(h)
     pieces = {
-        "fc1_ms": lambda: torch.mm(x, w1),
+        "fc1_ms": lambda: torch.mm(x.clone(), w1),
         "act_ms": lambda: activation_forward(h, mlp.activation),
         "fc2_ms": lambda: torch.mm(a, w2),
+        "fc2_bwd_ms": lambda: (torch.mm(dy, w2.t()), torch.mm(a.t(), dy)),
+        "fc1_bwd_ms": lambda: (torch.mm(dh, w1.t()), torch.mm(x.t(), dh)),
         "act_bwd_ms": lambda: torch.autograd.grad(a_graph, h_req, da, retain_graph=True),
+        "act_bwd_plain_ms": lambda: torch.autograd.grad(a_plain, h_req, da, retain_graph=True),
     }
     out = {}
     for name, fn in pieces.items():
-        with torch.no_grad() if name != "act_bwd_ms" else torch.enable_grad():
+        with torch.enable_grad() if name.startswith("act_bwd") else torch.no_grad():
             out[name] = statistics.median(_timed(fn, stream, reps, cuda))
     return out
 
 
-def rates_from(copies: CopyRates, times: dict) -> Rates:
-    """Planner input: measured bandwidths, k and layer times (recompute of a = the activation forward)."""
+def measure_ms(fn, device: torch.device, *, reps: int = 3) -> float:
+    """Median ms of `fn()` on the current stream (e.g. the optimizer step: the step's time outside the layers)."""
+    cuda = device.type == "cuda"
+    return statistics.median(_timed(fn, torch.cuda.current_stream(device) if cuda else None, reps, cuda))
+
+
+def peak_of(step, device: torch.device, prepare=None) -> tuple[int, int]:
+    """(peak bytes above what existed when it started, bytes that existed) of the second of two calls of
+    `step` (the first warms up allocator, slots and kernels); `prepare()` runs before each (e.g. dropping or
+    allocating the gradients, which sets what exists at the start). CUDA: max_memory_allocated; CPU:
+    LiveBytes, which counts only what the step allocates (what existed is reported as 0)."""
+    prepare = prepare or (lambda: None)
+    prepare()
+    step()
+    prepare()
+    if device.type != "cuda":
+        with LiveBytes() as live:
+            step()
+        return live.peak, 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, before
+
+
+def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0) -> Rates:
+    """Planner input: measured bandwidths, k (at least 1: below is noise) and layer times (recompute of a =
+    the activation forward), and the step's time outside the layers."""
     return Rates(d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
-                 k_copy=max(copies["k_copy_d2h"], copies["k_copy_h2d"]), k_gemm=copies["k_gemm"],
+                 k_copy=max(1.0, copies["k_copy_d2h"], copies["k_copy_h2d"]), k_gemm=max(1.0, copies["k_gemm"]),
                  fc1_ms=times["fc1_ms"], fc2_ms=times["fc2_ms"], act_ms=times["act_ms"],
-                 act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"])
+                 act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"],
+                 act_bwd_plain_ms=times.get("act_bwd_plain_ms"), fc1_bwd_ms=times.get("fc1_bwd_ms"),
+                 fc2_bwd_ms=times.get("fc2_bwd_ms"), step_extra_ms=step_extra_ms)

@@ -30,7 +30,7 @@ from overlap.offload_config import OffloadConfig, parse_offload_arg
 from overlap.offload_plan import Rates
 from launch.timing import bench_interleaved
 
-from ._offload_measure import measure_copies, measure_layer_times
+from ._offload_measure import measure_copies, measure_layer_times, peak_of
 
 __all__ = ["add_offload_argument", "offload_report"]
 
@@ -52,16 +52,22 @@ def add_offload_argument(parser) -> None:
                              "or tensors by hand, e.g. h,a=recompute (x: gathered input, h: fc1 output, a: act)")
 
 
+_AGREED = ("d2h_gbps", "h2d_gbps", "k_copy_d2h", "k_copy_h2d", "k_gemm", "fc1_ms", "fc2_ms", "act_ms",
+           "act_bwd_ms", "fc1_bwd_ms", "fc2_bwd_ms")
+
+
 def _agreed_rates(ctx, copies: dict, times: dict) -> Rates:
     """Every rank plans from the same numbers: the slowest copies, the longest times, the largest k."""
-    slow = torch.tensor([-copies["d2h_gbps"], -copies["h2d_gbps"], copies["k_copy_d2h"], copies["k_copy_h2d"],
-                         copies["k_gemm"], times["fc1_ms"], times["fc2_ms"], times["act_ms"], times["act_bwd_ms"]],
-                        dtype=torch.float64, device=ctx.device)
+    merged = copies | times
+    slow = torch.tensor([-merged[k] if k.endswith("gbps") else merged[k] for k in _AGREED], dtype=torch.float64,
+                        device=ctx.device)
     if dist.get_world_size(ctx.group) > 1:
         dist.all_reduce(slow, op=dist.ReduceOp.MAX, group=ctx.group)
-    v = slow.tolist()
-    return Rates(d2h_gbps=-v[0], h2d_gbps=-v[1], k_copy=max(v[2], v[3]), k_gemm=v[4], fc1_ms=v[5], fc2_ms=v[6],
-                 act_ms=v[7], act_bwd_ms=v[8], recompute_ms=v[7])
+    v = dict(zip(_AGREED, slow.tolist()))
+    return Rates(d2h_gbps=-v["d2h_gbps"], h2d_gbps=-v["h2d_gbps"], k_copy=max(1.0, v["k_copy_d2h"], v["k_copy_h2d"]),
+                 k_gemm=max(1.0, v["k_gemm"]), fc1_ms=v["fc1_ms"], fc2_ms=v["fc2_ms"], act_ms=v["act_ms"],
+                 act_bwd_ms=v["act_bwd_ms"], recompute_ms=v["act_ms"], fc1_bwd_ms=v["fc1_bwd_ms"],
+                 fc2_bwd_ms=v["fc2_bwd_ms"])
 
 
 def _measure(ctx, mlp, pool: HostPool, m: int, x: torch.Tensor) -> tuple[Rates, dict]:
@@ -86,39 +92,37 @@ def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadC
     rates, copies = _measure(ctx, mlp, pool, m, x)
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-4)
 
+    def drop_grads():
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+
     def step(engine):
         def run():
-            x.grad = None
-            mlp.zero_grad(set_to_none=True)
+            drop_grads()
             y = engine.forward(0, mlp, x) if engine is not None else type(mlp).forward(mlp, x)
             y.backward(dy)
             opt.step()
         return run
 
-    def peak(run):
+    def _whole(run):  # (peak bytes, bytes at the step's start: weights, inputs, optimizer state); CPU: None, 0
         if not cuda:
-            return None
-        run()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+            return None, 0
+        above, before = peak_of(run, ctx.device, prepare=drop_grads)
+        return above + before, before
 
-    plain_peak = peak(step(None))
+    plain = step(None)
+    plain_peak, fixed = _whole(plain)
     # pacing staggers the ranks of one node: tp_mlp's TP group is one node, so rank = local rank
     placement = {"local_rank": ctx.rank, "local_world": ctx.world_size}
-    probe = plan_for([mlp], config, rates, m=m, **placement)
-    fixed = (plain_peak - probe.keep_peak_bytes) if plain_peak else 0  # calibrated on the measured peak
-    plan = plan_for([mlp], config, rates, m=m, fixed_bytes=fixed, **placement)
+    plan = plan_for([mlp], config, rates, m=m, fixed_bytes=fixed, **placement)  # fixed: what exists at a step's start
     if own_pool:
         pool.close()
         pool = HostPool(host_bytes(plan), device=ctx.device)
     engine = OffloadEngine(plan, pool=pool, device=ctx.device, name="report")
     try:
-        steps = {"offload_off": step(None), "offload_on": step(engine)}
-        peaks = torch.tensor([float(plain_peak or 0), float(peak(steps["offload_on"]) or 0)], dtype=torch.float64,
-                             device=ctx.device)
+        steps = {"offload_off": plain, "offload_on": step(engine)}
+        peaks = torch.tensor([float(plain_peak or 0), float(_whole(steps["offload_on"])[0] or 0)],
+                             dtype=torch.float64, device=ctx.device)
         if dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=ctx.group)
         stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps)

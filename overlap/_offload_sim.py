@@ -3,20 +3,40 @@
 A stack of L TP MLPs, forward 0..L-1 then backward L-1..0, on one compute stream with one device-to-host
 and one host-to-device copy queue (see overlap/offload_plan.py for how the planner uses it). Pure functions:
 no torch, no device.
+
+Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth) run one after the
+other; a GEMM that runs while a copy queue is busy takes k_gemm times longer for the overlapping part (k
+below 1 is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
+is complete (the op that saves it has run: x after fc1, h after the activation, a after fc2) and its queue is
+free, and lasts bytes / bandwidth * k_copy. Its device memory is released at the first later save point the
+copy has landed by (plus a margin), else at the start of backward, which waits for it. Backward of layer p
+brings back the offloaded tensors of layers p..p-depth; a tensor's unpack waits for its copy.
+
+Memory: every device tensor the step allocates, in program order (the op sequence of
+`launch/_bench_mlp.BenchMLP` with the engine's activation, which is TPMLP's at W = 1): saved tensors while
+resident, the layer output, the activation's temporary, the backward's da, dh, dx and its temporaries,
+prefetch buffers, and the weight gradients. `MLPShape.grads` says when the gradients exist:
+"step" (torch's `zero_grad(set_to_none=True)`: each layer's backward allocates them, held to the end of the
+step) or "resident" (held across the step, e.g. accumulated over micro-batches: counted in `fixed_bytes`,
+the backward only adds a transient). `fixed_bytes` is what exists before the step starts (weights, inputs,
+optimizer state, resident gradients). Two peaks come out: `peak_bytes` in the shape's mode, and
+`act_peak_bytes`, the peak of everything but weights, gradients and inputs (the "resident" count).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .host_pool import OffloadError
 from .offload_config import CANDIDATES
 
-__all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "tensor_bytes", "layer_times",
-           "simulate", "SAVE_POINTS_PER_LAYER", "RELEASE_MARGIN"]
+__all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "tensor_bytes", "grad_bytes",
+           "layer_times", "simulate", "SAVE_POINTS_PER_LAYER", "RELEASE_MARGIN", "GRADS"]
 
 SAVE_POINTS_PER_LAYER = 3  # x, h, a
 RELEASE_MARGIN = 0.10      # release a copy's device memory only once 10 % past its predicted landing
+GRADS = ("step", "resident")
 
 
 class OffloadPlanError(OffloadError):
@@ -26,7 +46,8 @@ class OffloadPlanError(OffloadError):
 @dataclass(frozen=True, kw_only=True)
 class MLPShape:
     """A stack of `num_layers` TP MLPs at M tokens on W ranks; dtype_bytes per element.
-    gathered_is_view: the column layer keeps a pool view of the gathered input (x costs no memory)."""
+    gathered_is_view: the column layer keeps a pool view of the gathered input (x costs no memory).
+    grads: "step" (weight grads allocated in backward, held to the end of the step) | "resident"."""
     hidden: int
     ffn_hidden: int
     m: int
@@ -35,13 +56,22 @@ class MLPShape:
     dtype_bytes: int = 2
     num_layers: int = 1
     gathered_is_view: bool = False
+    grads: str = "step"
+
+    def __post_init__(self):
+        if self.grads not in GRADS:
+            raise OffloadPlanError(f"MLPShape.grads={self.grads!r}; allowed: {' | '.join(GRADS)}")
+        if self.activation not in ("swiglu", "gelu"):
+            raise OffloadPlanError(f"MLPShape.activation={self.activation!r}; allowed: swiglu | gelu")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Rates:
     """Measured numbers: copy bandwidth each way (GB/s, 1e9 bytes), the copy's slowdown under the step's
-    GEMMs (k_copy) and the GEMMs' under copies (k_gemm), dense GEMM rate (TFLOP/s) and memory bandwidth
-    (GB/s) for derived layer times, or measured layer times (ms) that override them."""
+    GEMMs (k_copy) and the GEMMs' under copies (k_gemm; both taken as at least 1), dense GEMM rate (TFLOP/s)
+    and memory bandwidth (GB/s) for derived layer times, or measured layer times (ms) that override them
+    (backward GEMMs: dgrad and wgrad each, default the forward GEMM's time), and `step_extra_ms` (optimizer
+    and anything else in the step outside the layers)."""
     d2h_gbps: float
     h2d_gbps: float
     gemm_tflops: float = 700.0
@@ -53,12 +83,21 @@ class Rates:
     act_ms: float | None = None
     act_bwd_ms: float | None = None
     recompute_ms: float | None = None
+    act_bwd_plain_ms: float | None = None
+    fc1_bwd_ms: float | None = None
+    fc2_bwd_ms: float | None = None
+    step_extra_ms: float = 0.0
 
     def __post_init__(self):
         for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
+        for name in ("fc1_ms", "fc2_ms", "act_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms", "fc1_bwd_ms",
+                     "fc2_bwd_ms", "step_extra_ms"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise OffloadPlanError(f"Rates.{name} must be a number >= 0 or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +107,8 @@ class LayerTimes:
     fc2: float
     act_bwd: float
     recompute: float
+    fc1_bwd: float   # dgrad + wgrad
+    fc2_bwd: float
 
 
 def tensor_bytes(shape: MLPShape) -> dict[str, int]:
@@ -76,6 +117,13 @@ def tensor_bytes(shape: MLPShape) -> dict[str, int]:
     s, w = shape.dtype_bytes, shape.world_size
     return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s,
             "a": shape.m * (shape.ffn_hidden // w) * s}
+
+
+def grad_bytes(shape: MLPShape) -> tuple[int, int]:
+    """Weight gradient bytes of one layer (fc1, fc2) per rank, in the weights' dtype."""
+    width = 2 * shape.ffn_hidden if shape.activation == "swiglu" else shape.ffn_hidden
+    s, w = shape.dtype_bytes, shape.world_size
+    return shape.hidden * (width // w) * s, (shape.ffn_hidden // w) * shape.hidden * s
 
 
 def layer_times(shape: MLPShape, rates: Rates) -> LayerTimes:
@@ -87,127 +135,288 @@ def layer_times(shape: MLPShape, rates: Rates) -> LayerTimes:
     byte_ms = 1e3 / (rates.hbm_gbps * 1e9)
     act = rates.act_ms if rates.act_ms is not None else (b["h"] + b["a"]) * byte_ms
     act_bwd = rates.act_bwd_ms if rates.act_bwd_ms is not None else (2 * b["h"] + b["a"]) * byte_ms
-    return LayerTimes(fc1, act, fc2, act_bwd, rates.recompute_ms if rates.recompute_ms is not None else act)
+    return LayerTimes(fc1, act, fc2, act_bwd, rates.recompute_ms if rates.recompute_ms is not None else act,
+                      rates.fc1_bwd_ms if rates.fc1_bwd_ms is not None else 2 * fc1,
+                      rates.fc2_bwd_ms if rates.fc2_bwd_ms is not None else 2 * fc2)
 
 
 @dataclass(frozen=True)
 class SimResult:
     step_ms: float
-    peak_bytes: int
+    peak_bytes: int           # fixed_bytes + the step's peak in the shape's grads mode
+    act_peak_bytes: int       # the peak without weights, gradients and inputs (grads "resident")
+    boundary_bytes: int       # allocated by the step at the start of backward (releases and first prefetch done)
     moved_bytes: int
     release_at: dict          # (layer, tensor) -> save-point index of its release, or -1: start of backward
     stall_ms: float
     at_peak: frozenset        # (layer, tensor) resident on the device at the peak
     windows: dict             # offloaded (layer, tensor) -> (saved, landed, released, fetched, needed) in ms
+    peak_where: str           # "forward L<p>" | "backward L<p>": where the peak (shape's mode) is reached
+
+
+class _Queue:
+    """One copy engine: FIFO busy intervals, and how much of a span they cover (spans come in time order)."""
+
+    def __init__(self):
+        self.spans: list = []
+        self.free_at = 0.0
+        self._first = 0
+
+    def issue(self, ready: float, ms: float) -> float:
+        start = max(ready, self.free_at)
+        self.free_at = start + ms
+        self.spans.append((start, self.free_at))
+        return self.free_at
+
+    def covered(self, a: float, b: float) -> float:
+        spans, i = self.spans, self._first
+        while i < len(spans) and spans[i][1] <= a:
+            i += 1
+        self._first = i
+        total = 0.0
+        while i < len(spans) and spans[i][0] < b:
+            total += min(b, spans[i][1]) - max(a, spans[i][0])
+            i += 1
+        return total
 
 
 def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixed_bytes: int = 0,
-             pacing_offset: int = 0) -> SimResult:
-    """One step under `decisions` {(layer, tensor): keep|offload|recompute} (missing: keep)."""
-    L, t, b = shape.num_layers, layer_times(shape, rates), tensor_bytes(shape)
-    if shape.gathered_is_view:
-        b["x"] = 0
-    dec = lambda p, n: decisions.get((p, n), "keep")  # noqa: E731
-    copies = any(v == "offload" for v in decisions.values())
-    kg = rates.k_gemm if copies else 1.0
-    d2h_ms = {n: b[n] / (rates.d2h_gbps * 1e9) * 1e3 * rates.k_copy for n in CANDIDATES}
-    h2d_ms = {n: b[n] / (rates.h2d_gbps * 1e9) * 1e3 * rates.k_copy for n in CANDIDATES}
-    resident: list[tuple] = []  # (from, to, bytes, (layer, tensor) or None for work) of device memory
-    needed: dict = {}
-    saved_at, landed, release, release_at = {}, {}, {}, {}
-    now, d2h_free, stall, last = 0.0, 0.0, 0.0, SAVE_POINTS_PER_LAYER * L - 1
-    deferred: list[tuple[int, tuple]] = []
+             pacing_offset: int = 0, plain: bool = False) -> SimResult:
+    """One step under `decisions` {(layer, tensor): keep|offload|recompute} (missing: keep).
 
-    def issue_d2h(key, at: float) -> None:
-        nonlocal d2h_free
-        start = max(at, d2h_free)
-        landed[key] = d2h_free = start + d2h_ms[key[1]]
+    plain: the stack without the engine (`BenchMLP` / TPMLP as they are): autograd's swiglu also saves
+    silu(gate), its backward has its own temporaries and takes `act_bwd_plain_ms`; nothing is moved."""
+    if plain and any(d != "keep" for d in decisions.values()):
+        raise OffloadPlanError("plain=True simulates the stack without the engine: decisions must all be keep")
+    return _Step(shape, rates, decisions, depth, pacing_offset, plain).run(fixed_bytes)
 
-    for p in range(L):
-        for i, n in enumerate(CANDIDATES):
-            now += (0.0, t.fc1 * kg, t.act)[i]
-            k = SAVE_POINTS_PER_LAYER * p + i
-            for key in [key for key in landed if key not in release and
-                        now >= landed[key] + RELEASE_MARGIN * d2h_ms[key[1]]]:
-                release[key], release_at[key] = now, k
-            for due, key in [d for d in deferred if d[0] <= k]:
-                deferred.remove((due, key))
-                issue_d2h(key, now)
-            saved_at[(p, n)] = now
-            if dec(p, n) == "offload":
-                # x is saved by the column op once its GEMM has run: its copy starts with h's
-                due = k + (pacing_offset or (1 if n == "x" else 0))
-                if due == k:
-                    issue_d2h((p, n), now)
-                else:
-                    deferred.append((min(due, last + 1), (p, n)))
-        now += t.fc2 * kg
-        if dec(p, "a") == "recompute":
-            resident.append((saved_at[(p, "a")], now, b["a"], (p, "a")))  # fc2's input until fc2 has run
-    for _, key in deferred:
-        issue_d2h(key, now)
-    unreleased = [key for key in landed if key not in release]
-    if unreleased:
-        wait = max(landed[key] for key in unreleased)
-        stall += max(0.0, wait - now)
-        now = max(now, wait)
-        for key in unreleased:
-            release[key], release_at[key] = now, -1
-    h2d_free, issued, done = 0.0, set(), {}
-    for p in reversed(range(L)):
-        b0 = now
-        for q in range(p, p - depth - 1, -1):
-            if q < 0 or q in issued:
-                continue
-            issued.add(q)
-            for n in ("a", "h", "x"):  # in the order backward needs them
-                if dec(q, n) == "offload":
-                    start = max(b0, h2d_free, landed[(q, n)])
-                    done[(q, n)] = h2d_free = start + h2d_ms[n]
-                    resident.append((b0, -1.0, b[n], (q, n)))  # its end is filled in at its use below
-                    done[(q, n, "slot")] = len(resident) - 1
 
-        def need(n: str) -> None:
-            nonlocal now, stall
-            needed.setdefault((p, n), now)
-            if dec(p, n) == "offload":
-                stall += max(0.0, done[(p, n)] - now)
-                now = max(now, done[(p, n)])
+class _Step:
+    def __init__(self, shape, rates, decisions, depth, pacing_offset, plain):
+        self.L, self.t, self.b = shape.num_layers, layer_times(shape, rates), tensor_bytes(shape)
+        if shape.gathered_is_view:
+            self.b["x"] = 0
+        self.swiglu, self.grads = shape.activation == "swiglu", shape.grads
+        self.plain = plain and self.swiglu  # gelu: autograd saves h only, as the engine's activation does
+        if self.plain and rates.act_bwd_plain_ms is not None:
+            self.t = dataclasses.replace(self.t, act_bwd=rates.act_bwd_plain_ms)
+        self.out = shape.m * shape.hidden * shape.dtype_bytes // shape.world_size  # a layer's output, dx
+        self.dw = grad_bytes(shape)
+        self.dec = {k: v for k, v in decisions.items() if v != "keep"}
+        self.depth, self.offset = depth, pacing_offset
+        self.kg, kc = max(1.0, rates.k_gemm), max(1.0, rates.k_copy)
+        self.d2h_ms = {n: self.b[n] / (rates.d2h_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
+        self.h2d_ms = {n: self.b[n] / (rates.h2d_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
+        self.extra = rates.step_extra_ms
+        self.d2h, self.h2d = _Queue(), _Queue()
+        self.now = self.stall = 0.0
+        self.run_step = self.run_res = self.peak_step = self.peak_res = 0
+        self.where = self.where_step = self.where_res = ""
+        self.i_step = self.i_res = 0
+        self.keyed: list = []     # ((layer, tensor), allocated?): the saved tensors' events, in order
 
-        ends = {}
-        if dec(p, "a") == "recompute":
-            need("h")
-            a_from = now
-            now += t.recompute
+    # ----- memory and time primitives
+    def _add(self, step: int, resident: int, key=None):
+        self.run_step += step
+        self.run_res += resident
+        if key is not None:
+            self.keyed.append((key, step > 0))
+        if self.run_step > self.peak_step:
+            self.peak_step, self.where_step, self.i_step = self.run_step, self.where, len(self.keyed)
+        if self.run_res > self.peak_res:
+            self.peak_res, self.where_res, self.i_res = self.run_res, self.where, len(self.keyed)
+
+    def alloc(self, nbytes, key=None):
+        self._add(nbytes, nbytes, key)
+
+    def free(self, nbytes, key=None):
+        self._add(-nbytes, -nbytes, key)
+
+    def grad(self, nbytes):
+        self._add(nbytes, nbytes)   # "step": held to the end of the step; "resident": until grad_done
+
+    def grad_done(self, nbytes):
+        self._add(0, -nbytes)       # accumulated into the resident gradient, then freed
+
+    def gemm(self, ms):
+        end = self.now + ms
+        busy = min(ms, self.d2h.covered(self.now, end) + self.h2d.covered(self.now, end))
+        self.now = end + (self.kg - 1.0) * busy
+
+    def d(self, p, n):
+        return self.dec.get((p, n), "keep")
+
+    # ----- the step
+    def run(self, fixed_bytes) -> SimResult:
+        self.saved_at, self.landed, self.release, self.release_at = {}, {}, {}, {}
+        self.deferred = []  # (due save point, key)
+        self.pending = []   # offloaded, not yet released
+        for p in range(self.L):
+            self.forward(p)
+        self.backward_begins()
+        self.fetched_done, self.needed, self.issued = {}, {}, set()
+        self.boundary = None
+        for p in reversed(range(self.L)):
+            self.backward(p)
+        self.free(self.out)  # the stack's output, held by the caller through backward
+        self.now += self.extra
+        return self.result(fixed_bytes)
+
+    def save_point(self, k):
+        if self.pending:
+            done = [key for key in self.pending if self.now >= self.landed[key] + RELEASE_MARGIN * self.d2h_ms[key[1]]]
+            for key in done:
+                self.pending.remove(key)
+                self.release[key], self.release_at[key] = self.now, k
+                self.free(self.b[key[1]], key)
+        if self.deferred:
+            for due, key in [d for d in self.deferred if d[0] <= k]:
+                self.deferred.remove((due, key))
+                self.copy_out(key)
+
+    def copy_out(self, key):
+        self.landed[key] = self.d2h.issue(self.now, self.d2h_ms[key[1]])
+        self.pending.append(key)
+
+    def saved(self, p, n, k):
+        """(p, n) was packed after its op ran: offloaded ones start their copy (or wait for their phase)."""
+        self.saved_at[(p, n)] = self.now
+        if self.d(p, n) == "offload":
+            if self.offset:
+                self.deferred.append((min(k + self.offset, SAVE_POINTS_PER_LAYER * self.L), (p, n)))
+            else:
+                self.copy_out((p, n))
+
+    def forward(self, p):
+        b, t, k = self.b, self.t, SAVE_POINTS_PER_LAYER * p
+        self.where = f"forward L{p}"
+        self.save_point(k)
+        self.alloc(b["x"], (p, "x"))          # the gathered copy the column layer saves
+        self.alloc(b["h"], (p, "h"))
+        self.gemm(t.fc1)
+        self.saved(p, "x", k)
+        self.save_point(k + 1)
+        if self.swiglu:                       # silu(gate), then silu(gate) * up
+            self.alloc(b["a"])
+            self.alloc(b["a"], (p, "a"))
+            if not self.plain:
+                self.free(b["a"])             # plain: autograd keeps silu(gate) for mul's backward
         else:
-            need("a")
-        now += 2 * t.fc2 * kg
-        ends["a"] = now
-        if dec(p, "a") == "recompute":
-            resident.append((a_from, now, b["a"], (p, "a")))
-        resident.append((b0, now, b["a"], None))           # da
-        act_from = now
-        need("h")
-        now += t.act_bwd
-        ends["h"] = now
-        resident.append((act_from, now, b["h"] + b["a"], None))  # dh and da during the activation's backward
-        dh_from = now
-        need("x")
-        now += 2 * t.fc1 * kg
-        ends["x"] = now
-        resident.append((dh_from, now, b["h"], None))     # dh until fc1's backward is done
-        for n in CANDIDATES:
-            d = dec(p, n)
-            if d == "keep":
-                resident.append((saved_at[(p, n)], ends[n], b[n], (p, n)))
-            elif d == "offload":
-                resident.append((saved_at[(p, n)], release[(p, n)], b[n], (p, n)))
-                i = done[(p, n, "slot")]
-                resident[i] = (resident[i][0], ends[n], resident[i][2], (p, n))
-    points = sorted({r[0] for r in resident} | {0.0})
-    peak, at = max((sum(r[2] for r in resident if r[0] <= x < r[1]), x) for x in points)
-    at_peak = frozenset(r[3] for r in resident if r[3] is not None and r[0] <= at < r[1])
-    moved = sum(b[n] for (p, n), d in decisions.items() if d == "offload")
-    windows = {key: (saved_at[key], landed[key], release[key], done[key], needed.get(key, now))
-               for key in landed if key in done}
-    return SimResult(now, fixed_bytes + peak, moved, release_at, stall, at_peak, windows)
+            self.alloc(b["a"], (p, "a"))
+        self.now += t.act
+        self.saved(p, "h", k + 1)
+        self.save_point(k + 2)
+        self.alloc(self.out)
+        self.gemm(t.fc2)
+        self.saved(p, "a", k + 2)
+        if p:
+            self.free(self.out)               # the previous layer's output, this layer's input
+        if self.d(p, "a") == "recompute":
+            self.free(b["a"], (p, "a"))       # only fc2's forward needed it
+
+    def backward_begins(self):
+        for _, key in self.deferred:
+            self.copy_out(key)
+        self.deferred = []
+        self.where = f"backward L{self.L - 1}"
+        unreleased, self.pending = self.pending, []
+        if unreleased:
+            wait = max(self.landed[key] for key in unreleased)
+            self.stall += max(0.0, wait - self.now)
+            self.now = max(self.now, wait)
+            for key in unreleased:
+                self.release[key], self.release_at[key] = self.now, -1
+                self.free(self.b[key[1]], key)
+
+    def need(self, p, n):
+        self.needed.setdefault((p, n), self.now)
+        if self.d(p, n) == "offload":
+            done = self.fetched_done[(p, n)]
+            self.stall += max(0.0, done - self.now)
+            self.now = max(self.now, done)
+
+    def backward(self, p):
+        b, t, L = self.b, self.t, self.L
+        self.where = f"backward L{p}"
+        b0 = self.now
+        for q in range(p, p - self.depth - 1, -1):
+            if q >= 0 and q not in self.issued:
+                self.issued.add(q)
+                for n in ("a", "h", "x"):     # the order backward needs them in
+                    if self.d(q, n) == "offload":
+                        self.alloc(b[n], (q, n))
+                        ready = max(b0, self.landed[(q, n)])
+                        self.fetched_done[(q, n)] = self.h2d.issue(ready, self.h2d_ms[n])
+        if self.boundary is None:
+            self.boundary = self.run_step
+        dw1, dw2 = self.dw
+        # fc2's backward: a (kept, fetched or recomputed from h), da, dw2
+        if self.d(p, "a") == "recompute":
+            self.need(p, "h")
+            if self.swiglu:
+                self.alloc(b["a"])
+            self.alloc(b["a"], (p, "a"))
+            if self.swiglu:
+                self.free(b["a"])
+            self.now += t.recompute
+        else:
+            self.need(p, "a")
+        self.alloc(b["a"])                    # da
+        self.gemm(t.fc2_bwd / 2)
+        self.grad(dw2)
+        self.gemm(t.fc2_bwd / 2)
+        self.free(b["a"], (p, "a"))
+        if p < L - 1:
+            self.free(self.out)               # this layer's output grad: the next layer's dx
+        self.grad_done(dw2)
+        if self.plain:
+            self.plain_act_backward(p)
+        else:                                 # dh and one temporary [M, F] (swiglu), then h and da go
+            self.need(p, "h")
+            self.alloc(b["h"])
+            if self.swiglu:
+                self.alloc(b["a"])
+                self.free(b["a"])
+            self.now += t.act_bwd
+            self.free(b["h"], (p, "h"))
+            self.free(b["a"])                 # da
+        # fc1's backward: x, dx, dw1
+        self.need(p, "x")
+        self.alloc(self.out)                  # dx
+        self.gemm(t.fc1_bwd / 2)
+        self.grad(dw1)
+        self.gemm(t.fc1_bwd / 2)
+        self.free(b["x"], (p, "x"))
+        self.free(b["h"])                     # dh
+        self.grad_done(dw1)
+        if p == 0:
+            self.free(self.out)               # the stack input's grad: nobody takes it here
+
+    def plain_act_backward(self, p):
+        """autograd's silu(gate) * up: mul's grads, silu's, then split's (a new dh) once h is gone."""
+        f = self.b["a"]
+        self.alloc(f)                         # d up = da * silu(gate)
+        self.alloc(f)                         # d silu = da * up
+        self.free(f)                          # da
+        self.free(f)                          # silu(gate), saved by mul
+        self.alloc(f)                         # d gate = silu_backward(d silu, gate)
+        self.free(f)                          # d silu
+        self.free(self.b["h"], (p, "h"))      # gate and up, views of h, were the last holders
+        self.alloc(self.b["h"])               # dh = cat(d gate, d up)
+        self.free(f)
+        self.free(f)
+        self.now += self.t.act_bwd
+
+    def result(self, fixed_bytes) -> SimResult:
+        step = self.grads == "step"
+        peak, upto, where = ((self.peak_step, self.i_step, self.where_step) if step else
+                             (self.peak_res, self.i_res, self.where_res))
+        live: dict = {}
+        for key, allocated in self.keyed[:upto]:
+            live[key] = live.get(key, 0) + (1 if allocated else -1)
+        at_peak = frozenset(k for k, v in live.items() if v > 0 and self.b[k[1]] > 0)
+        moved = sum(self.b[n] for (p, n), d in self.dec.items() if d == "offload")
+        windows = {key: (self.saved_at[key], self.landed[key], self.release[key], self.fetched_done[key],
+                         self.needed.get(key, self.now)) for key in self.landed if key in self.fetched_done}
+        return SimResult(self.now, fixed_bytes + peak, self.peak_res, self.boundary or 0, moved, self.release_at,
+                         self.stall, at_peak, windows, where)

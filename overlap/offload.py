@@ -7,10 +7,11 @@
         disable_offload(mlps); engine.close()
 
 Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h); see
-overlap/offload_config.py), the plan says keep, offload or recompute. The engine runs the layer's forward
-under `torch.autograd.graph.saved_tensors_hooks`, so the custom ops (`tp_overlap::column_forward` /
-`row_forward`) and the activation save through it; weights and anything that is not the expected tensor
-are kept as they are.
+overlap/offload_config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
+moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops `tp_overlap::column_forward` /
+`row_forward` and the activation save through it; weights and anything that is not the expected tensor
+are kept as they are); an op whose tensor is kept runs without hooks, and backward hooks exist only in
+plans that offload, so keeping costs no per-tensor work.
 
 Streams and events (CUDA; every dependency is an event, nothing synchronises the host):
 * offload, at save time: the device-to-host stream (high priority) waits for the compute stream (the tensor
@@ -33,6 +34,7 @@ memcpys and every event is absent; the bookkeeping is the same.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -109,6 +111,9 @@ class OffloadEngine:
         self.activation = activation or plan.shape.activation
         self.num_layers = plan.shape.num_layers
         self._decision = {(p, n): d for p, n, d in plan.decisions}
+        self._moves = [frozenset(n for n in CANDIDATES if self._decision.get((p, n), "keep") != "keep")
+                       for p in range(self.num_layers)]
+        self._offloads = any(d == "offload" for d in self._decision.values())
         self._release_at = {(p, n): i for p, n, i in plan.release_at}
         sizes = tensor_bytes(plan.shape)
         self._slots = {key: pool.slot(f"{name}.L{key[0]}.{key[1]}", sizes[key[1]])
@@ -132,7 +137,11 @@ class OffloadEngine:
 
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, layer: int, mlp, x: torch.Tensor) -> torch.Tensor:
-        """TPMLP.forward of `mlp` at position `layer`, its saved tensors handled per the plan."""
+        """TPMLP.forward of `mlp` at position `layer`, its saved tensors handled per the plan.
+
+        An op whose saved tensor the plan keeps runs without hooks (autograd saves as it always does), so
+        a layer that keeps everything costs the plain layer plus one call; a backward hook is installed
+        only where backward has something to do (releases, prefetches: plans that offload)."""
         if self._closed:
             raise OffloadError(f"{self.name}: the engine is closed")
         if not torch.is_grad_enabled():  # nothing is saved: the plain math
@@ -142,9 +151,22 @@ class OffloadEngine:
                 raise OffloadError(f"{self.name}: a forward ran inside a backward of this engine's layers "
                                    f"(recompute by checkpointing is not supported on an offloaded stack)")
             self.reset()  # the previous backward raised before its final callback: start afresh
-        self._params.update(p.untyped_storage().data_ptr() for p in mlp.parameters())
-        self._check_capture()
-        self._join_leftovers()
+        moves = self._moves[layer]
+        self.counters["kept"] += 3 - len(moves)
+        if self._offloads:
+            self._check_capture()
+            self._join_leftovers()
+        if not moves and not self._pending and not self._deferred:
+            y = mlp.fc2(SavedInputActivation.apply(mlp.fc1(x), self.activation))
+        else:
+            y = self._forward_moving(layer, mlp, x, moves)
+        if self._offloads and y.requires_grad:
+            y.register_hook(lambda grad, layer=layer: self._backward_begins(layer))
+        return y
+
+    def _forward_moving(self, layer: int, mlp, x: torch.Tensor, moves: frozenset) -> torch.Tensor:
+        if moves:
+            self._params.update(p.untyped_storage().data_ptr() for p in mlp.parameters())
         rows = x.shape[0] * mlp.world_size
         if rows > self.plan.shape.m and any(self._decision.get((layer, n)) == "offload" for n in CANDIDATES):
             raise OffloadError(f"{self.name}: M={rows} exceeds the plan's M={self.plan.shape.m} (its host slots "
@@ -152,18 +174,17 @@ class OffloadEngine:
         # matchers hold no tensor (see _identity): autograd keeps them as long as the graph
         self._save_point(3 * layer)
         gathered = (rows, x.shape[1])
-        with self._saving(layer, "x", lambda t: tuple(t.shape) == gathered):
+        with self._saving(layer, "x", lambda t: tuple(t.shape) == gathered, moves):
             h = mlp.fc1(x)
         self._save_point(3 * layer + 1)
-        with self._saving(layer, "h", _identity(h)):
+        with self._saving(layer, "h", _identity(h), moves):
             a = SavedInputActivation.apply(h, self.activation)
+        if "h" not in moves:
+            self._records[(layer, "h")] = weakref.ref(h)  # a recompute of a starts from it
         del h  # from here the saved record (or the autograd graph) owns it
         self._save_point(3 * layer + 2)
-        with self._saving(layer, "a", _identity(a)):
+        with self._saving(layer, "a", _identity(a), moves):
             y = mlp.fc2(a)
-        del a
-        if y.requires_grad:
-            y.register_hook(lambda grad, layer=layer: self._backward_begins(layer))
         return y
 
     def _check_capture(self) -> None:
@@ -176,7 +197,9 @@ class OffloadEngine:
             self._unjoined.clear()
             self._capturing = capturing
 
-    def _saving(self, layer: int, name: str, matches):
+    def _saving(self, layer: int, name: str, matches, moves):
+        if name not in moves:
+            return contextlib.nullcontext()  # kept: autograd saves it as it always does
         engine, seen = self, []
 
         def pack(t: torch.Tensor):
@@ -220,6 +243,8 @@ class OffloadEngine:
 
     def _save_point(self, index: int) -> None:
         """Save point `index` (3 * layer + candidate): release landed copies due here, issue paced ones."""
+        if not self._pending and not self._deferred:
+            return
         for rec in [r() for r in self._pending]:
             if rec is not None and rec.device is not None and 0 <= self._release_at.get(
                     (rec.layer, rec.name), -1) <= index:

@@ -15,6 +15,7 @@ YAML (every key optional; errors name the file, the key, the value and what is a
 
     offload:
       budget_bytes: auto          # or bytes (int), or a string like "40GiB" / "500MB"
+      max_added: 0.02             # budget auto: the step may grow by at most this fraction (time budget)
       candidates: [x, h, a]
       prefetch_depth: auto        # or layers ahead, 1-64
       pacing: none                # or stagger (node-wide: local ranks copy at different phases)
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from .config import ConfigError
 
 __all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "CANDIDATES", "DECISIONS",
-           "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES"]
+           "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES", "DEFAULT_MAX_ADDED", "MAX_ADDED"]
 
 CANDIDATES = ("x", "h", "a")
 DECISIONS = ("keep", "offload", "recompute")
@@ -37,9 +38,11 @@ RECOMPUTABLE = ("a",)
 PACING = ("none", "stagger")
 MAX_PREFETCH_DEPTH = 64
 MAX_BUDGET_BYTES = 1 << 50
+DEFAULT_MAX_ADDED = 0.02   # budget auto: at most +2 % of the step (measured targets allow +3 %)
+MAX_ADDED = 10.0
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_KEYS = ("budget_bytes", "candidates", "prefetch_depth", "pacing", "decisions")
+_KEYS = ("budget_bytes", "max_added", "candidates", "prefetch_depth", "pacing", "decisions")
 
 
 def _bad(key: str, value, allowed: str, file: str) -> ConfigError:
@@ -51,7 +54,8 @@ class OffloadConfig:
     """What the offload planner may do, validated at construction (ConfigError names key and range).
 
     budget_bytes: device bytes the training step may use at its peak, or "auto": the least peak memory
-    whose predicted added time stays under 1 % of the step. candidates: tensors the planner may move
+    whose predicted added time stays within `max_added` (a fraction of the step: the time budget, default
+    0.02). candidates: tensors the planner may move
     or recompute (subset of x, h, a). prefetch_depth: how many layers ahead of its use backward brings a
     tensor back, or "auto" (from the measured bandwidth). pacing: "none" or "stagger" (several local
     ranks offset their device-to-host copies so that they do not all load the host memory bus at once).
@@ -59,6 +63,7 @@ class OffloadConfig:
     `enabled` is False only for the "none" CLI form: no engine at all.
     """
     budget_bytes: int | str = "auto"
+    max_added: float = DEFAULT_MAX_ADDED
     candidates: tuple[str, ...] = CANDIDATES
     prefetch_depth: int | str = "auto"
     pacing: str = "none"
@@ -72,6 +77,9 @@ class OffloadConfig:
         b = self.budget_bytes
         if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BUDGET_BYTES):
             raise _bad("offload.budget_bytes", b, f'"auto" or an int with 1 <= x <= {MAX_BUDGET_BYTES}', file)
+        a = self.max_added
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= MAX_ADDED:
+            raise _bad("offload.max_added", a, f"a fraction of the step with 0 <= x <= {MAX_ADDED:g}", file)
         c = self.candidates
         if (not isinstance(c, tuple) or not all(isinstance(x, str) and x in CANDIDATES for x in c)
                 or len(set(c)) != len(c)):
@@ -138,8 +146,8 @@ def parse_offload_section(raw: dict | None, *, file: str) -> OffloadConfig:
             raise _bad("offload.decisions", value, "a mapping tensor -> keep | offload | recompute", file)
         fields["decisions"] = tuple(value.items())
     probe = OffloadConfig.__new__(OffloadConfig)  # validate with the file's name before constructing
-    for name, default in (("budget_bytes", "auto"), ("candidates", CANDIDATES), ("prefetch_depth", "auto"),
-                          ("pacing", "none"), ("decisions", ()), ("enabled", True)):
+    for name, default in (("budget_bytes", "auto"), ("max_added", DEFAULT_MAX_ADDED), ("candidates", CANDIDATES),
+                          ("prefetch_depth", "auto"), ("pacing", "none"), ("decisions", ()), ("enabled", True)):
         object.__setattr__(probe, name, fields.get(name, default))
     probe.validate(file=file)
     return OffloadConfig(**fields)

@@ -1,29 +1,31 @@
 """The offload planner: keep / offload / recompute per saved tensor of a stack of TP MLPs. Pure functions.
 
-`plan_offload(shape, rates, ...)` simulates one training step (forward of layers 0..L-1, backward L-1..0)
-for every plan of a small family and picks one:
+`plan_offload(shape, rates, ...)` builds a path of plans, from the forced decisions (all else kept) one
+tensor at a time, with the step model of overlap/_offload_sim.py (measured copy bandwidth, k of the copies
+and of the GEMMs, layer times, every device tensor of the step including the weight gradients):
 
-* explicit budget_bytes: the least added step time among plans whose predicted peak fits the budget (ties:
-  fewer bytes moved, fewer recomputes, lower peak, then a fixed order); OffloadPlanError when none fits;
-* budget "auto": the lowest predicted peak among plans that add at most `AUTO_MAX_ADDED` of the step (when
-  forced decisions leave none that cheap: the least added time).
+* the moves: offload the next layer's x, h or a (the lowest layer first: its copy has the whole rest of
+  the forward to leave and the backward to come back), or recompute the next layer's a (the highest first:
+  the lowest layers are the offload's); a move that lowers no peak is dropped (e.g. the top layer's a,
+  needed as soon as backward starts);
+* each step takes the move with the most peak saved per millisecond added (a free move: the most bytes);
+  once the peak cannot drop (the weight gradients of "step" mode set it at the end of backward), the
+  activation peak (`act_peak_bytes`, the peak with gradients resident) decides;
+* one path per prefetch depth, and a second one where a is only recomputed (the copy queues are shared:
+  a sent out early can crowd out h and x, which only a copy removes); small stacks (<= EXHAUSTIVE_PLANS
+  plans) try every plan instead.
 
-The model (all times in ms, one compute stream, one device-to-host and one host-to-device copy queue):
+Then one plan of all those is chosen:
 
-    forward layer p:  save x | fc1 | save h | act | save a | fc2
-    backward layer p: prefetch trigger | [recompute a from h] | fc2 dgrad, wgrad (a) | act bwd (h) |
-                      fc1 dgrad, wgrad (x)
-A tensor is unpacked when its autograd node starts, so the compute waits there for its host-to-device copy.
-A device-to-host copy starts at its save point (pacing may defer it by whole save points) once the queue
-is free and lasts bytes / bandwidth * k_copy; its device memory is released at the first later save point
-the copy has landed by (else at the start of backward, waiting for it). Backward of layer p issues the
-host-to-device copies of layers p..p-depth. With any copy in the plan, GEMMs take k_gemm times longer.
-Memory: saved tensors while resident, plus the backward working set of the layer being differentiated
-(da, dh), plus `fixed_bytes` (weights, grads, inputs: the same for every plan).
+* explicit budget_bytes: the least step time among plans whose predicted peak fits (ties: fewer bytes
+  moved, fewer recomputes, lower peak, a fixed order); OffloadPlanError when none fits;
+* budget "auto": the lowest peak (then activation peak) among plans that add at most `max_added` of
+  keep-all's step (the time budget; when forced decisions leave none that cheap: the least added time).
 
-The family: per tensor, offload in the first k layers (their windows are the longest); for `a`, recompute
-or keep in the rest (split at a second threshold). Plans differ only in what the model can see, so the
-table next to the choice shows, per tensor, what each alternative would add and save.
+`OffloadPlan.frontier` holds the non-dominated (step time, peak) points of every plan tried: the
+predicted Pareto curve. The table next to the choice shows, per tensor, what each decision would cost
+against keeping that tensor (all else as chosen): "+0.378 ms, peak +0 MiB, act -112 MiB" = slower by
+0.378 ms, the same peak (set by the gradients), 112 MiB less at the activation peak.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ import itertools
 from dataclasses import dataclass
 
 from ._offload_sim import (SAVE_POINTS_PER_LAYER, LayerTimes, MLPShape, OffloadPlanError, Rates, SimResult,
-                           layer_times, simulate, tensor_bytes)
-from .offload_config import CANDIDATES, OffloadConfig
+                           grad_bytes, layer_times, simulate, tensor_bytes)
+from .offload_config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
 
 __all__ = ["MLPShape", "Rates", "LayerTimes", "PlanRow", "OffloadPlan", "OffloadPlanError", "plan_offload",
-           "simulate", "layer_times", "tensor_bytes", "pacing_offset", "plan_for", "AUTO_MAX_ADDED",
-           "SAVE_POINTS_PER_LAYER"]
+           "plan_sweep", "simulate", "layer_times", "tensor_bytes", "grad_bytes", "pacing_offset", "plan_for",
+           "AUTO_MAX_ADDED", "SAVE_POINTS_PER_LAYER", "EXHAUSTIVE_PLANS"]
 
-AUTO_MAX_ADDED = 0.01      # budget "auto": plans may add at most 1 % of the step
+AUTO_MAX_ADDED = DEFAULT_MAX_ADDED   # budget "auto": plans may add at most this fraction of the step
+EXHAUSTIVE_PLANS = 1024              # up to this many plans (per depth): try them all
 _ORDER = {"keep": 0, "recompute": 1, "offload": 2}
-_MAX_THRESHOLDS = 9
+_FREE_MS = 1e-3                      # a move adding less than this is free: ranked by bytes saved
 
 
 def pacing_offset(pacing: str, local_rank: int, local_world: int) -> int:
@@ -66,6 +69,7 @@ class PlanRow:
     offload_ms: float    # D2H + H2D copy time at the measured rates (x k_copy)
     recompute_ms: float | None
     decision: str
+    vs_keep: dict        # decision -> (added ms, added peak bytes, added activation-peak bytes) against keep
     why: str
 
 
@@ -79,11 +83,16 @@ class OffloadPlan:
     pacing_offset: int
     mode: str             # "budget" | "auto"
     budget_bytes: int | None
+    max_added: float
     step_ms: float
     baseline_step_ms: float
     peak_bytes: int
     keep_peak_bytes: int
+    act_peak_bytes: int
+    keep_act_peak_bytes: int
+    fixed_bytes: int
     rows: tuple
+    frontier: tuple = ()  # ({step_ms, peak_bytes, act_peak_bytes, moved_bytes, recomputed, depth}, ...)
 
     def decision(self, layer: int, tensor: str) -> str:
         return next((d for p, n, d in self.decisions if p == layer and n == tensor), "keep")
@@ -96,44 +105,119 @@ class OffloadPlan:
         return self.step_ms - self.baseline_step_ms
 
     def table(self) -> str:
-        lines = ["| tensor | MiB | offload ms | recompute ms | decision | why |", "|---|---|---|---|---|---|"]
+        lines = ["| tensor | MiB | decision | offload: copy ms; vs keep | recompute: ms; vs keep | evidence |",
+                 "|---|---|---|---|---|---|"]
         for r in self.rows:
-            rec = "-" if r.recompute_ms is None else f"{r.recompute_ms:.3f}"
-            lines.append(f"| {r.tensor} | {r.bytes / 2**20:.1f} | {r.offload_ms:.3f} | {rec} | {r.decision} "
-                         f"| {r.why} |")
-        budget = "auto" if self.budget_bytes is None else _fmt(self.budget_bytes)
+            off = f"{r.offload_ms:.3f}; {_delta(r.vs_keep['offload'])}" if "offload" in r.vs_keep else "-"
+            rec = f"{r.recompute_ms:.3f}; {_delta(r.vs_keep['recompute'])}" if "recompute" in r.vs_keep else "-"
+            lines.append(f"| {r.tensor} | {r.bytes / 2**20:.1f} | {r.decision} | {off} | {rec} | {r.why} |")
+        budget = f"auto (time budget +{self.max_added:.1%})" if self.budget_bytes is None else _fmt(self.budget_bytes)
         lines.append(f"predicted: step {self.step_ms:.3f} ms ({self.added_ms:+.3f} vs keep-all), peak "
-                     f"{_fmt(self.peak_bytes)} (keep-all {_fmt(self.keep_peak_bytes)}), budget {budget}, "
-                     f"prefetch depth {self.prefetch_depth}, pacing offset {self.pacing_offset}")
+                     f"{_fmt(self.peak_bytes)} (keep-all {_fmt(self.keep_peak_bytes)}), activations at their peak "
+                     f"{_fmt(self.act_peak_bytes)} (keep-all {_fmt(self.keep_act_peak_bytes)}), budget {budget}, "
+                     f"grads {self.shape.grads}, prefetch depth {self.prefetch_depth}, pacing offset "
+                     f"{self.pacing_offset}")
         return "\n".join(lines)
 
 
-def _thresholds(num_layers: int) -> list[int]:
-    if num_layers + 1 <= _MAX_THRESHOLDS:
-        return list(range(num_layers + 1))
-    return sorted({round(i * num_layers / (_MAX_THRESHOLDS - 1)) for i in range(_MAX_THRESHOLDS)})
+def _delta(d) -> str:
+    return f"{d[0]:+.3f} ms, peak {d[1] / 2**20:+.0f} MiB, act {d[2] / 2**20:+.0f} MiB"
 
 
-def _family(shape: MLPShape, allowed: dict, forced: dict):
-    """Every plan of the family as {(layer, tensor): decision}."""
-    L, ks = shape.num_layers, _thresholds(shape.num_layers)
-    opts = {n: (ks if "offload" in allowed[n] and n not in forced else [0]) for n in CANDIDATES}
-    rec = "recompute" in allowed["a"] and "a" not in forced
-    splits = [(ka, kr) for ka in opts["a"] for kr in (ks if rec else [ka]) if kr >= ka]
-    for kx, kh, (ka, kr) in itertools.product(opts["x"], opts["h"], splits):
-        plan = {}
-        for p in range(L):
-            for n, k in (("x", kx), ("h", kh)):
-                plan[(p, n)] = forced.get(n, "offload" if p < k else "keep")
-            plan[(p, "a")] = forced.get("a", "offload" if p < ka else "recompute" if p < kr else "keep")
-        yield plan
+def _fmt(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
-def plan_offload(shape: MLPShape, rates: Rates, *, budget_bytes: int | str = "auto",
-                 candidates: tuple[str, ...] = CANDIDATES, prefetch_depth: int | str = "auto",
-                 forced: dict | None = None, fixed_bytes: int = 0, pacing_offset: int = 0) -> OffloadPlan:
-    """Choose keep / offload / recompute for every (layer, candidate); see the module doc."""
-    forced = dict(forced or {})
+class _Search:
+    """Plans tried, with their simulations (memoised: the table and the paths share them)."""
+
+    def __init__(self, shape, rates, fixed_bytes, pacing):
+        self.shape, self.rates, self.fixed, self.pacing = shape, rates, fixed_bytes, pacing
+        self.seen: dict = {}
+
+    def sim(self, plan: dict, depth: int) -> SimResult:
+        key = (tuple(sorted((k, v) for k, v in plan.items() if v != "keep")), depth)
+        if key not in self.seen:
+            self.seen[key] = (dict(plan), depth, simulate(self.shape, self.rates, plan, depth,
+                                                          fixed_bytes=self.fixed, pacing_offset=self.pacing))
+        return self.seen[key][2]
+
+    def run(self, start: dict, movable: dict, depths: list) -> None:
+        count = 1
+        for options in movable.values():
+            count *= len(options)
+        for depth in depths:
+            if depth > depths[0] and not self.stalled(depth - 1):
+                return  # nothing waited for a copy one layer less ahead: deeper prefetch only holds more memory
+            if count <= EXHAUSTIVE_PLANS:
+                self.exhaustive(start, movable, depth)
+                continue
+            self.greedy(start, movable, depth)
+            if any("recompute" in options and "offload" in options for options in movable.values()):
+                # the copy queues are shared: bytes of a sent out early can crowd out h and x later, which
+                # only a copy can remove; a second path keeps the copies for them and recomputes a
+                self.greedy(start, {k: tuple(o for o in v if o != "offload") if k[1] == "a" else v
+                                    for k, v in movable.items()}, depth)
+
+    def stalled(self, depth: int) -> bool:
+        """Whether any plan tried at this prefetch depth waited for a copy coming back."""
+        return any(d == depth and any(w[3] > w[4] for w in sim.windows.values())
+                   for _, d, sim in self.seen.values())
+
+    def exhaustive(self, start: dict, movable: dict, depth: int) -> None:
+        keys = sorted(movable)
+        for combo in itertools.product(*(movable[k] for k in keys)):
+            self.sim({**start, **dict(zip(keys, combo))}, depth)
+
+    def greedy(self, start: dict, movable: dict, depth: int) -> None:
+        plan, L = dict(start), self.shape.num_layers
+        offload_next = {n: [p for p in range(L) if "offload" in movable.get((p, n), ())] for n in CANDIDATES}
+        recompute_next = [p for p in reversed(range(L)) if "recompute" in movable.get((p, "a"), ())]
+        cur = self.sim(plan, depth)
+        while True:
+            queues = [(offload_next[n], n, "offload") for n in CANDIDATES] + [(recompute_next, "a", "recompute")]
+            best = None
+            for queue, n, d in queues:
+                while queue:
+                    p = queue[0]
+                    new = self.sim({**plan, (p, n): d}, depth)
+                    gain = (cur.peak_bytes - new.peak_bytes, cur.act_peak_bytes - new.act_peak_bytes)
+                    if gain[0] > 0 or gain[1] > 0:
+                        break
+                    queue.pop(0)  # lowers no peak (e.g. the top layer's a, needed at once): not a move
+                else:
+                    continue
+                level = 0 if gain[0] > 0 else 1
+                rank = (level, -gain[level] / max(new.step_ms - cur.step_ms, _FREE_MS), _ORDER[d], p,
+                        CANDIDATES.index(n))
+                if best is None or rank < best[0]:
+                    best = (rank, n, p, d, new)
+            if best is None:
+                return
+            _, n, p, d, cur = best
+            plan[(p, n)] = d
+            for queue in (offload_next[n], recompute_next) if n == "a" else (offload_next[n],):
+                if p in queue:
+                    queue.remove(p)
+
+    @staticmethod
+    def frontier(scored) -> tuple:
+        """The plans no other plan beats in both step time and (peak, activation peak)."""
+        points = sorted((s.step_ms, s.peak_bytes, s.act_peak_bytes, s.moved_bytes, n_rec, depth)
+                        for _, s, _, depth, _, n_rec in scored)
+        out, lowest = [], None
+        for step, peak, act, moved, rec, depth in points:
+            if lowest is None or (peak, act) < lowest:
+                lowest = (peak, act)
+                out.append({"step_ms": step, "peak_bytes": peak, "act_peak_bytes": act, "moved_bytes": moved,
+                            "recomputed": rec, "depth": depth})
+        return tuple(out)
+
+
+def _allowed(shape: MLPShape, candidates, forced: dict) -> dict:
     allowed = {n: {"keep"} for n in CANDIDATES}
     for n in candidates:
         allowed[n] = {"keep", "offload"} | ({"recompute"} if n == "a" else set())
@@ -145,46 +229,89 @@ def plan_offload(shape: MLPShape, rates: Rates, *, budget_bytes: int | str = "au
     for n, d in forced.items():
         if d not in allowed.get(n, ()):
             raise OffloadPlanError(f"forced {n}={d}, but {n} allows {sorted(allowed.get(n, ()))}")
+    return allowed
+
+
+def plan_offload(shape: MLPShape, rates: Rates, *, budget_bytes: int | str = "auto",
+                 max_added: float = AUTO_MAX_ADDED, candidates: tuple[str, ...] = CANDIDATES,
+                 prefetch_depth: int | str = "auto", forced: dict | None = None, fixed_bytes: int = 0,
+                 pacing_offset: int = 0, explain: bool = True) -> OffloadPlan:
+    """Choose keep / offload / recompute for every (layer, candidate); see the module doc. explain=False:
+    no table rows (they simulate every alternative of every tensor)."""
+    plan = plan_sweep(shape, rates, [(budget_bytes, max_added)], candidates=candidates,
+                      prefetch_depth=prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
+                      pacing_offset=pacing_offset, explain="all" if explain else "none")[0]
+    if isinstance(plan, OffloadPlanError):
+        raise plan
+    return plan
+
+
+def plan_sweep(shape: MLPShape, rates: Rates, budgets, *, candidates: tuple[str, ...] = CANDIDATES,
+               prefetch_depth: int | str = "auto", forced: dict | None = None, fixed_bytes: int = 0,
+               pacing_offset: int = 0, explain: str = "all") -> list:
+    """One search, one choice per (budget_bytes, max_added) of `budgets`: an OffloadPlan, or the
+    OffloadPlanError that plan_offload would raise for it (a budget no plan fits). explain: which plans get
+    table rows, "all" | "first" | "none" (rows simulate every alternative of every tensor)."""
+    if explain not in ("all", "first", "none"):
+        raise OffloadPlanError(f"explain={explain!r}; allowed: all | first | none")
+    forced = dict(forced or {})
+    for _, max_added in budgets:
+        if not (isinstance(max_added, (int, float)) and 0 <= max_added):
+            raise OffloadPlanError(f"max_added={max_added!r}; allowed: a fraction of the step >= 0")
+    allowed = _allowed(shape, candidates, forced)
     L = shape.num_layers
-    depths = [prefetch_depth] if prefetch_depth != "auto" else list(range(1, min(4, max(1, L - 1)) + 1))
-    keep = simulate(shape, rates, {}, 1, fixed_bytes=fixed_bytes)
+    start = {(p, n): forced.get(n, "keep") for p in range(L) for n in CANDIDATES}
+    movable = {(p, n): tuple(sorted(allowed[n], key=_ORDER.get)) for p in range(L) for n in CANDIDATES
+               if n not in forced and len(allowed[n]) > 1}
+    depths = [prefetch_depth] if prefetch_depth != "auto" else list(range(1, min(3, max(1, L - 1)) + 1))
+    search = _Search(shape, rates, fixed_bytes, pacing_offset)
+    keep = search.sim({}, 1)
+    search.run(start, movable, depths)
     scored = []
-    for plan, depth in itertools.product(list(_family(shape, allowed, forced)), depths):
-        sim = simulate(shape, rates, plan, depth, fixed_bytes=fixed_bytes, pacing_offset=pacing_offset)
-        canon = tuple(_ORDER[plan[(p, n)]] for p in range(L) for n in CANDIDATES)
-        n_rec = sum(d == "recompute" for d in plan.values())
-        scored.append((round(sim.step_ms - keep.step_ms, 6), sim, plan, depth, canon, n_rec))
+    for plan, depth, sim in search.seen.values():
+        if all(plan.get(k, "keep") == v for k, v in start.items() if v != "keep") and depth in depths:
+            canon = tuple(_ORDER[plan.get((p, n), "keep")] for p in range(L) for n in CANDIDATES)
+            n_rec = sum(d == "recompute" for d in plan.values())
+            scored.append((round(sim.step_ms - keep.step_ms, 6), sim, plan, depth, canon, n_rec))
+    frontier = search.frontier(scored)
+    out = []
+    for index, (budget_bytes, max_added) in enumerate(budgets):
+        best = _choose(scored, keep, budget_bytes, max_added, candidates)
+        if isinstance(best, OffloadPlanError):
+            out.append(best)
+            continue
+        _, sim, plan, depth, _, _ = best
+        plan = {k: plan.get(k, "keep") for k in start}
+        out.append(OffloadPlan(
+            shape=shape, decisions=tuple((p, n, plan[(p, n)]) for p in range(L) for n in CANDIDATES),
+            prefetch_depth=depth, release_at=tuple((p, n, i) for (p, n), i in sorted(sim.release_at.items())),
+            pacing_offset=pacing_offset, mode="auto" if budget_bytes == "auto" else "budget",
+            budget_bytes=None if budget_bytes == "auto" else budget_bytes, max_added=max_added,
+            step_ms=sim.step_ms, baseline_step_ms=keep.step_ms, peak_bytes=sim.peak_bytes,
+            keep_peak_bytes=keep.peak_bytes, act_peak_bytes=sim.act_peak_bytes,
+            keep_act_peak_bytes=keep.act_peak_bytes, fixed_bytes=fixed_bytes,
+            rows=_rows(search, plan, depth, sim, allowed, forced) if explain == "all" or (
+                explain == "first" and index == 0) else (), frontier=frontier))
+    return out
+
+
+def _choose(scored, keep, budget_bytes, max_added, candidates):
+    """The scored plan a budget asks for (see the module doc), or the OffloadPlanError naming the least peak."""
     if budget_bytes == "auto":
-        limit = AUTO_MAX_ADDED * keep.step_ms
-        fits = [s for s in scored if s[0] <= limit]
+        fits = [s for s in scored if s[0] <= max_added * keep.step_ms]
         if fits:
-            best = min(fits, key=lambda s: (s[1].peak_bytes, s[0], s[1].moved_bytes, s[5], s[4], s[3]))
-        else:  # forced decisions cost more than the tolerance: at least lose as little time as they allow
-            best = min(scored, key=lambda s: (s[0], s[1].peak_bytes, s[1].moved_bytes, s[5], s[4], s[3]))
-    else:
-        fits = [s for s in scored if s[1].peak_bytes <= budget_bytes]
-        if not fits:
-            low = min(scored, key=lambda s: s[1].peak_bytes)
-            raise OffloadPlanError(
-                f"no plan fits budget_bytes={budget_bytes} ({_fmt(budget_bytes)}): the least predicted peak is "
-                f"{_fmt(low[1].peak_bytes)} ({_describe(low[2])}, prefetch depth {low[3]}); raise the budget, "
-                f"allow more candidates (allowed: {', '.join(candidates) or 'none'}) or a smaller prefetch depth")
-        best = min(fits, key=lambda s: (s[0], s[1].moved_bytes, s[5], s[1].peak_bytes, s[4], s[3]))
-    added, sim, plan, depth, _, _ = best
-    rows = _rows(shape, rates, plan, depth, sim, allowed, forced, fixed_bytes, pacing_offset)
-    return OffloadPlan(
-        shape=shape, decisions=tuple((p, n, plan[(p, n)]) for p in range(L) for n in CANDIDATES),
-        prefetch_depth=depth, release_at=tuple((p, n, i) for (p, n), i in sorted(sim.release_at.items())),
-        pacing_offset=pacing_offset, mode="auto" if budget_bytes == "auto" else "budget",
-        budget_bytes=None if budget_bytes == "auto" else budget_bytes, step_ms=sim.step_ms,
-        baseline_step_ms=keep.step_ms, peak_bytes=sim.peak_bytes, keep_peak_bytes=keep.peak_bytes, rows=rows)
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.3f} {unit}"
-    return f"{nbytes:.0f} B"
+            return min(fits, key=lambda s: (s[1].peak_bytes, s[1].act_peak_bytes, s[0], s[1].moved_bytes, s[5],
+                                            s[4], s[3]))
+        # forced decisions cost more than the time budget: at least lose as little time as they allow
+        return min(scored, key=lambda s: (s[0], s[1].peak_bytes, s[1].moved_bytes, s[5], s[4], s[3]))
+    fits = [s for s in scored if s[1].peak_bytes <= budget_bytes]
+    if not fits:
+        low = min(scored, key=lambda s: s[1].peak_bytes)
+        return OffloadPlanError(
+            f"no plan fits budget_bytes={budget_bytes} ({_fmt(budget_bytes)}): the least predicted peak is "
+            f"{_fmt(low[1].peak_bytes)} ({_describe(low[2])}, prefetch depth {low[3]}); raise the budget, "
+            f"allow more candidates (allowed: {', '.join(candidates) or 'none'}) or a smaller prefetch depth")
+    return min(fits, key=lambda s: (s[0], s[1].moved_bytes, s[5], s[1].peak_bytes, s[4], s[3]))
 
 
 def _describe(plan: dict) -> str:
@@ -202,44 +329,48 @@ def _evidence(sim: SimResult, key, decision: str) -> str:
     return "resident at the peak" if key in sim.at_peak else "not resident at the peak"
 
 
-def _rows(shape, rates, plan, depth, sim, allowed, forced, fixed_bytes, pacing_offset) -> tuple:
-    """One row per (layer, candidate): what each other decision would add and save, all else equal."""
+def _rows(search: _Search, plan, depth, sim, allowed, forced) -> tuple:
+    """One row per (layer, candidate): what each decision costs against keeping this tensor, all else equal."""
+    shape, rates = search.shape, search.rates
     b, t = tensor_bytes(shape), layer_times(shape, rates)
+    kc = max(1.0, rates.k_copy)
     rows = []
     for p in range(shape.num_layers):
         for n in CANDIDATES:
             here = plan[(p, n)]
-            copy_ms = b[n] * 1e3 * rates.k_copy * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
+            copy_ms = b[n] * 1e3 * kc * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
+            kept = sim if here == "keep" else search.sim({**plan, (p, n): "keep"}, depth)
+            vs_keep = {}
+            for alt in sorted(allowed[n] - {"keep"}, key=_ORDER.get):
+                other = sim if alt == here else search.sim({**plan, (p, n): alt}, depth)
+                vs_keep[alt] = (other.step_ms - kept.step_ms, other.peak_bytes - kept.peak_bytes,
+                                other.act_peak_bytes - kept.act_peak_bytes)
             if n in forced:
-                why = "forced by the caller"
+                why = "forced by the caller; " + _evidence(sim, (p, n), here)
             elif allowed[n] == {"keep"}:
                 why = "pool view: costs no memory" if n == "x" and shape.gathered_is_view else "not a candidate"
             else:
-                parts = [_evidence(sim, (p, n), here)]
-                for alt in sorted(allowed[n] - {here}, key=_ORDER.get):
-                    other = simulate(shape, rates, {**plan, (p, n): alt}, depth, fixed_bytes=fixed_bytes,
-                                     pacing_offset=pacing_offset)
-                    parts.append(f"{alt}: {other.step_ms - sim.step_ms:+.3f} ms, "
-                                 f"{(other.peak_bytes - sim.peak_bytes) / 2**20:+.0f} MiB peak")
-                why = parts[0] + "; vs " + "; ".join(parts[1:])
+                why = _evidence(sim, (p, n), here)
             rows.append(PlanRow(f"L{p}.{n}", b[n] if not (n == "x" and shape.gathered_is_view) else 0,
-                                copy_ms, t.recompute if n == "a" else None, here, why))
+                                copy_ms, t.recompute if n == "a" else None, here, vs_keep, why))
     return tuple(rows)
 
 
 def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: int = 0, local_rank: int = 0,
-             local_world: int = 1) -> OffloadPlan:
+             local_world: int = 1, grads: str = "step") -> OffloadPlan:
     """The plan `config` asks for, for this stack of TPMLPs (forward order) at M tokens (the gathered rows).
 
     Shapes, TP size, dtype and whether the column layer keeps a pool view of its gathered input come from
-    the modules (`hidden`, `ffn_hidden`, `activation`, `world_size`, the weights' dtype, fc1.ops)."""
+    the modules (`hidden`, `ffn_hidden`, `activation`, `world_size`, the weights' dtype, fc1.ops). `grads`:
+    "step" when the step's backward allocates the weight gradients (zero_grad(set_to_none=True)),
+    "resident" when they live across steps (counted in fixed_bytes)."""
     first = mlps[0]
     view = getattr(getattr(first.fc1, "ops", None), "save_gathered", "copy") == "view"
     shape = MLPShape(hidden=first.hidden, ffn_hidden=first.ffn_hidden, m=m, activation=first.activation,
                      world_size=first.world_size, dtype_bytes=first.fc1.weight.element_size(),
-                     num_layers=len(mlps), gathered_is_view=view)
+                     num_layers=len(mlps), gathered_is_view=view, grads=grads)
     forced = dict(config.forced)
     candidates = tuple(n for n in config.candidates if not (view and n == "x" and n not in forced))
-    return plan_offload(shape, rates, budget_bytes=config.budget_bytes, candidates=candidates,
-                        prefetch_depth=config.prefetch_depth, forced=forced, fixed_bytes=fixed_bytes,
-                        pacing_offset=pacing_offset(config.pacing, local_rank, local_world))
+    return plan_offload(shape, rates, budget_bytes=config.budget_bytes, max_added=config.max_added,
+                        candidates=candidates, prefetch_depth=config.prefetch_depth, forced=forced,
+                        fixed_bytes=fixed_bytes, pacing_offset=pacing_offset(config.pacing, local_rank, local_world))

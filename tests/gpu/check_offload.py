@@ -8,9 +8,10 @@ on the same weights and data): the host pool is pinned and where its pages are; 
 not block the host; eager steps with M changing, fresh data and poisoned slots, for several plans (all
 offloaded, recompute, planner, prefetch depth 2, paced); the tensors handed back equal those saved; poisoned
 slots between forward and backward reach the gradients (the data came through the host); no synchronising
-CUDA call in a step (sync debug mode "error"); peak memory lower with offload; a CUDA graph of a whole
-step replayed 20 times with fresh data and poisoned slots, then eager steps again; the real TPMLP (custom
-ops) on a one-rank NCCL group.
+CUDA call in a step (sync debug mode "error"); the step's peak and the activation peak of every variant
+(plain stack, keep, recompute, offload all, planner) within 5 % of the step model's prediction; a CUDA
+graph of a whole step replayed 20 times with fresh data and poisoned slots, then eager steps again; the
+real TPMLP (custom ops) on a one-rank NCCL group.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import traceback
 import torch
 
 from launch._bench_mlp import BenchMLP
+from launch._offload_measure import peak_of
 from overlap.host_pool import HostPool
 from overlap.offload import OffloadEngine, host_bytes
-from overlap.offload_plan import MLPShape, Rates, plan_offload
+from overlap.offload_plan import MLPShape, Rates, plan_offload, simulate
 
 H, F, LAYERS, ROWS = 512, 1536, 3, (1024, 512, 1024)
 RATES = Rates(d2h_gbps=50, h2d_gbps=50, gemm_tflops=400, hbm_gbps=3000)
@@ -220,29 +222,59 @@ def _no_sync():
         engine.close()
 
 
-@check("peak memory lower with everything offloaded")
-def _peak():
-    _cuda_only()
-    dtype, rows = torch.bfloat16, 4096
-    shape = MLPShape(hidden=H, ffn_hidden=F, m=rows, num_layers=LAYERS)
-    mlps = _stack(dtype)
+@check("peaks as the step model predicts (within 5 %): every variant, grads dropped and held")
+def _peaks():
+    """What stays resident is what the plan predicts: the step's peak (grads allocated by backward) and the
+    activation peak (grads held), each against the planner's step model, for the plain stack and every plan."""
+    # CUDA: tensors of 16-56 MiB, so that the allocator's rounding stays small; CPU dry run: tiny
+    dtype, h, f, rows, layers = (torch.bfloat16, 1024, 3584, 8192, 8) if DEV.type == "cuda" else \
+        (torch.float32, 64, 224, 96, 6)
+    shape = MLPShape(hidden=h, ffn_hidden=f, m=rows, num_layers=layers, dtype_bytes=dtype.itemsize)
+    torch.manual_seed(0)
+    mlps = [BenchMLP(h, f, device=DEV, dtype=dtype) for _ in range(layers)]
     params = [p for m in mlps for p in m.parameters()]
-    plan = plan_offload(shape, RATES, forced={"x": "offload", "h": "offload", "a": "offload"})
-    with HostPool(host_bytes(plan), device=DEV) as pool:
-        engine = OffloadEngine(plan, pool=pool)
-        x, dy = _data(0, rows, dtype)
-        peaks = {}
-        for name, eng in (("plain", None), ("offload_all", engine)):
-            _run(mlps, eng, x, dy, params)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            _run(mlps, eng, x, dy, params)
-            torch.cuda.synchronize()
-            peaks[name] = torch.cuda.max_memory_allocated()
-        engine.close()
-    if not peaks["offload_all"] < peaks["plain"]:
-        raise AssertionError(f"peaks {peaks}")
-    return f"{peaks['offload_all'] / peaks['plain']:.3f} of the plain stack's peak"
+    x, dy = (torch.randn(rows, h, device=DEV).to(dtype) for _ in range(2))
+
+    def drop():
+        for p in params:
+            p.grad = None
+
+    def hold():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def step(engine, keep_grads):
+        def run():
+            if not keep_grads:
+                drop()
+            _run(mlps, engine, x, dy, [])
+        return run
+
+    plans = {"keep": plan_offload(shape, RATES, forced={"x": "keep", "h": "keep", "a": "keep"}),
+             "recompute": plan_offload(shape, RATES, forced={"x": "keep", "h": "keep", "a": "recompute"}),
+             "offload_all": plan_offload(shape, RATES, forced={"x": "offload", "h": "offload", "a": "offload"}),
+             "planner": plan_offload(shape, RATES)}
+    report, wrong = [], []
+    with HostPool(max(host_bytes(p) for p in plans.values()), device=DEV) as pool:
+        for name in ["none"] + list(plans):
+            engine = OffloadEngine(plans[name], pool=pool) if name in plans else None
+            above, before = peak_of(step(engine, False), DEV, prepare=drop)
+            act = peak_of(step(engine, True), DEV, prepare=hold)[0]
+            drop()
+            pred = plans.get(name) or simulate(shape, RATES, {}, 1, plain=True)
+            got = (above, act)
+            want = (pred.peak_bytes, pred.act_peak_bytes)  # the step's own bytes: fixed 0
+            report.append(f"{name} {got[0] / 2**20:.0f}/{want[0] / 2**20:.0f} MiB, act {got[1] / 2**20:.0f}/"
+                          f"{want[1] / 2**20:.0f} MiB")
+            if any(abs(g / w - 1) > 0.05 for g, w in zip(got, want)):
+                wrong.append(report[-1])
+            if engine is not None:
+                engine.close()
+            pool.reset_slots()
+    if wrong:
+        raise AssertionError(f"measured/predicted off by more than 5 %: {wrong}; all: {report}")
+    return "; ".join(report)
 
 
 @check("CUDA graph of a whole step: 20 replays, fresh data, poisoned slots, then eager again")

@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from overlap.config import ConfigError
-from overlap.offload_config import (CANDIDATES, MAX_PREFETCH_DEPTH, OffloadConfig, parse_offload_arg,
-                                    parse_offload_section)
+from overlap.offload_config import (CANDIDATES, DEFAULT_MAX_ADDED, MAX_PREFETCH_DEPTH, OffloadConfig,
+                                    parse_offload_arg, parse_offload_section)
 
 
 def _yaml(text: str) -> dict:
@@ -14,8 +14,8 @@ def _yaml(text: str) -> dict:
 
 def test_defaults_are_auto():
     cfg = OffloadConfig()
-    assert (cfg.budget_bytes, cfg.candidates, cfg.prefetch_depth, cfg.pacing, cfg.forced, cfg.enabled) == \
-        ("auto", CANDIDATES, "auto", "none", {}, True)
+    assert (cfg.budget_bytes, cfg.max_added, cfg.candidates, cfg.prefetch_depth, cfg.pacing, cfg.forced,
+            cfg.enabled) == ("auto", DEFAULT_MAX_ADDED, CANDIDATES, "auto", "none", {}, True)
     assert parse_offload_section(None, file="p.yaml") == cfg
     with pytest.raises(Exception):
         cfg.pacing = "stagger"  # frozen
@@ -27,13 +27,14 @@ def test_a_full_section_parses():
     cfg = parse_offload_section(_yaml("""
 offload:
   budget_bytes: 40GiB
+  max_added: 0.03
   candidates: [h, a]
   prefetch_depth: 2
   pacing: stagger
   decisions: {a: recompute}
 """), file="h200_tp2.yaml")
-    assert cfg == OffloadConfig(budget_bytes=40 << 30, candidates=("h", "a"), prefetch_depth=2, pacing="stagger",
-                                decisions=(("a", "recompute"),))
+    assert cfg == OffloadConfig(budget_bytes=40 << 30, max_added=0.03, candidates=("h", "a"), prefetch_depth=2,
+                                pacing="stagger", decisions=(("a", "recompute"),))
     assert parse_offload_section({"budget_bytes": "500MB"}, file="f").budget_bytes == 500_000_000
     assert parse_offload_section({"budget_bytes": 12345}, file="f").budget_bytes == 12345
     assert parse_offload_section({"candidates": "x,h"}, file="f").candidates == ("x", "h")
@@ -44,6 +45,9 @@ offload:
     ("budget_bytes: lots", "offload.budget_bytes", "a number with a unit"),
     ("budget_bytes: 4 parsecs", "offload.budget_bytes", "a number with a unit"),
     ("budget_bytes: true", "offload.budget_bytes", '"auto" or an int'),
+    ("max_added: -0.01", "offload.max_added", "0 <= x <= 10"),
+    ("max_added: lots", "offload.max_added", "a fraction of the step"),
+    ("max_added: true", "offload.max_added", "a fraction of the step"),
     ("candidates: [h, q]", "offload.candidates", "distinct names from x, h, a"),
     ("candidates: [h, h]", "offload.candidates", "distinct names"),
     ("candidates: 7", "offload.candidates", "a list"),
@@ -56,7 +60,7 @@ offload:
     ("decisions: {a: vanish}", "offload.decisions.a", "keep | offload | recompute"),
     ("decisions: [a]", "offload.decisions", "a mapping"),
     ("candidates: [h]\n  decisions: {a: recompute}", "offload.decisions.a", "candidates (h)"),
-    ("prefetch: 2", "offload.prefetch", "allowed: budget_bytes, candidates"),
+    ("prefetch: 2", "offload.prefetch", "allowed: budget_bytes, max_added, candidates"),
 ])
 def test_errors_name_file_key_value_and_range(text, key, allowed):
     with pytest.raises(ConfigError) as err:
