@@ -68,7 +68,7 @@ CASES = [
      ["argument --write-config: configs is a directory"]),
     ("kfactor-3-ranks-tokens", "kfactor", ["--tokens", "256"], 3,
      ["M=256 is not divisible by the TP size 3", "e.g. --tokens 258"]),
-    ("offload_bench-budget", "offload_bench", ["--budget", "lots"], 1, ["--budget: got 'lots'; allowed: auto"]),
+    ("offload_bench-budget", "offload_bench", ["--budget", "lots"], 1, ["--budget item 'lots'; allowed: auto"]),
     ("offload_bench-pacing", "offload_bench", ["--pacing", "fast"], 1,
      ["--pacing: unknown 'fast'; allowed: none, stagger"]),
     ("offload_bench-duplicate-model", "offload_bench", ["--models", "tiny,tiny"], 1, ["--models: tiny is given twice"]),
