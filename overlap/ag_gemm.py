@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import protocol
 from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._op import OpBase
-from ._validate import OpInputError, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
 from .config import AgGemmConfig
 from .schedule import COMPUTE, CallContext, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -53,8 +53,7 @@ class AgGemm(OpBase):
         self.k, self.n_local, self.dtype, self.fp8 = k, n_local, dtype, bool(fp8)
         if fp8 and dtype != torch.bfloat16:
             raise OpInputError(f"{name}: fp8=True quantises bf16 activations; dtype is {dtype}")
-        if self.device.type == "cuda":
-            config.validate(num_sms=num_sms(self.device))
+        check_method_runs(name, config, self.device)
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, config.chunks_per_rank)
         self.gathered = pool.reserve(self.flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
@@ -271,7 +270,8 @@ class AgGemm(OpBase):
                          error_words=self.pool.error_words(),
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
         if self.device.type == "cpu":  # the interpreter polls a flag once: the host waits for every chunk first
-            program.await_device(COMPUTE, self.chunk_flags)
+            for chunk in self.chunks(m):  # the planned ones: an owner's empty trailing chunk has no flag write
+                program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1])
 
         def gemm(ctx) -> None:
             if ctx.values.get("lead") is not None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import protocol
 from ._gemm_launch import Scatter, launch_gemm, launch_reduce
 from ._op import OpBase
-from ._validate import OpInputError, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
 from .config import GemmRsConfig
 from .schedule import COMPUTE, CallContext, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -76,11 +76,7 @@ class GemmRs(OpBase):
         if fp8:
             from .fp8 import Fp8WeightCache
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
-        if self.device.type == "cuda":
-            config.validate(num_sms=num_sms(self.device))
-        elif config.method == "epilogue_reduce":
-            raise OpInputError(f"{name}: method epilogue_reduce needs a GPU (its own-row waits run inside the GEMM "
-                               f"that also produces the peers' rows); on CPU use fused, decomposed or pair")
+        check_method_runs(name, config, self.device)
         if config.method == "pair" and self.world_size != 2:
             raise OpInputError(f"{name}: method pair is the W = 2 schedule; this group has {self.world_size} "
                                f"ranks (use decomposed or fused)")
