@@ -2,6 +2,9 @@
 
 Python's mmap objects refuse to close while a tensor still exports their buffer; the pools must be able
 to close deterministically, so they map and unmap through libc and wrap the address in a tensor.
+`SharedMapping` ties the unmap to the last tensor or array over the mapping: a pool's close drops its own
+references, and a view that a caller still holds keeps the memory mapped (reading it after close reads
+stale data instead of faulting).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import ctypes
 import mmap
 import os
 
+import numpy as np
 import torch
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -41,3 +45,34 @@ def byte_tensor(addr: int, size_bytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     buf = (ctypes.c_uint8 * size_bytes).from_address(addr)
     return torch.frombuffer(buf, dtype=torch.uint8, count=size_bytes)
+
+
+class SharedMapping:
+    """`size_bytes` of the file behind `fd`, mapped shared; unmapped once neither this object nor any tensor
+    or array made by `bytes()` / `int32()` (or a view of one) is alive."""
+
+    def __init__(self, fd: int, size_bytes: int):
+        self.size_bytes = size_bytes
+        self.address = map_fd(fd, size_bytes)
+
+    def _array(self, ctype, count: int):
+        array = (ctype * count).from_address(self.address)
+        array._mapping = self  # the ctypes array (kept by every tensor / ndarray over it) owns the mapping
+        return array
+
+    def bytes(self) -> torch.Tensor:
+        """The whole mapping as a uint8 tensor that keeps it mapped."""
+        return torch.frombuffer(self._array(ctypes.c_uint8, self.size_bytes), dtype=torch.uint8)
+
+    def int32(self, count: int) -> np.ndarray:
+        """The first `count` int32 words as a numpy array that keeps the mapping mapped."""
+        return np.ctypeslib.as_array(self._array(ctypes.c_int32, count))
+
+    def __del__(self):
+        address = getattr(self, "address", None)
+        if address is not None:
+            self.address = None
+            try:
+                unmap(address, self.size_bytes)
+            except (OSError, TypeError, AttributeError):  # interpreter shutdown: nothing left to protect
+                pass

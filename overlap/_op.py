@@ -30,7 +30,7 @@ import torch.distributed as dist
 from symm_mem import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
 from . import envs
-from ._validate import OpInputError, check_at_most, check_divisible
+from ._validate import OpInputError, check_at_most, check_divisible, check_same_group
 from .config import OpPreset
 from .schedule import CudaDriver, HostDriver
 
@@ -71,8 +71,7 @@ class OpBase:
                                    f"{self.kind} config")
         self.group, self.pool, self.config, self.name = group, pool, self.preset.default, name
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        if (self.rank, self.world_size) != (pool.rank, pool.world_size):
-            raise OpInputError(f"{name}: pool was built on another group than group=")
+        check_same_group(name, group, pool)
         for arg, value in static.items():
             if arg in ("max_m", "k", "n", "n_local", "k_local") and (isinstance(value, bool)
                                                                      or not isinstance(value, int) or value <= 0):

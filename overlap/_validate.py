@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 
 __all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
-           "check_weight"]
+           "check_weight", "check_method_runs", "check_same_group"]
+
+# methods whose GEMM is the persistent Triton kernel on num_sms - sm_margin programs (config.op -> methods)
+TRITON_METHODS = {"ag_gemm": ("fused",), "gemm_rs": ("fused", "epilogue_reduce")}
 
 
 class OpInputError(ValueError):
@@ -56,3 +59,53 @@ def check_divisible(name: str, value: int, divisor: int, what: str) -> None:
 def check_at_most(name: str, value: int, limit: int, what: str) -> None:
     if value > limit:
         raise OpInputError(f"{name}={value} exceeds {what} ({limit}); build the op with a larger one")
+
+
+def check_same_group(name: str, group, pool) -> None:
+    """An op runs on its pool's group: the same members, not just the same rank and size."""
+    import torch.distributed as dist
+
+    members = tuple(dist.get_process_group_ranks(group))
+    if members != tuple(pool.group_ranks):
+        raise OpInputError(f"{name}: pool= was built on the group of global ranks {list(pool.group_ranks)}, "
+                           f"group= has {list(members)}; build the op on its pool's group")
+
+
+def check_method_runs(name: str, config, device: torch.device) -> None:
+    """Refuse, at construction, a config that cannot run on `device`: on CUDA every field against the GPU's
+    SM count (ConfigError, as the preset loader reports it); on every device a Triton method needs the
+    Triton runtime (a GPU, or the interpreter on CPU) and at least one GEMM program (num_sms - sm_margin)."""
+    from .triton_gemm import num_sms
+
+    sms = num_sms(device)
+    if device.type == "cuda":
+        config.validate(num_sms=sms)
+    if config.method not in TRITON_METHODS[config.op]:
+        return
+    if device.type != "cuda":
+        if config.method == "epilogue_reduce":
+            raise OpInputError(f"{name}: method epilogue_reduce needs a GPU (its own-row waits run inside the GEMM "
+                               f"that also produces the peers' rows); on CPU use fused, decomposed or pair")
+        if not _triton_interpreted():
+            raise OpInputError(f"{name}: method {config.method} runs a Triton kernel, which needs a GPU or, on "
+                               f"{device.type}, the Triton interpreter (TRITON_INTERPRET=1 in the environment "
+                               f"before triton is imported); without them use method decomposed")
+    programs = sms - config.sm_margin
+    if programs < 1:
+        raise OpInputError(f"{name}: method {config.method} runs its GEMM on num_sms - sm_margin = {sms} - "
+                           f"{config.sm_margin} = {programs} programs on {device}; it needs at least 1 (sm_margin "
+                           f"<= {sms - 1} here{_on_cpu(config, sms) if device.type != 'cuda' else ''})")
+
+
+def _on_cpu(config, sms: int) -> str:
+    example = "AgGemmConfig(method='fused', sm_margin=0)" if config.op == "ag_gemm" else \
+        "GemmRsConfig(method='fused', sm_margin=1, num_comm_sms=1)"
+    return (f"; the Triton interpreter on CPU counts as {sms} SMs: e.g. {example}, or method decomposed as "
+            f"configs/cpu.yaml has it")
+
+
+def _triton_interpreted() -> bool:
+    """Whether the GEMM kernel runs under Triton's interpreter (decided when kernels/ was imported)."""
+    from kernels.gemm import persistent_gemm_kernel
+
+    return type(persistent_gemm_kernel).__name__ == "InterpretedFunction"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import protocol
 from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._op import OpBase
-from ._validate import OpInputError, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
 from .config import AgGemmConfig
 from .schedule import COMPUTE, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -56,9 +56,8 @@ class AgGemm(OpBase):
         if fp8 and dtype != torch.bfloat16:
             raise OpInputError(f"{name}: fp8=True quantises bf16 activations; dtype is {dtype}")
         self.num_sms = num_sms(self.device)
-        if self._cuda:
-            for cfg in self.configs():
-                cfg.validate(num_sms=self.num_sms)
+        for cfg in self.configs():
+            check_method_runs(name, cfg, self.device)
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         chunks = max(cfg.chunks_per_rank for cfg in self.configs())
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, chunks)
@@ -321,9 +320,11 @@ class AgGemm(OpBase):
                          error_words=self.pool.error_words(),
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
         if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
-            used = config.chunks_per_rank * self.world_size
-            program.await_device(COMPUTE, self.chunk_flags[:used],
-                                 code=self.pool.device_error_code(self.flags.region, 0))
+            code = self.pool.device_error_code(self.flags.region, 0)
+            for chunk in plan_chunks(rank=self.rank, world_size=self.world_size, m=m,
+                                     chunks_per_rank=config.chunks_per_rank):
+                # the planned ones: an owner's empty trailing chunk has no flag write
+                program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
         if lead:
             program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
         gathered = self.gathered[:m]

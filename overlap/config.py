@@ -28,6 +28,7 @@ OPS = ("ag_gemm", "gemm_rs")
 METHODS = {"ag_gemm": ("decomposed", "fused"), "gemm_rs": ("fused", "decomposed", "epilogue_reduce", "pair")}
 ROLES = ("fc1_fprop", "fc1_dgrad", "fc2_fprop", "fc2_dgrad")
 MAX_CHUNKS_PER_RANK = 64
+DEFAULT_COMM_SMS = {"fused": 16, "decomposed": 16, "epilogue_reduce": 0, "pair": 0}  # GemmRsConfig.num_comm_sms
 STREAM_PRIORITY_RANGE = (-5, 0)  # CUDA: lower is higher priority
 
 
@@ -95,15 +96,22 @@ class GemmRsConfig:
     GEMM: other owners' rows scattered first, own rows reduced in its epilogue; needs (M/W) % 128 == 0),
     `decomposed` (one cuBLAS GEMM per owner chunk, copy-engine push, reduction kernel on num_comm_sms
     programs) or `pair` (W = 2 only: cuBLAS GEMM of the peer's rows, copy-engine push while the own rows'
-    GEMM runs, one add). sm_margin: SMs the GEMM leaves free; num_comm_sms: reduction programs."""
+    GEMM runs, one add). sm_margin: SMs the GEMM leaves free; num_comm_sms: reduction programs, by default
+    what the method runs (16 for fused and decomposed, 0 for epilogue_reduce and pair: no reduction kernel)."""
     method: str = "fused"
     sm_margin: int = 16
-    num_comm_sms: int = 16
+    num_comm_sms: int | None = None
     comm_stream_priority: int = -1
     op = "gemm_rs"
 
     def __post_init__(self):
+        self.fill_defaults()
         self.validate()
+
+    def fill_defaults(self) -> None:
+        """num_comm_sms left out (None) follows the method, so that a config naming only its method is valid."""
+        if self.num_comm_sms is None:
+            object.__setattr__(self, "num_comm_sms", DEFAULT_COMM_SMS.get(self.method, 16))
 
     def with_method(self, method: str, **changes) -> "GemmRsConfig":
         """A copy running `method` (sweeps), the fields that method needs filled in: fused keeps or takes 16

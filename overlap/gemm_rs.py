@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import protocol
 from ._gemm_launch import Scatter, launch_gemm, launch_reduce
 from ._op import OpBase
-from ._validate import OpInputError, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
 from .config import GemmRsConfig
 from .schedule import COMPUTE, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -102,12 +102,8 @@ class GemmRs(OpBase):
             raise OpInputError(f"{name}: fp8=True runs the FP8 GEMM per owner chunk and reduce-scatters bf16 "
                                f"partials: it needs dtype bfloat16 and method decomposed or pair (this is "
                                f"{dtype}, {' | '.join(sorted(methods))}: the scatter epilogues are bf16 kernels)")
-        if self._cuda:
-            for cfg in self.configs():
-                cfg.validate(num_sms=self.num_sms)
-        elif "epilogue_reduce" in methods:
-            raise OpInputError(f"{name}: method epilogue_reduce needs a GPU (its own-row waits run inside the GEMM "
-                               f"that also produces the peers' rows); on CPU use fused, decomposed or pair")
+        for cfg in self.configs():
+            check_method_runs(name, cfg, self.device)
         if "pair" in methods and self.world_size != 2:
             raise OpInputError(f"{name}: method pair is the W = 2 schedule; this group has {self.world_size} "
                                f"ranks (use decomposed or fused)")

@@ -52,6 +52,8 @@ def _make(cls, fields, key, file, validate):
     probe = cls.__new__(cls)
     for name, value in {**{f.name: f.default for f in dataclasses.fields(cls)}, **fields}.items():
         object.__setattr__(probe, name, value)
+    if hasattr(probe, "fill_defaults"):  # a default that follows the method (GemmRsConfig.num_comm_sms)
+        probe.fill_defaults()
     validate(probe, key)
     return cls(**fields)
 
@@ -103,7 +105,9 @@ def migrate(raw: dict) -> dict:
     * ops.ag_gemm.num_comm_sms and ops.gemm_rs.chunks_per_rank are dropped (never read by those ops);
     * gemm_rs `decomposed` with num_comm_sms 0 ran the W = 2 pair schedule at TP2 (it is `pair` now) and
       otherwise its reduction on max(sm_margin, 8) programs (now written as num_comm_sms);
-    * gemm_rs `epilogue_reduce` with num_comm_sms > 0: the field was ignored, it becomes 0.
+    * gemm_rs `epilogue_reduce` with num_comm_sms > 0: the field was ignored, it becomes 0;
+    * a gemm_rs section without num_comm_sms takes its method's default (`GemmRsConfig`: 0 for
+      epilogue_reduce and pair, 16 otherwise), as any current preset does.
     """
     if not isinstance(raw, dict) or not isinstance(raw.get("ops"), dict):
         return raw

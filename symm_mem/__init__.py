@@ -1,12 +1,10 @@
 """Persistent symmetric memory: one allocation and one control page per rank, exchanged once, named regions,
 control flags that streams wait on without an SM, bounded by a watchdog."""
 
-from ._waits import ArgumentMismatch
-from .errors import (DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError, PoolCapacityError, PoolClosedError,
-                     PoolError, PoolTimeoutError, SignalTimeout)
+from .errors import (ArgumentMismatch, DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError,
+                     PoolCapacityError, PoolClosedError, PoolError, PoolStepMismatch, PoolTimeoutError, SignalTimeout)
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",
-           "PoolTimeoutError", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError", "DeviceCheckError",
-           "ArgumentMismatch",
-           "live_pool_count"]
+           "PoolTimeoutError", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError",
+           "DeviceCheckError", "ArgumentMismatch", "PoolStepMismatch", "live_pool_count"]

@@ -30,6 +30,7 @@ Control page of one rank (int32 words):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VA
            "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
            "MISMATCH_BIT", "BOARD_GEQ", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
            "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
-           "encode_abort", "decode_abort"]
+           "encode_abort", "decode_abort", "check_spec", "check_timeout", "check_word", "check_same_shape", "layout_difference"]
 
 ALIGN_BYTES = 256
 ERROR_CODE_WORD = 0
@@ -56,6 +57,7 @@ CHECK_REASON = 5         # abort reason: a device-side check of an op failed
 FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
 DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")
+INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 def control_page_words(num_control_words: int) -> int:
@@ -117,3 +119,58 @@ def resolve_backend(backend: str, device: torch.device, group_backend: str = "nc
         raise PoolError(f"backend={backend!r} does not serve device {device}; host is for cpu, "
                         f"torch, nvshmem and ipc for cuda")
     return backend
+
+
+def check_word(what: str, value) -> None:
+    """Flag words are int32: a value outside that range could never be stored, so no wait could end."""
+    if isinstance(value, bool) or not isinstance(value, int) or not INT32_RANGE[0] <= value <= INT32_RANGE[1]:
+        raise PoolError(f"pool.{what}: value {value!r} is not an int32 (a flag word holds {INT32_RANGE[0]} .. "
+                        f"{INT32_RANGE[1]})")
+
+
+def check_timeout(timeout_s) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise PoolError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def check_same_shape(shapes: list) -> None:
+    """Creation: every rank's (arena bytes, signal words, device words, backend) must be the same."""
+    if len(set(shapes)) > 1:
+        names = ("size_bytes (aligned)", "num_signal_words", "num_device_words", "backend")
+        differing = [i for i in range(len(names)) if len({s[i] for s in shapes}) > 1]
+        parts = [f"{names[i]}: " + ", ".join(f"rank {r} {s[i]!r}" for r, s in enumerate(shapes)) for i in differing]
+        raise PoolError(f"pool creation: the ranks created the pool with different sizes ({'; '.join(parts)}); "
+                        f"a symmetric pool has the same layout on every rank")
+
+
+def check_spec(name, shape, dtype, num_signals, num_device_flags) -> tuple[int, ...]:
+    if not isinstance(name, str) or not name:
+        raise PoolError(f"region name must be a non-empty str, got {name!r}")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise PoolError(f"region {name!r}: shape must be non-negative ints, got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise PoolError(f"region {name!r}: dtype must be a torch.dtype, got {dtype!r}")
+    for arg, value in (("num_signals", num_signals), ("num_device_flags", num_device_flags)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PoolError(f"region {name!r}: {arg} must be an int >= 0, got {value!r}")
+    return shape
+
+
+def layout_difference(layouts: list) -> str | None:
+    """None if every rank's `SymmetricPool.layout()` is the same, else the first region where they differ,
+    as every rank reserved it."""
+    if len(set(layouts)) <= 1:
+        return None
+    index = next(i for i in range(max(map(len, layouts))) if len({lay[i] if i < len(lay) else None
+                                                                    for lay in layouts}) > 1)
+
+    def region(layout) -> str:
+        if index >= len(layout):
+            return "nothing"
+        name, offset, shape, dtype, control, num_control, device, num_device = layout[index]
+        return (f"{name!r} {list(shape)} {dtype.replace('torch.', '')} at byte {offset}, control words "
+                f"[{control}, {control + num_control}), device words [{device}, {device + num_device})")
+    return f"region {index}: " + "; ".join(f"rank {r} {region(lay)}" for r, lay in enumerate(layouts))

@@ -7,17 +7,14 @@ from __future__ import annotations
 import time
 
 from ._layout import (BOARD_GEQ, DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FAILURE_CODE_BASE,
-                      FIRST_FLAG_WORD, MISMATCH_BIT, MISMATCH_REASON, decode_abort)
-from .errors import DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError, PoolError, SignalTimeout
+                      FIRST_FLAG_WORD, MISMATCH_BIT, MISMATCH_REASON, decode_abort, layout_difference)
+from .errors import (ArgumentMismatch, DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError,
+                     SignalTimeout)
 
 __all__ = ["WaitState", "agree", "ArgumentMismatch"]
 
 LIVENESS_PERIOD_S = 0.05
 SPIN_POLLS = 2000
-
-
-class ArgumentMismatch(PoolError, ValueError):
-    """The ranks of a group passed different arguments to a collective step (see `SymmetricPool.agree`)."""
 
 
 class WaitState:
@@ -190,7 +187,11 @@ def _stream() -> int:
 
 
 def agree(pool, what: str, fields: dict) -> None:
-    values = pool._rendezvous.exchange(dict(fields), what=f"{what}: argument check")
+    """Every rank's `fields` and pool layout so far (the regions and where they landed) must be equal: ranks
+    whose regions landed elsewhere would read and write each other's memory at the wrong offsets."""
+    exchanged = pool._rendezvous.exchange((dict(fields), pool.layout()), what=f"{what}: argument check",
+                                          kind="agree")
+    values = [theirs for theirs, _ in exchanged]
     differing = sorted(k for k in fields if len({repr(v.get(k)) for v in values}) > 1)
     extra = sorted({k for v in values for k in v} - set(fields))
     if differing or extra:
@@ -198,3 +199,8 @@ def agree(pool, what: str, fields: dict) -> None:
                  for k in differing + extra]
         raise ArgumentMismatch(f"{what}: the ranks passed different arguments ({'; '.join(parts)}); every rank "
                                f"must build the same ops with the same arguments in the same order")
+    difference = layout_difference([layout for _, layout in exchanged])
+    if difference:
+        raise ArgumentMismatch(f"{what}: the pool's regions differ between the ranks before this op reserves its "
+                               f"own ({difference}); every rank must reserve the same regions, with the same "
+                               f"shapes, in the same order")

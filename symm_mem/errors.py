@@ -2,9 +2,9 @@
 
 from ipc.errors import PoolClosedError, PoolError
 
-__all__ = ["PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError", "SignalTimeout",
-           "PeerLostError", "PeerAbortError", "PeerMismatchError", "DeviceCheckError",
-           "ABORT_REASONS"]
+__all__ = ["ArgumentMismatch", "PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError",
+           "PoolStepMismatch", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError",
+           "DeviceCheckError", "ABORT_REASONS"]
 
 
 class PoolCapacityError(PoolError):
@@ -23,6 +23,15 @@ class PoolTimeoutError(PoolError, TimeoutError):
     def __init__(self, what: str, missing: list[int], timeout_s: float):
         self.what, self.missing, self.timeout_s = what, list(missing), timeout_s
         super().__init__(f"{what}: ranks {self.missing} of the group did not arrive within {timeout_s:.3g} s")
+
+
+class ArgumentMismatch(PoolError, ValueError):
+    """The ranks of a group passed different arguments to a collective step (see `SymmetricPool.agree`)."""
+
+
+class PoolStepMismatch(ArgumentMismatch):
+    """The ranks reached collective steps of different kinds of one pool (one closes, another checks an op's
+    arguments): raised at once on every rank of the step, naming what each rank was doing."""
 
 
 class SignalTimeout(TimeoutError):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ipc._mapping import byte_tensor
-
 from ._backend import Backend
 from .rendezvous import Rendezvous
 from .shared import SEGMENT_PREFIX, SharedSegments
@@ -25,7 +23,7 @@ class HostBackend(Backend):
     def __init__(self, size_bytes: int, group: dist.ProcessGroup, rendezvous: Rendezvous):
         super().__init__(size_bytes, group, torch.device("cpu"))
         self._segments = SharedSegments(size_bytes, rendezvous, what="arena")
-        self._buffers = [byte_tensor(a, size_bytes) for a in self._segments.addresses]
+        self._buffers = [self._segments.bytes(r) for r in range(self.world_size)]
         self.handles_open = len(self._buffers)
 
     def close(self) -> None:

@@ -4,7 +4,9 @@
     [ control page: error and abort words, control flags, their board ]  shared host memory, per rank
 
 Creation and `barrier()` are bounded by `timeout_s` (a bounded rendezvous through the process group's
-store, naming the ranks that did not arrive). Control flags are what streams wait on: on CUDA a wait is a
+store, naming the ranks that did not arrive, or the rank whose process is gone). Every rank must create the
+pool with the same sizes (checked at creation) and reserve the same regions in the same order (checked by
+every op's agreement step, `agree`). Control flags are what streams wait on: on CUDA a wait is a
 stream memory operation (no SM), bounded by the pool's watchdog thread; on CPU a bounded host loop. The
 words' values are the protocol's business (`overlap.protocol`); the pool offers "write v" and "wait until
 >= v". A failure anywhere (a wait that expired, a lost peer, an abort) is recorded in the control pages and
@@ -20,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from . import _waits
-from ._layout import (ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, PoolStats, Region, align, encode_abort,
+from ._layout import (ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, PoolStats,
+                      Region, align, check_same_shape, check_spec, check_timeout, check_word, encode_abort,
                       resolve_backend)
 from .control import ControlPages
-from .errors import PoolCapacityError, PoolClosedError, PoolError
+from .errors import PeerLostError, PoolCapacityError, PoolClosedError, PoolError
 from .liveness import process_alive
 from .rendezvous import Rendezvous
 
@@ -56,8 +59,7 @@ class SymmetricPool:
                 raise PoolError(f"{arg} must be an int >= {low}, got {value!r}")
         if group is None:
             raise PoolError("group= is required (pass the TP process group explicitly)")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise PoolError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        check_timeout(timeout_s)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -70,10 +72,15 @@ class SymmetricPool:
         self.arena_bytes = align(size_bytes)
         self.num_signal_words, self.num_device_words = num_signal_words, num_device_words
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group_ranks = tuple(dist.get_process_group_ranks(group))   # global ranks of the group's members
         self._closed, self._backend, self._control, self._watchdog = True, None, None, None
         self._rendezvous = Rendezvous(group, timeout_s=self.timeout_s)
         try:
-            self.peer_pids = tuple(self._rendezvous.exchange(os.getpid(), what="pool creation"))
+            shape = (self.arena_bytes, num_signal_words, num_device_words, self.backend_name)
+            created = self._rendezvous.exchange((os.getpid(), shape), what="pool creation")
+            self.peer_pids = tuple(pid for pid, _ in created)
+            self._rendezvous.peer_pids = self.peer_pids
+            check_same_shape([theirs for _, theirs in created])
             self._control = ControlPages(num_signal_words, self._rendezvous, self.device)
             self._backend = self._make_backend(self.arena_bytes + 4 * num_device_words)
             self._device_words(self.rank).zero_()
@@ -116,6 +123,12 @@ class SymmetricPool:
                                   "and the ops built on it were valid until then")
 
     # ----- regions ---------------------------------------------------------------------------------------
+    def layout(self) -> tuple:
+        """The regions reserved so far, in order, with where they landed (byte offset, control and device
+        words): equal on every rank of a correct program (an op's `agree` compares it)."""
+        return tuple((r.name, r.offset_bytes, r.shape, str(r.dtype), r.first_control_word, r.num_control,
+                      r.first_device_word, r.num_device_flags) for r in self._regions.values())
+
     def reserve(self, name: str, shape, dtype: torch.dtype, *, num_signals: int = 0, num_device_flags: int = 0,
                 exclusive: bool = False) -> torch.Tensor:
         """Reserve region `name` (or return it again if reserved with the same spec); this rank's view.
@@ -126,7 +139,7 @@ class SymmetricPool:
         reserved (an op context owns its flags; a second one would see the first one's values).
         """
         self._check_open()
-        shape = _check_spec(name, shape, dtype, num_signals, num_device_flags)
+        shape = check_spec(name, shape, dtype, num_signals, num_device_flags)
         if name in self._regions:
             region = self._regions[name]
             if exclusive:
@@ -226,6 +239,7 @@ class SymmetricPool:
         """Write `value` into control flag `index` of region `name` on `rank`: on CUDA a fenced stream
         memory operation on the current stream (after the stream's earlier work); on CPU a store now."""
         self._check_open()
+        check_word("signal", value)
         self._waits.signal(name, index, value, rank)
 
     def wait(self, name: str, index: int, value: int, *, timeout_s: float | None = None, peer: int | None = None,
@@ -237,7 +251,8 @@ class SymmetricPool:
         the calling thread and raises SignalTimeout (or PeerLostError / PeerAbortError) itself.
         """
         self._check_open()
-        self._waits.wait(name, index, value, self.timeout_s if timeout_s is None else float(timeout_s), peer, op)
+        check_word("wait", value)
+        self._waits.wait(name, index, value, self._bound(timeout_s), peer, op)
 
     def control_address(self, name: str, index: int, *, rank: int | None = None, board: bool = False) -> int:
         """Device address (CUDA; host address on CPU) of a control flag (or, board=True, of this rank's
@@ -256,7 +271,11 @@ class SymmetricPool:
                op: str | None = None) -> None:
         """Tell the watchdog (and the error messages) about a wait for control flag `index` >= `value`
         that the caller enqueues itself (the ops' pre-built memory-operation batches)."""
-        self._waits.expect(name, index, value, self.timeout_s if timeout_s is None else timeout_s, peer, op)
+        check_word("expect", value)
+        self._waits.expect(name, index, value, self._bound(timeout_s), peer, op)
+
+    def _bound(self, timeout_s) -> float:
+        return self.timeout_s if timeout_s is None else check_timeout(timeout_s)
 
     def error_words(self) -> torch.Tensor:
         """This rank's control page as an int32 tensor on the pool's device: kernels store the code of an
@@ -352,7 +371,7 @@ class SymmetricPool:
         self._check_open()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._rendezvous.barrier(what="pool barrier")
+        self._rendezvous.barrier(what="pool barrier", kind="barrier")
 
     def begin_call(self) -> None:
         """The entry of an op call: the pool is open and no failure is recorded (else raise it, as
@@ -383,7 +402,11 @@ class SymmetricPool:
 
     def close(self) -> None:
         """Release the allocation, the control pages and every peer mapping. Idempotent. Refused while an op
-        call on this pool is in flight (another thread)."""
+        call on this pool is in flight (another thread). On CPU a view still held (from `reserve`, `peer`,
+        an op's `return_gathered`) keeps its memory mapped: it reads stale data after close, never faults."""
+        self._close(None)
+
+    def _close(self, reason: str | None) -> None:
         global _live_pools
         if self._closed:
             return
@@ -391,10 +414,13 @@ class SymmetricPool:
             raise PoolError("SymmetricPool.close() while an op call on it is in flight; close after the call "
                             "returns")
         failed = self._waits.failed()
-        if not failed and not self.lost_peers():
+        if not failed and not self.lost_peers() and self._rendezvous.out_of_step is None:
             try:  # a slower peer may still be reading this rank's memory (its last pull)
-                self.barrier()
-            except PoolError:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                # `reason`: why this rank leaves its pool block, for a peer still at another step
+                self._rendezvous.barrier(what="pool close", kind="close", note=reason)
+            except (PoolError, PeerLostError):
                 pass  # bounded; the peers' own close is bounded too
         self._closed = True
         self._release()
@@ -419,19 +445,5 @@ class SymmetricPool:
     def __enter__(self) -> "SymmetricPool":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _check_spec(name, shape, dtype, num_signals, num_device_flags) -> tuple[int, ...]:
-    if not isinstance(name, str) or not name:
-        raise PoolError(f"region name must be a non-empty str, got {name!r}")
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise PoolError(f"region {name!r}: shape must be non-negative ints, got {shape!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise PoolError(f"region {name!r}: dtype must be a torch.dtype, got {dtype!r}")
-    for arg, value in (("num_signals", num_signals), ("num_device_flags", num_device_flags)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise PoolError(f"region {name!r}: {arg} must be an int >= 0, got {value!r}")
-    return shape
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(f"it left its pool block with {exc_type.__name__}: {exc}" if exc_type is not None else None)

@@ -2,7 +2,7 @@
 
 For a machine with a single GPU: NCCL refuses two ranks on one device, so references come from CPU copies
 exchanged with gloo. Timing means nothing here (the contexts time-slice the GPU). Runs W = 2 (every check),
-then W = 4 and W = 8 (the ops and the reliability checks).
+then W = 4 and W = 8 (the ops, the reliability checks and the construction refusals).
 
     python -m tests.gpu.smoke_one_gpu [--worlds 2,4,8] [--json FILE]   (one line per check; exit 1 on a failure)
 """
@@ -19,6 +19,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tests.gpu.smoke_refusals import refusals
 from tests.multiproc import run_ranks
 
 TOL = 1e-2
@@ -507,6 +508,7 @@ def _checks(rank, world, full):
             c.run(f"TPMLP torch.compile(mode={mode}, fullgraph={fullgraph})",
                   lambda m=mode, f=fullgraph: _mlp(c, 0, compiled=(m, f), rs_method=pair))
     c.run("reliability (mismatch, use after close, lost signal)", lambda: _reliability(c, dev))
+    c.run("refusals (no GEMM program, pool layout)", lambda: refusals(c, dev))
     return c.lines
 
 

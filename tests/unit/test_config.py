@@ -238,6 +238,22 @@ def test_a_preset_of_the_earlier_layout_is_migrated():
                                                                                num_comm_sms=8)
 
 
+def test_num_comm_sms_left_out_follows_the_method_in_an_earlier_layout_preset_and_in_python():
+    old = {"node": {"gpu_name": "NVIDIA H200", "tp_size": 4, "num_sms": 132, "pool_bytes": 1 << 30},
+           "ops": {"ag_gemm": {"method": "decomposed", "sm_margin": 0},
+                   "gemm_rs": {"method": "epilogue_reduce", "sm_margin": 0,
+                               "by_m": [{"m_max": 1024, "method": "fused", "sm_margin": 16}]}}}
+    cfg = parse_config(old, file="old.yaml")
+    assert cfg.gemm_rs.default == GemmRsConfig(method="epilogue_reduce", sm_margin=0, num_comm_sms=0)
+    assert cfg.op_config("gemm_rs", 1024) == GemmRsConfig(method="fused", sm_margin=16, num_comm_sms=16)
+    assert GemmRsConfig(method="pair").num_comm_sms == 0 and GemmRsConfig().num_comm_sms == 16
+    assert GemmRsConfig(method="decomposed").num_comm_sms == 16
+    # a value the file does give is still checked against the method, and the error names it
+    old["ops"]["gemm_rs"] = {"method": "pair", "sm_margin": 0, "num_comm_sms": 4}
+    with pytest.raises(ConfigError, match=r"old.yaml: ops.gemm_rs.num_comm_sms: got 4; allowed: 0 \(method pair"):
+        parse_config(old, file="old.yaml")
+
+
 def test_a_bucket_that_switches_method_drops_the_lead_and_with_method_resets_it():
     raw = _base()
     raw["ops"]["ag_gemm"].update(method="decomposed", lead_fraction=0.5)
