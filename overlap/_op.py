@@ -240,6 +240,14 @@ class OpBase:
         stream.wait_stream(side)
         return graph
 
+    def set_eager_graphs(self, on: bool) -> None:
+        """Replay this op's eager CUDA calls as recorded graphs (the default, unless OVERLAP_EAGER_GRAPHS=0)
+        or enqueue every call step by step (graphs already recorded are dropped)."""
+        self._use_graphs = self._cuda and bool(on)
+        if not on:
+            self._graphs.clear()
+            self._seen.clear()
+
     # ----- tracing (k-factors) --------------------------------------------------------------------------
     def enable_trace(self, on: bool = True) -> None:
         """Time each later call's lanes: CUDA events on the compute and side streams, or host clocks on the
