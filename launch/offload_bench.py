@@ -141,7 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.point_list = None
     unknown = [n for n in names if n not in MODELS]
     if unknown:
-        p.error(f"unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
+        flag = "--models" if set(unknown) & set(args.models.split(",") if args.models else ()) else "--points"
+        p.error(f"{flag}: unknown model {', '.join(map(repr, unknown))}; known: {', '.join(MODELS)}")
     distinct("--models", args.models.split(",") if args.models else [], "model")
     if args.point_list:
         distinct("--points", [":".join(map(str, point)) for point in args.point_list], "point")
