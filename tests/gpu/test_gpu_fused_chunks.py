@@ -105,3 +105,24 @@ def test_gpu_a_stalled_peer_times_out_the_fused_kernels_chunk_wait(num_gpus):
     assert msg0.split("(device)[")[1][0] in "23", msg0
     assert kind1 == "PeerAbortError" and "rank 0 aborted the group: a bounded wait timed out" in msg1, msg1
     assert t0 < POOL_TIMEOUT_S and t1 < POOL_TIMEOUT_S + 5, (t0, t1)   # the kernel's bound, not the pool's
+
+
+def main() -> int:
+    """One GPU: both cases with 2 processes sharing it (gloo, the ipc pool), printed; exit 1 on a failure.
+    `python -m tests.gpu.test_gpu_fused_chunks`"""
+    failed = False
+    for results in run_ranks(_odd_rows, 2, backend="gloo", timeout_s=420):
+        for key, (exact, err) in sorted(results.items()):
+            ok = exact and err <= TOL
+            failed |= not ok
+            print(f"odd rows (chunks, rows per rank) {key}: {'ok' if ok else 'FAIL'} exact={exact} rel={err:.1e}")
+    stalled = run_ranks(_stalled_peer, 2, backend="gloo", timeout_s=180)
+    for rank, (kind, message, seconds) in enumerate(stalled):
+        print(f"stalled peer, rank {rank}: {kind} after {seconds:.1f} s: {message[:200]}")
+    failed |= stalled[0][0] != "SignalTimeout" or stalled[1][0] != "PeerAbortError"
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
