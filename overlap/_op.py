@@ -152,7 +152,7 @@ class OpBase:
     def _launch(self, plan: Plan, ctx: dict, addresses: tuple | None) -> None:
         """Enqueue one call of `plan` (the call path of every op). `addresses`: the data pointers (and any
         layout the plan does not fix) of every call tensor the plan reads or writes; None: never replay."""
-        if self._closed:
+        if self._closed or self.pool.closed:
             self._check_live()
         if not self._lock.acquire(False):
             raise OpInputError(f"{self.name} is already running on another thread; op calls are collective "

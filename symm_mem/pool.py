@@ -438,6 +438,7 @@ class SymmetricPool:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        self._own = None  # a view of the control page: it would keep the page mapped (views outlive close)
         if self._control is not None:
             self._control.close()
             self._control = None

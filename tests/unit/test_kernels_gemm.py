@@ -17,6 +17,7 @@ import triton  # noqa: E402
 
 import triton.language as tl  # noqa: E402
 
+from symm_mem._layout import MISMATCH_BIT  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     EPILOGUE_LOCAL,
     EPILOGUE_SCATTER,
@@ -194,7 +195,7 @@ def run_reduction(partials, out, flags, error, wait, timeout_ns=TIMEOUT_NS, owne
     world_size, rows_per_rank, n = partials.shape
     reduce_partials_kernel[(3,)](
         partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, flags.shape[1],
-        gemm_block_m, owner_rank, timeout_ns, CODE_BASE, WAIT=wait, BLOCK_M=16, BLOCK_N=16)
+        gemm_block_m, owner_rank, timeout_ns, CODE_BASE, 1, WAIT=wait, BLOCK_M=16, BLOCK_N=16)  # flags hold 1
 
 
 def sequential_fp32_sum(partials):
@@ -205,7 +206,7 @@ def sequential_fp32_sum(partials):
 
 
 def control_page():
-    return torch.zeros(3, dtype=torch.int32, device=DEVICE)  # [code, value, abort]
+    return torch.zeros(4, dtype=torch.int32, device=DEVICE)  # [code, value, abort, seen]
 
 
 @pytest.mark.parametrize("world_size,wait", [(2, False), (3, False), (3, True)])
@@ -217,21 +218,27 @@ def test_reduction_sums_partials_in_fp32(world_size, wait):
     flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
     error = control_page()
     run_reduction(partials, out, flags, error, wait)
-    assert error.tolist() == [0, 0, 0]
+    assert error.tolist() == [0, 0, 0, 0]
     torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
     assert (flags == 1).all(), "the reduction must not reset flags: the launcher does, after the kernel"
 
 
 @pytest.mark.parametrize("stale_value", [0, 2])
 def test_reduction_wait_times_out_with_error_code_of_the_missing_flag(stale_value):
+    """A row-block flag still 0 is an expired wait (its code, the value awaited); a flag at another nonzero
+    value is a source that called with another M: the same code with MISMATCH_BIT, both values."""
     world_size, rows_per_rank, n = 3, 37, 40
     partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
     out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
-    flags[1, 1] = stale_value  # source 1 has not finished one row block (or left a value other than SET)
+    flags[1, 1] = stale_value  # source 1 has not finished one row block (or wrote another call's M)
     error = control_page()
     run_reduction(partials, out, flags, error, wait=True, timeout_ns=100_000)
-    assert error[0].item() == CODE_BASE + 1 * flags.shape[1] + 1 and error[1].item() == 1
+    code = CODE_BASE + 1 * flags.shape[1] + 1
+    if stale_value == 0:
+        assert error[0].item() == code and error[1].item() == 1
+    else:
+        assert error.tolist() == [code | MISMATCH_BIT, 1, 0, stale_value]
 
 
 def test_timer_is_used_exactly_when_not_interpreting():
@@ -321,7 +328,7 @@ def test_ag_consumer_with_ready_chunks_matches_fp32_reference(world_size, rows_p
     error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
                    rank=rank, num_programs=num_programs)
-    assert error.tolist() == [0, 0, 0]
+    assert error.tolist() == [0, 0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
@@ -332,7 +339,7 @@ def test_ag_consumer_pointer_fallback_with_unaligned_shapes():
     error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
                    rank=1, num_programs=3, use_descriptors=False)
-    assert error.tolist() == [0, 0, 0]
+    assert error.tolist() == [0, 0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
@@ -346,7 +353,7 @@ def test_ag_consumer_never_waits_for_empty_chunks():
     error = control_page()
     launch_ag_gemm(a, b, c, chunk_flags, error, rows_per_rank=rows_per_rank, chunks_per_rank=chunks_per_rank,
                    rank=2, num_programs=2)
-    assert error.tolist() == [0, 0, 0]
+    assert error.tolist() == [0, 0, 0, 0]
     assert relative_error(c, a.float() @ b.float()) <= GEMM_REL_TOLERANCE
 
 
@@ -393,7 +400,7 @@ def test_chunk_waits_also_work_with_the_scatter_epilogue():
     run_scatter_gemm(world, a, b, src_rank=2, rows_per_rank=rows_per_rank, num_programs=2,
                      chunk_flags_ptr=chunk_flags, chunks_per_rank=2, error_ptr=error, error_code_base=CODE_BASE,
                      timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True)
-    assert error.tolist() == [0, 0, 0]
+    assert error.tolist() == [0, 0, 0, 0]
     product = a.float() @ b.float()
     for owner in range(world_size):
         expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]

@@ -97,22 +97,27 @@ def test_kfactor_refuses_unknown_layers_and_a_shape_list_without_shapes():
 SIBLING_CHECK = "from launch import _cli; print(_cli._a_sibling_runs())"
 
 
-def test_rank_0_sees_a_sibling_that_still_runs_and_waits_for_it_at_most_its_bound():
+def _under_a_fresh_parent(code: str, *, with_sibling: bool) -> str:
+    """Run `code` as the child of a fresh parent process whose only other child (with_sibling) sleeps: pytest's
+    own children (multiprocessing's resource tracker, say) must not count."""
+    parent = ("import subprocess, sys, time\n"
+              + ("s = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" if with_sibling
+                 else "s = None\n")
+              + f"r = subprocess.run([sys.executable, '-c', {code!r}], capture_output=True, text=True)\n"
+              + "print(r.stdout.strip() or r.stderr[-500:])\n"
+              + "if s: s.kill(); s.wait()\n")
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        seen = subprocess.run([sys.executable, "-c", SIBLING_CHECK], env=env, capture_output=True, text=True,
-                              timeout=60)
-        assert seen.stdout.strip() == "True", seen.stderr
-        code = "import time; from launch import _cli; t = time.monotonic(); _cli._wait_for_sibling_ranks(0.5); " \
-               "print(round(time.monotonic() - t, 1))"
-        waited = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert 0.5 <= float(waited.stdout) < 5, waited.stderr
-    finally:
-        sibling.kill()
-        sibling.wait()
-    alone = subprocess.run([sys.executable, "-c", SIBLING_CHECK], env=env, capture_output=True, text=True, timeout=60)
-    assert alone.stdout.strip() == "False", alone.stderr
+    return subprocess.run([sys.executable, "-c", parent], env=env, capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+
+
+def test_rank_0_sees_a_sibling_that_still_runs_and_waits_for_it_at_most_its_bound():
+    assert _under_a_fresh_parent(SIBLING_CHECK, with_sibling=True) == "True"
+    code = "import time; from launch import _cli; t = time.monotonic(); _cli._wait_for_sibling_ranks(0.5); " \
+           "print(round(time.monotonic() - t, 1))"
+    waited = _under_a_fresh_parent(code, with_sibling=True)
+    assert 0.5 <= float(waited) < 5, waited
+    assert _under_a_fresh_parent(SIBLING_CHECK, with_sibling=False) == "False"
     start = time.monotonic()
     _cli._wait_for_sibling_ranks(5.0)   # this process's own siblings are pytest's, if any: bounded anyway
     assert time.monotonic() - start < 6
