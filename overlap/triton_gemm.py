@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .gemm_blocks import GemmBlocks, choose_blocks, stream_k_tiles
+from .gemm_blocks import GemmBlocks, choose_blocks
 
 __all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
            "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS"]
