@@ -30,7 +30,7 @@ import torch.distributed as dist
 from symm_mem import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
 from . import envs
-from ._validate import OpInputError, check_at_most, check_divisible, check_same_group
+from ._validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
 from .config import OpPreset
 from .schedule import CudaDriver, HostDriver
 
@@ -124,6 +124,17 @@ class OpBase:
             raise OpInputError(f"{self.name}: M must be > 0, got {m}")
         check_divisible(f"{self.name}: M", m, self.world_size, "the group size")
         check_at_most(f"{self.name}: M", m, self.max_m, "max_m of this op")
+
+    def _check_operands(self, name: str, a, cols: int, w, k: int, n: int) -> None:
+        """A call's activation `name` [rows, cols] (row-major) and weight w [k, n] (row-major or a transposed
+        row-major view): a few attribute reads when they are right, the full named check when not."""
+        if not (isinstance(a, torch.Tensor) and a.dtype == self.dtype and a.device == self.device and a.dim() == 2
+                and a.shape[1] == cols and a.is_contiguous()):
+            self._check_live()
+            check_tensor(name, a, dtype=self.dtype, device=self.device, shape=(None, cols))
+        if not (isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.device == self.device and w.dim() == 2
+                and w.shape[0] == k and w.shape[1] == n and (w.stride(1) == 1 or w.stride(0) == 1)):
+            check_weight("w", w, dtype=self.dtype, device=self.device, shape=(k, n))
 
     def _raise_if_failed(self) -> None:
         try:

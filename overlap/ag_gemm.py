@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import protocol
 from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._op import OpBase
-from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor
 from .config import AgGemmConfig
 from .schedule import COMPUTE, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -69,7 +69,8 @@ class AgGemm(OpBase):
             from .fp8 import Fp8WeightCache, scale_groups
             self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
-        self._gathered_ptr, self._row_bytes = self.gathered.data_ptr(), self.gathered.stride(0) * self.gathered.element_size()
+        self._gathered_ptr = self.gathered.data_ptr()
+        self._row_bytes = self.gathered.stride(0) * self.gathered.element_size()
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         # bumped by every call that stamps its gathered input (a column layer's forward): a backward that
@@ -110,7 +111,7 @@ class AgGemm(OpBase):
         lead: a callable run once on the current stream before the GEMM over the gathered rows, reading only
             this rank's data (calls with one are enqueued step by step, never replayed).
         """
-        self._check_call_tensors(a_shard, w)
+        self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         if wgrad_of is not None:
             check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device,
                          shape=(a_shard.shape[0] * self.world_size, None))
@@ -126,7 +127,7 @@ class AgGemm(OpBase):
         if wgrad_of is not None:
             grad = torch.empty(wgrad_of.shape[1], self.k, dtype=self.dtype, device=self.device)
             ctx["x"], ctx["grad"] = wgrad_of, grad
-            addresses += (wgrad_of.data_ptr(), grad.data_ptr())
+            addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if stamp is not None:
             addresses += (stamp.data_ptr(),)
         if self.fp8:
@@ -172,16 +173,6 @@ class AgGemm(OpBase):
                                    whole=whole)
 
     # ----- one call ------------------------------------------------------------------------------------
-    def _check_call_tensors(self, a_shard, w) -> None:
-        if not (isinstance(a_shard, torch.Tensor) and a_shard.dtype == self.dtype and a_shard.device == self.device
-                and a_shard.dim() == 2 and a_shard.shape[1] == self.k and a_shard.is_contiguous()):
-            self._check_live()
-            check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
-        if not (isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.device == self.device
-                and w.dim() == 2 and w.shape[0] == self.k and w.shape[1] == self.n_local
-                and (w.stride(1) == 1 or w.stride(0) == 1)):
-            check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k, self.n_local))
-
     def _call(self, m: int, consumer: str, ctx: dict, addresses, *, wgrad=None, lead=False, stamp=False) -> None:
         rows = m // self.world_size
         claimed = self._claimed is not None
@@ -213,7 +204,7 @@ class AgGemm(OpBase):
         if wgrad == "lead":
             self._wgrad_lead(program, m, rows, config.sm_margin)
         if fused:
-            self._fused_consumer(program, m, config, lead=lead)
+            self._fused_consumer(program, m, chunks, config, lead=lead)
         elif consumer == "decomposed":
             self._decomposed_consumer(program, m, chunks, config, whole=whole, lead=lead)
         if wgrad is not None:
@@ -310,7 +301,7 @@ class AgGemm(OpBase):
                 torch.mm(a, ctx["w"], out=ctx["out"][lo:lo + count])
         return mm
 
-    def _fused_consumer(self, program: Program, m: int, config, *, lead: bool) -> None:
+    def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
         from ._gemm_launch import ChunkWait, launch_gemm
         from kernels.gemm import ag_tile_row_offset
 
@@ -321,9 +312,7 @@ class AgGemm(OpBase):
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
         if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
             code = self.pool.device_error_code(self.flags.region, 0)
-            for chunk in plan_chunks(rank=self.rank, world_size=self.world_size, m=m,
-                                     chunks_per_rank=config.chunks_per_rank):
-                # the planned ones: an owner's empty trailing chunk has no flag write
+            for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
                 program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
         if lead:
             program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
@@ -359,18 +348,15 @@ class AgGemm(OpBase):
     def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
         """grad (+)= x[other rows]^T @ gathered[other rows] (bf16; fp8: the dequantised gathered rows)."""
         lo = self.rank * rows
-        parts = [(0, lo), (lo + rows, m)] if lead else [(0, m)]
+        others = [(first, end) for first, end in ((0, lo), (lo + rows, m)) if end > first]
 
         def rest(ctx) -> None:
-            full = self.gathered_bf16(m)
-            x, grad = ctx["x"], ctx["grad"]
-            for first, end in parts:
-                if end <= first:
-                    continue
-                if lead:  # accumulate onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
-                    grad.addmm_(x[first:end].t(), full[first:end])
-                else:
-                    torch.mm(x.t(), full, out=grad)
+            full, x, grad = self.gathered_bf16(m), ctx["x"], ctx["grad"]
+            if not lead:
+                torch.mm(x.t(), full, out=grad)
+                return
+            for first, end in others:  # onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
+                grad.addmm_(x[first:end].t(), full[first:end])
         program.run(COMPUTE, rest)
 
     def _release(self) -> None:

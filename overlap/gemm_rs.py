@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import protocol
 from ._gemm_launch import Scatter, launch_gemm, launch_reduce
 from ._op import OpBase
-from ._validate import OpInputError, check_method_runs, check_tensor, check_weight
+from ._validate import OpInputError, check_method_runs, check_tensor
 from .config import GemmRsConfig
 from .schedule import COMPUTE, Program
 from .triton_gemm import choose_blocks, num_sms, sm_carveout
@@ -114,10 +114,8 @@ class GemmRs(OpBase):
         (out_shard, g^T @ a [J, K_local]) (a column layer's backward: a its output grad, g its gathered input).
         check: (stamp, version, code), int64 [1] device tensors and a `pool.failure_code`: before anything
         else the call records that failure (raised on every rank) if they differ (custom_ops' stale check)."""
-        self._check_call_tensors(a, w)
-        if wgrad_of is not None:
-            check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device, shape=(a.shape[0], None),
-                         contiguous=False)
+        self._check_operands("a", a, self.k_local, w, self.k_local, self.n)
+        self._check_wgrad_of(wgrad_of, a.shape[0])
         return self._call(a.shape[0], "op", a, w, wgrad_of, None, check)
 
     def bulk(self, a: torch.Tensor, w: torch.Tensor, work=None, *, wgrad_of: torch.Tensor | None = None,
@@ -125,11 +123,14 @@ class GemmRs(OpBase):
         """(out_shard, result) with the reduce-scatter's pushes overlapped with other work (no SM for the
         pushes): `wgrad_of` g [M, J] -> result = g^T @ a; or `work`, a callable (result = work(); such calls
         are enqueued step by step, never replayed). check: as in `__call__`."""
-        self._check_call_tensors(a, w)
-        if wgrad_of is not None:
-            check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device, shape=(a.shape[0], None),
-                         contiguous=False)
+        self._check_operands("a", a, self.k_local, w, self.k_local, self.n)
+        self._check_wgrad_of(wgrad_of, a.shape[0])
         return self._bulk_call(a, w, work, wgrad_of, check)
+
+    def _check_wgrad_of(self, wgrad_of, m: int) -> None:
+        if wgrad_of is not None:
+            check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device, shape=(m, None),
+                         contiguous=False)
 
     def _bulk_call(self, a, w, work, wgrad_of, check):
         m = a.shape[0]
@@ -154,16 +155,6 @@ class GemmRs(OpBase):
         """Ring order from rank + 1; the own chunk last (its reduction input needs no transfer)."""
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size + 1)]
 
-    def _check_call_tensors(self, a, w) -> None:
-        if not (isinstance(a, torch.Tensor) and a.dtype == self.dtype and a.device == self.device and a.dim() == 2
-                and a.shape[1] == self.k_local and a.is_contiguous()):
-            self._check_live()
-            check_tensor("a", a, dtype=self.dtype, device=self.device, shape=(None, self.k_local))
-        if not (isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.device == self.device
-                and w.dim() == 2 and w.shape[0] == self.k_local and w.shape[1] == self.n
-                and (w.stride(1) == 1 or w.stride(0) == 1)):
-            check_weight("w", w, dtype=self.dtype, device=self.device, shape=(self.k_local, self.n))
-
     def _call(self, m: int, schedule: str, a, w, wgrad_of, work, check):
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
         ctx = {"a": a, "w": w, "out": out, "work": work, "check": check}
@@ -173,7 +164,7 @@ class GemmRs(OpBase):
         if wgrad_of is not None:
             grad = torch.empty(wgrad_of.shape[1], self.k_local, dtype=self.dtype, device=self.device)
             ctx["g"], ctx["result"] = wgrad_of, grad
-            addresses += (wgrad_of.data_ptr(), wgrad_of.stride(0), grad.data_ptr())
+            addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
             from .fp8 import quantize_activation
             ctx["a_fp8"], ctx["w_fp8"] = quantize_activation(a), self._weights.get(w.t())

@@ -64,12 +64,12 @@ def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.
     `chunks_per_rank` is the preset's ag_gemm value (the fused AllGather consumer keeps a flag per chunk).
     """
     from . import protocol
-    from .gemm_rs import FLAG_BLOCK_M
+    from .gemm_rs import flags_per_source
     check_divisible("max_m", max_m, world_size, "the group size")
     region = _align(max_m * hidden * dtype.itemsize)
     ag_region = _align(max_m * hidden) + _align(max_m * -(-hidden // 128) * 4) if fp8 else region
-    fps = -(-(max_m // world_size) // FLAG_BLOCK_M) + 1
-    ag, rs = protocol.AgFlags("", world_size, chunks_per_rank), protocol.RsFlags("", world_size, fps)
+    ag = protocol.AgFlags("", world_size, chunks_per_rank)
+    rs = protocol.RsFlags("", world_size, flags_per_source(max_m, world_size))
     per_layer = (ag_region + region, ag.num_signals + rs.num_signals, ag.num_device_flags + rs.num_device_flags)
     return PoolRequirements(*(num_layers * x for x in per_layer))
 
