@@ -1,10 +1,16 @@
-"""Errors of the pools. The bases live here, in the lowest package, so that `symm_mem` (which builds on
-`ipc`) can derive from them without `ipc` importing `symm_mem`."""
+"""The project's exception root and the pools' base errors. They live here, in the lowest package, so that
+every other package (`symm_mem`, `overlap`, `launch`) derives from them without an import cycle."""
 
-__all__ = ["PoolError", "PoolClosedError", "IpcError"]
+__all__ = ["OverlapError", "PoolError", "PoolClosedError", "IpcError"]
 
 
-class PoolError(RuntimeError):
+class OverlapError(Exception):
+    """Root of every exception this project raises on purpose: `except OverlapError` catches them all.
+    Each subclass also derives from the builtin it refines (ValueError, TimeoutError, RuntimeError), so
+    code written against the builtins keeps working."""
+
+
+class PoolError(OverlapError, RuntimeError):
     """Misuse of a pool: wrong arguments, wrong backend for the device, double use."""
 
 

@@ -32,6 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from ipc.errors import OverlapError
+
 __all__ = ["UsageError", "ArgumentParser", "int_list", "require", "distinct", "names", "input_file", "output_file",
            "output_dir", "run_launcher", "run_dir", "env_rank", "under_torchrun", "RUNS_DIR"]
 
@@ -40,7 +42,7 @@ USAGE_EXIT, ERROR_EXIT = 2, 1
 SIBLING_WAIT_S = 10.0
 
 
-class UsageError(Exception):
+class UsageError(OverlapError):
     """A bad argument: the same on every rank, found before any communication."""
 
 

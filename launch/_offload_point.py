@@ -8,6 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ipc.errors import OverlapError
+
 from overlap.host_pool import HostPool
 from overlap.offload import OffloadEngine
 from overlap.offload_plan import MLPShape, OffloadPlanError, pacing_offset, plan_offload, plan_sweep, simulate
@@ -23,7 +25,7 @@ HAND = {"keep": {"x": "keep", "h": "keep", "a": "keep"}, "recompute": {"x": "kee
         "offload_all": {"x": "offload", "h": "offload", "a": "offload"}}
 
 
-class OutOfTime(Exception):
+class OutOfTime(OverlapError):
     """The point's timed steps would not end before the run's time budget."""
 
 

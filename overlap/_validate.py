@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ipc.errors import OverlapError
+
 __all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
            "check_weight", "check_method_runs", "check_same_group"]
 
@@ -15,7 +17,7 @@ __all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
 TRITON_METHODS = {"ag_gemm": ("fused",), "gemm_rs": ("fused", "epilogue_reduce")}
 
 
-class OpInputError(ValueError):
+class OpInputError(OverlapError, ValueError):
     """A public op, layer or pool was called with arguments it cannot serve."""
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ipc.errors import OverlapError
+
 __all__ = ["AgGemmConfig", "GemmRsConfig", "RoleConfig", "OpPreset", "NodeConfig", "ModelConfig", "MODELS",
            "ACTIVATIONS", "ROLES", "OverlapConfig", "ConfigError", "OPS", "METHODS", "OP_CLASSES", "op_config"]
 
@@ -32,7 +34,7 @@ DEFAULT_COMM_SMS = {"fused": 16, "decomposed": 16, "epilogue_reduce": 0, "pair":
 STREAM_PRIORITY_RANGE = (-5, 0)  # CUDA: lower is higher priority
 
 
-class ConfigError(ValueError):
+class ConfigError(OverlapError, ValueError):
     def __init__(self, message: str, *, file: str = "<config>", key: str = "", value=None, allowed: str = ""):
         self.file, self.key, self.value, self.allowed, self.detail = file, key, value, allowed, message
         where = f"{file}: " if file else ""

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ipc.errors import OverlapError
+
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
            "load_block_table", "block_table_path", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS",
            "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
@@ -144,7 +146,7 @@ def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm
     return GemmBlocks(128, 256, 64, 8, 8, 3, warp_specialize)
 
 
-class BlockTableError(ValueError):
+class BlockTableError(OverlapError, ValueError):
     pass
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ipc.errors import OverlapError
+
 from . import _numa
 
 __all__ = ["HostPool", "HostSlot", "HostPoolStats", "OffloadError", "SlotInUseError", "StaleSlotError",
@@ -47,7 +49,7 @@ def live_host_pool_count() -> int:
     return _live_pools
 
 
-class OffloadError(RuntimeError):
+class OffloadError(OverlapError, RuntimeError):
     """Activation offload cannot do what was asked (pool, slots, plan or engine misuse)."""
 
 

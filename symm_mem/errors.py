@@ -1,6 +1,6 @@
 """Exceptions raised by the symmetric pools (the bases come from `ipc.errors`)."""
 
-from ipc.errors import PoolClosedError, PoolError
+from ipc.errors import OverlapError, PoolClosedError, PoolError
 
 __all__ = ["ArgumentMismatch", "PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError",
            "PoolStepMismatch", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError",
@@ -34,7 +34,7 @@ class PoolStepMismatch(ArgumentMismatch):
     arguments): raised at once on every rank of the step, naming what each rank was doing."""
 
 
-class SignalTimeout(TimeoutError):
+class SignalTimeout(OverlapError, TimeoutError):
     """A bounded wait for a flag expired: names the region/flag, the value awaited, the value seen and,
     where known, the peer rank expected to write it and the op."""
 
@@ -52,7 +52,7 @@ ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3:
                  4: "a call's arguments differed between ranks", 5: "a device-side check of an op failed"}
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(OverlapError, RuntimeError):
     """A peer rank's process is gone (killed or crashed) while this rank depended on it."""
 
     def __init__(self, rank: int, pid: int | None, *, waiting_for: str = "", reported_by: int | None = None):
@@ -63,7 +63,7 @@ class PeerLostError(RuntimeError):
         super().__init__(f"lost rank {rank}{pid_text}: its process exited{what}{by}")
 
 
-class PeerAbortError(RuntimeError):
+class PeerAbortError(OverlapError, RuntimeError):
     """Another rank of the group gave up (timeout, bad arguments) and told every rank to stop."""
 
     def __init__(self, rank: int, reason: int, detail: str = ""):
@@ -86,6 +86,6 @@ class PeerMismatchError(PeerAbortError):
         self.rank, self.reason = rank, 4
 
 
-class DeviceCheckError(RuntimeError):
+class DeviceCheckError(OverlapError, RuntimeError):
     """A check that an op runs on the device (registered with `SymmetricPool.failure_code`) failed on this
     rank; the message is the one registered with its code."""

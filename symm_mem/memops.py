@@ -15,6 +15,8 @@ import ctypes
 import threading
 from typing import NamedTuple, Sequence
 
+from ipc.errors import OverlapError
+
 __all__ = ["MemOp", "MemOpBatch", "MemOpError", "wait_eq", "wait_geq", "write", "host_register", "host_unregister",
            "memcpy_async"]
 
@@ -28,7 +30,7 @@ _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | DE
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
-class MemOpError(RuntimeError):
+class MemOpError(OverlapError, RuntimeError):
     """The CUDA driver refused a stream memory operation (or the driver is not there)."""
 
 
