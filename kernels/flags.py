@@ -3,7 +3,7 @@
 Every flag a kernel waits for is a toggle: its writer stores SET (1) with release semantics at system
 scope, and the kernel waits until it reads SET (acquire, system scope). Nobody in the kernel resets it:
 the launcher resets the flags with stream memory operations after the kernel, before the handshake that
-lets the writer set them again (overlap/protocol.py), so the awaited value is the same in every call and a
+lets the writer set them again (overlap/ops/protocol.py), so the awaited value is the same in every call and a
 captured CUDA graph replays the same protocol.
 
 The wait is bounded by a count of polls worth about `timeout_ns` (every thread must leave the loop at the

@@ -23,7 +23,7 @@ output in C's dtype).
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
 * M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank`` are runtime ints (M and the
   rank-dependent ints are excluded from specialisation, so they never recompile).
-* Flags are toggles (overlap/protocol.py): a writer stores a nonzero value (SET for the chunk flags,
+* Flags are toggles (overlap/ops/protocol.py): a writer stores a nonzero value (SET for the chunk flags,
   ``flag_value`` -- the call's M -- for the scatter epilogues' row-block flags), a waiter waits until it
   reads it; the launcher resets them with stream memory operations after the kernel. ``error_ptr`` is the
   pool's control page [code, value, abort, seen]: an expired wait stores ``error_code_base + <flag index>``,

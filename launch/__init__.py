@@ -1,1 +1,3 @@
 """torchrun entry points: `python -m launch.bench` (side-by-side benchmarks)."""
+
+__project__ = "tp-overlap"  # checked by overlap/_install.py

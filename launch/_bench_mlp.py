@@ -1,4 +1,4 @@
-"""A one-GPU MLP made of torch ops that saves what `overlap.layers.TPMLP` saves at W = 1 (baseline ops).
+"""A one-GPU MLP made of torch ops that saves what `overlap.ops.layers.TPMLP` saves at W = 1 (baseline ops).
 
 TPMLP's column layer at W = 1 gathers into a new [M, H] tensor (`ag_gemm_reference`) and keeps that copy
 for its weight grad; its row layer keeps its input a; the activation is `silu(gate) * up` (or gelu) in

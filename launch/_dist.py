@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from overlap import envs
+from overlap.config import envs
 
 from ._cli import UsageError
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from overlap.config import METHODS, ConfigError, OverlapConfig
-from overlap.presets import load_config, load_preset
+from overlap.config.schema import METHODS, ConfigError, OverlapConfig
+from overlap.config.presets import load_config, load_preset
 from launch.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
                            rs_points)
 

@@ -23,7 +23,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from overlap.config import ConfigError
+from overlap.config.schema import ConfigError
 from overlap.host_pool import HostPool
 from overlap.offload import OffloadEngine, host_bytes, plan_for
 from overlap.offload_config import OffloadConfig, parse_offload_arg

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from overlap.config import MODELS, ModelConfig
-from overlap.layers import BASELINES, pool_requirements
-from overlap.presets import FP8_RS_METHODS, load_config, load_preset
+from overlap.config.schema import MODELS, ModelConfig
+from overlap.ops.layers import BASELINES, pool_requirements
+from overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
 
 from ._cli import UsageError, distinct, require
 from ._limits import require_fits

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from overlap.config import OpPreset, OverlapConfig
+from overlap.config.schema import OpPreset, OverlapConfig
 
 __all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures", "M_ORDER",
            "GEMM_CLASSES", "shape_class", "gemm_candidates", "tune_order", "point_seconds"]

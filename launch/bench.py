@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from overlap.config import METHODS
-from overlap.presets import load_config, load_preset
+from overlap.config.schema import METHODS
+from overlap.config.presets import load_config, load_preset
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import progress
 from launch.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points

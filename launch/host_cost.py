@@ -82,9 +82,9 @@ def _max_median(samples, group) -> tuple[float, float, float]:
 
 def _op_calls(ctx, pool, m, k, n):
     """{(op, method): (op, call, the op's whole GEMM as one torch.mm)} on llama8b.qkv / o_proj-like shapes."""
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
     a_shard = torch.randn(m // world, k, device=dev, dtype=bf16)
     w = torch.randn(n, k, device=dev, dtype=bf16).t()
@@ -114,7 +114,7 @@ def _step(mlp, x, dy):
 
 def _mlp_steps(ctx, pool, m, hidden, ffn, nccl_self):
     """(our step, the overlap=False step on NCCL, our MLP): forward + backward of a TPMLP with the preset."""
-    from overlap.layers import TPMLP
+    from overlap.ops.layers import TPMLP
     dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
     ours = TPMLP(hidden, ffn, group=ctx.group, max_m=m, dtype=bf16, pool=pool, name="hc.mlp")
     x = torch.randn(m // world, hidden, device=dev, dtype=bf16, requires_grad=True)

@@ -46,8 +46,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from overlap.ag_gemm import AgGemm
-from overlap.gemm_rs import GemmRs
+from overlap.ops.ag_gemm import AgGemm
+from overlap.ops.gemm_rs import GemmRs
 from overlap.triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
 from ._comm_delay import inject_comm_delay

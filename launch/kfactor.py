@@ -45,15 +45,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from overlap import envs
-from overlap.ag_gemm import AgGemm
-from overlap.config import OverlapConfig
-from overlap.presets import dump_config, load_config, to_dict
-from overlap.gemm_rs import GemmRs
+from overlap.config import envs
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import OverlapConfig
+from overlap.config.presets import dump_config, load_config, to_dict
+from overlap.ops.gemm_rs import GemmRs
 from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
                              trace_op)
 from launch._timeline import step_timeline
-from overlap.reference import ag_gemm_reference, gemm_rs_reference
+from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.shapes import ShapePoint
 from launch.timing import bench_interleaved, progress

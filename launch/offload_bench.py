@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from overlap.config import MODELS
+from overlap.config.schema import MODELS
 from overlap.host_pool import HostPool, OffloadError
 from overlap.offload_config import DEFAULT_MAX_ADDED, PACING
 from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap import envs
-from overlap.ag_gemm import AgGemm
-from overlap.gemm_rs import GemmRs
-from overlap.reference import ag_gemm_reference, gemm_rs_reference
+from overlap.config import envs
+from overlap.ops.ag_gemm import AgGemm
+from overlap.ops.gemm_rs import GemmRs
+from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
 from launch.k_factor import k_from_trace, trace_op
 from launch.shapes import ShapePoint
 from launch.timing import bench_interleaved, progress

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap import envs
+from overlap.config import envs
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from overlap import envs
+from overlap.config import envs
 
 __all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug", "run_labels", "RunLabels",
            "CPU_NOTE", "ONE_RANK_NOTE"]
@@ -70,7 +70,7 @@ def command_line() -> str:
 
 
 def device_slug(device_name: str) -> str:
-    from overlap.presets import gpu_slug
+    from overlap.config.presets import gpu_slug
     return gpu_slug(device_name)
 
 

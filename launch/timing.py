@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap import envs
+from overlap.config import envs
 
 __all__ = ["Stats", "Timer", "Ticker", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
 

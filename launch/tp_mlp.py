@@ -38,9 +38,9 @@ import sys
 
 import torch
 
-from overlap import envs
-from overlap.config import ACTIVATIONS, MODELS, ModelConfig
-from overlap.layers import TPMLP, pool_requirements
+from overlap.config import envs
+from overlap.config.schema import ACTIVATIONS, MODELS, ModelConfig
+from overlap.ops.layers import TPMLP, pool_requirements
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool

@@ -38,7 +38,7 @@ class Scatter(NamedTuple):
     error_words: torch.Tensor
     error_code_base: int         # code of the own flags' word 0 (EPILOGUE 2's waits)
     timeout_s: float
-    flag_value: int = 1          # what the row-block flags carry: the call's M (overlap/protocol.py)
+    flag_value: int = 1          # what the row-block flags carry: the call's M (overlap/ops/protocol.py)
 
 
 def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_programs: int, blocks: GemmBlocks,

@@ -39,7 +39,7 @@ LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major 
 DEFAULT_GPU = "h200"            # the table callers get when they do not name a GPU
 SHARED_MEMORY_LIMIT = 232448    # bytes per block on sm_90 (227 KB)
 SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the blocks resident there
-PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/gemm_rs.py FLAG_BLOCK_M)
+PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/ops/gemm_rs.py FLAG_BLOCK_M)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
 _NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?$")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from .config.schema import ConfigError
 
 __all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "CANDIDATES", "DECISIONS",
            "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES", "DEFAULT_MAX_ADDED", "MAX_ADDED"]

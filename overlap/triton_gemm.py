@@ -75,7 +75,7 @@ def gpu_name(device: torch.device) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_gpu_name(index: int) -> str:
-    from .presets import gpu_slug
+    from .config.presets import gpu_slug
     return gpu_slug(torch.cuda.get_device_name(index))
 
 

@@ -1,6 +1,8 @@
 """Persistent symmetric memory: one allocation and one control page per rank, exchanged once, named regions,
 control flags that streams wait on without an SM, bounded by a watchdog."""
 
+__project__ = "tp-overlap"  # checked by overlap/_install.py
+
 from .errors import (ArgumentMismatch, DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError,
                      PoolCapacityError, PoolClosedError, PoolError, PoolStepMismatch, PoolTimeoutError, SignalTimeout)
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count

@@ -14,7 +14,7 @@ class PoolCapacityError(PoolError):
                  knob: str = "size_bytes"):
         self.region, self.asked, self.left, self.total, self.knob = region, asked, left, total, knob
         super().__init__(f"region {region!r} needs {asked} {unit} but the pool has {left} of {total} {unit} "
-                         f"left; create the pool with a larger {knob} (see overlap.layers.pool_requirements)")
+                         f"left; create the pool with a larger {knob} (see overlap.ops.layers.pool_requirements)")
 
 
 class PoolTimeoutError(PoolError, TimeoutError):

@@ -336,7 +336,7 @@ def _tpmlp():
     except Exception as exc:
         raise _Skip(f"no one-rank process group here: {exc}")
     try:
-        from overlap.layers import TPMLP
+        from overlap.ops.layers import TPMLP
         from overlap.offload import disable_offload, enable_offload
         kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0], dtype=torch.bfloat16, overlap=False, device=DEV)
         torch.manual_seed(3)

@@ -55,8 +55,8 @@ class Checks:
 
 
 def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp8=False):
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     cfg = AgGemmConfig(method=method, lead_fraction=lead, chunks_per_rank=chunks)
     name = f"ag.{method}.{lead}.{chunks}.{rows}.{int(eager_graphs)}.{int(fp8)}"
@@ -94,8 +94,8 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
 
 
 def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=False):  # comm: num_comm_sms
-    from overlap.config import GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.config.schema import GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     cfg = GemmRsConfig(method=method, sm_margin=margin, num_comm_sms=comm)
     op = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16, config=cfg,
@@ -123,9 +123,9 @@ def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=F
 
 def _captured(c, pool, kind, method, rows, k, n):
     """Calls captured in a CUDA graph, replayed with fresh inputs, eager calls in between."""
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     ag = kind == "ag"
     if ag:
@@ -179,8 +179,8 @@ def _capture_idioms(c, pool, method):
     """The torch docs' idiom (warm up on a side stream, `with torch.cuda.graph(g)` on its own stream), eager
     calls on the default and on another stream after it, a capture after eager calls on another stream,
     two graphs of one op at different M, replays interleaved with eager calls."""
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     op = AgGemm(group=group, pool=pool, max_m=128 * world, k=264, n_local=136, dtype=torch.bfloat16,
                 config=AgGemmConfig(method=method, chunks_per_rank=2), name=f"idioms.{method}")
@@ -240,9 +240,9 @@ def _capture_idioms(c, pool, method):
 def _replays(c, pool, kind, method):
     """Eager calls replayed from recorded graphs (the default path): the same tensors refilled every step,
     so from the second call on each call is one replay; right rows every call, the graph recorded once."""
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     rows, k, n = (256 if method == "epilogue_reduce" else 100), 264, 136
     if kind == "ag":
@@ -286,9 +286,9 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
     """TPMLP forward + backward against the fp64 oracle; optionally a whole step captured and replayed."""
     import dataclasses
 
-    from overlap.config import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
-    from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-    from overlap.presets import load_preset
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
+    from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+    from overlap.config.presets import load_preset
     from symm_mem import SymmetricPool
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     hidden, ffn, rows = 256, 384, 128
@@ -371,9 +371,9 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
 def _reliability(c, dev):
     """On CUDA: disagreeing ranks (at construction, and on a call's M through the flags), use after close, a
     lost signal bounded by the watchdog."""
-    from overlap._validate import OpInputError
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig
+    from overlap.ops.validate import OpInputError
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig
     from symm_mem import PeerAbortError, PoolClosedError, SignalTimeout, SymmetricPool
     group, world, rank = dist.group.WORLD, c.world, c.rank
     cfg = AgGemmConfig(method="decomposed")
@@ -414,7 +414,7 @@ def _reliability(c, dev):
         op2(_fresh((16, 64), rank, dev), w)  # warm: both ranks' plans built
         torch.cuda.synchronize()
         dist.barrier()
-        import overlap.schedule as schedule
+        import overlap.ops.schedule as schedule
         original = schedule._memops_of
         if rank == world - 1:  # this rank's "ready" writes are lost from now on: the peers' streams wait
             schedule._memops_of = lambda pool_, op_, step, m: [] if step.kind == "give" and \

@@ -26,10 +26,10 @@ def _refused(build, *errors) -> str:
 
 
 def refusals(c, dev) -> str:
-    from overlap._validate import OpInputError
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, ConfigError, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.validate import OpInputError
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, ConfigError, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     from overlap.triton_gemm import num_sms
     from symm_mem import SymmetricPool
     group, world, rank = dist.group.WORLD, c.world, c.rank

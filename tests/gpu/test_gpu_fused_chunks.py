@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig
 from symm_mem import PeerAbortError, SignalTimeout, SymmetricPool
 from tests.multiproc import run_ranks
 

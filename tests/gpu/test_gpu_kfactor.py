@@ -22,11 +22,11 @@ def _rel_err(out, ref) -> float:
 
 
 def _sweep(rank, world):
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     from launch.k_factor import inject_comm_delay, measure
-    from overlap.reference import gemm_rs_reference
+    from overlap.ops.reference import gemm_rs_reference
     from launch.shapes import ag_points, rs_points
     from symm_mem import SymmetricPool
 
@@ -112,6 +112,6 @@ def test_kfactor_cli_on_gpus(tmp_path, num_gpus):
         assert (tmp_path / name).stat().st_size > 10_000
     trace = json.loads((tmp_path / f"{stem}_gemm_rs.trace.json").read_text())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])   # CUDA activity recorded
-    from overlap.presets import load_config
+    from overlap.config.presets import load_config
     cfg = load_config(tuned)
     assert cfg.node.tp_size == 2 and cfg.node.num_sms == torch.cuda.get_device_properties(0).multi_processor_count

@@ -21,9 +21,9 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap.config import OpPreset, RoleConfig
-from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-from overlap.presets import load_preset
+from overlap.config.schema import OpPreset, RoleConfig
+from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from overlap.config.presets import load_preset
 from symm_mem import SymmetricPool
 from tests.multiproc import GPU_SAFE_ENV, run_ranks
 
@@ -153,7 +153,7 @@ def _graph_replay(rank, world, num_replays, leads):
         inputs = [(torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev),
                    torch.randn(m // world, hidden, generator=gen).to(dtype).to(dev)) for _ in range(num_inputs)]
         # Warm-up, eager expectations and the capture all on one side stream (the docs' idiom; an eager call
-        # on a new stream waits for the previous call's event, a capture waits for nothing: overlap/_op.py).
+        # on a new stream waits for the previous call's event, a capture waits for nothing: overlap/ops/base.py).
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -12,16 +12,16 @@
 
 Every call can be captured now (one protocol of toggled flags, no host epochs), so the ops take no
 `cuda_graphs=` switch; a capture on another stream than the last eager call follows a synchronize
-(overlap/_op.py).
+(overlap/ops/base.py).
 """
 
 import torch
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 

@@ -124,9 +124,9 @@ def _cycles(rank, world, backend, n):
     w_rs = torch.randn(32, 16, device=dev, dtype=torch.bfloat16)
     free_before = None
     samples = []
-    from overlap.ag_gemm import AgGemm
-    from overlap.config import AgGemmConfig, GemmRsConfig
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from overlap.ops.gemm_rs import GemmRs
     for i in range(-WARMUP_CYCLES, n):
         if i == 0:  # the first pools initialise the backend once (allocator, IPC state): not a leak
             torch.cuda.synchronize()

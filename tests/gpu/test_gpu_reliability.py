@@ -7,10 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap import schedule
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
+from overlap.ops import schedule
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
 from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool
 from tests.multiproc import run_ranks
 

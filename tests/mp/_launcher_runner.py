@@ -90,7 +90,7 @@ def main() -> None:
         calls = json.load(f)
     # what every launcher imports: loaded once here, shared by the forks
     import torch  # noqa: F401
-    import overlap.layers  # noqa: F401
+    import overlap.ops.layers  # noqa: F401
     import launch._dist  # noqa: F401
     import launch.report  # noqa: F401
     import launch.timing  # noqa: F401

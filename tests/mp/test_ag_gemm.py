@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap._ag_plan import plan_chunks, plan_consumer_gemms
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap._validate import OpInputError
-from overlap.reference import ag_gemm_reference
+from overlap.ops.ag_plan import plan_chunks, plan_consumer_gemms
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.validate import OpInputError
+from overlap.ops.reference import ag_gemm_reference
 from symm_mem import PoolClosedError, PoolError, SymmetricPool
 from tests.multiproc import run_ranks
 

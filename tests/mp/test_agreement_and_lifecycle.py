@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
-from overlap.layers import TPMLP, pool_requirements
-from overlap.presets import load_preset
-from overlap.schedule import HostDriver
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
+from overlap.ops.layers import TPMLP, pool_requirements
+from overlap.config.presets import load_preset
+from overlap.ops.schedule import HostDriver
 from symm_mem import (PeerAbortError, PeerLostError, PoolClosedError, PoolError, PoolTimeoutError, SymmetricPool,
                       live_pool_count)
 from symm_mem.host import SHM_DIR, SHM_PREFIX

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
-from overlap.gemm_rs import GemmRs
-from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-from overlap.presets import load_preset
-from overlap.schedule import HostDriver
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
+from overlap.ops.gemm_rs import GemmRs
+from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from overlap.config.presets import load_preset
+from overlap.ops.schedule import HostDriver
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
 from symm_mem import PoolError, SymmetricPool, live_pool_count
 from tests.multiproc import run_ranks
 

@@ -12,10 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from overlap._validate import OpInputError  # noqa: E402
-from overlap.ag_gemm import AgGemm  # noqa: E402
-from overlap.config import AgGemmConfig, GemmRsConfig  # noqa: E402
-from overlap.gemm_rs import GemmRs  # noqa: E402
+from overlap.ops.validate import OpInputError  # noqa: E402
+from overlap.ops.ag_gemm import AgGemm  # noqa: E402
+from overlap.config.schema import AgGemmConfig, GemmRsConfig  # noqa: E402
+from overlap.ops.gemm_rs import GemmRs  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 
 # one e4m3 rounding is <= 2**-4 relative per element; over a GEMM with 1x128 / 128x128 scales the relative
@@ -78,8 +78,8 @@ def test_fp8_ops_gather_exact_scales_and_stay_within_e4m3_error(world):
 
 
 def _mlp(rank, world):
-    from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-    from overlap.presets import load_preset
+    from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+    from overlap.config.presets import load_preset
     from symm_mem import SymmetricPool
     group, hidden, ffn, rows = dist.group.WORLD, 256, 128 * world, 40
     req = pool_requirements(hidden=hidden, max_m=rows * world, world_size=world, dtype=torch.bfloat16, fp8=True)

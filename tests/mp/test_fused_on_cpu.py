@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
-from overlap.protocol import CLEAR, SET
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
+from overlap.ops.protocol import CLEAR, SET
 from symm_mem import SymmetricPool, live_pool_count
 from tests.multiproc import run_ranks
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
-from overlap.reference import gemm_rs_reference
+from overlap.ops.validate import OpInputError
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
+from overlap.ops.reference import gemm_rs_reference
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from launch._tune import best_configs, gate_failures, tuned_config
 from launch._cli import UsageError
 from launch.kfactor import configs_for, parse_sweep
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.presets import load_config, dump_config, parse_config
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.config.presets import load_config, dump_config, parse_config
 from launch.k_factor import KFactor, measure, measure_pair
 from tests.multiproc import run_ranks
 
@@ -83,8 +83,8 @@ def test_kfactor_derivations():
 
 # ----- our ops on the host pool ---------------------------------------------------------------------
 def _ops(rank, world):
-    from overlap.ag_gemm import AgGemm
-    from overlap.gemm_rs import GemmRs
+    from overlap.ops.ag_gemm import AgGemm
+    from overlap.ops.gemm_rs import GemmRs
     from symm_mem import SymmetricPool
 
     group, dtype = dist.group.WORLD, torch.bfloat16

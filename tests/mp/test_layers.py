@@ -7,11 +7,11 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import OpPreset, RoleConfig
-from overlap.presets import load_preset
-from overlap.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import OpPreset, RoleConfig
+from overlap.config.presets import load_preset
+from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 

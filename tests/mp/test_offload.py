@@ -13,7 +13,7 @@ import torch._dynamo  # noqa: F401  before init_process_group in the children (s
 import torch.distributed as dist
 
 from overlap.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
-from overlap.layers import TPMLP, pool_requirements
+from overlap.ops.layers import TPMLP, pool_requirements
 from overlap.offload import OffloadEngine, disable_offload, enable_offload, host_bytes
 from overlap.offload_plan import MLPShape, Rates, pacing_offset, plan_offload
 from tests.multiproc import run_ranks
@@ -29,7 +29,7 @@ def _stack(world, dtype, activation, *, overlap=False, pool=None, save_gathered=
     kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0] * world, dtype=dtype, overlap=overlap,
                   save_gathered=save_gathered)
     if overlap:
-        from overlap.presets import load_preset
+        from overlap.config.presets import load_preset
         kwargs.update(pool=pool, config=load_preset("cpu", world))
     return [TPMLP(HIDDEN, FFN, activation=activation, name=f"mlp{seed}.{i}", **kwargs) for i in range(LAYERS)]
 

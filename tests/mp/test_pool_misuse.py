@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig
 from symm_mem import PeerLostError, PoolError, SymmetricPool, live_pool_count
 from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
 from overlap.triton_gemm import GemmBlocks, triton_mm
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ipc import IpcPool, host_empty, host_free, live_ipc_pool_count
-from overlap._validate import OpInputError
-from overlap.ag_gemm import AgGemm
-from overlap.config import AgGemmConfig, GemmRsConfig
-from overlap.gemm_rs import GemmRs
+from overlap.ops.validate import OpInputError
+from overlap.ops.ag_gemm import AgGemm
+from overlap.config.schema import AgGemmConfig, GemmRsConfig
+from overlap.ops.gemm_rs import GemmRs
 from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool, live_pool_count
 from symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
@@ -38,7 +38,7 @@ def _skip_signal(rank, world, bad_rank, timeout_s):
     if rank == bad_rank:
         # From call 3 on this rank's "ready" writes are lost (its data is written, the flag never arrives):
         # a signalling path that stops working
-        from overlap import schedule
+        from overlap.ops import schedule
         deliver = schedule.HostDriver._execute
 
         def lossy(driver, step, *args):
@@ -158,7 +158,7 @@ def _two_ops_two_pools(rank, world):
         # a second thread calling an op while it is in flight is refused with a clear error
         slow = threading.Event()
         release = threading.Event()
-        from overlap.schedule import HostDriver
+        from overlap.ops.schedule import HostDriver
         original = HostDriver.run
 
         def held(driver, ctx, compute=None):  # the worker's call is inside the op while this waits

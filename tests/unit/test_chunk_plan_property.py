@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.gemm import ag_chunk_index, ag_chunk_rows
-from overlap._ag_plan import plan_chunks
+from overlap.ops.ag_plan import plan_chunks
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overlap.config import ConfigError, AgGemmConfig, GemmRsConfig
-from overlap.presets import dump_config, gpu_slug, load_config, load_preset, migrate, parse_config, preset_path
+from overlap.config.schema import ConfigError, AgGemmConfig, GemmRsConfig
+from overlap.config.presets import dump_config, gpu_slug, load_config, load_preset, migrate, parse_config, preset_path
 
 PRESETS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
@@ -155,7 +155,7 @@ def test_a_method_says_what_runs_and_refuses_fields_it_cannot_honour(cls, fields
 
 
 def test_model_section_parses_validates_and_round_trips(tmp_path):
-    from overlap.config import ModelConfig
+    from overlap.config.schema import ModelConfig
     raw = _base()
     raw["model"] = {"name": "llama8b", "activation": "gelu"}
     cfg = parse_config(raw, file="m.yaml")

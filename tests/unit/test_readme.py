@@ -96,7 +96,7 @@ def test_every_launcher_option_in_the_readme_exists():
 
 
 def test_every_env_var_is_documented_and_the_architecture_is_in_the_repo():
-    names = set(re.findall(r"\"(OVERLAP_\w+)\"", (ROOT / "overlap" / "envs.py").read_text()))
+    names = set(re.findall(r"\"(OVERLAP_\w+)\"", (ROOT / "overlap" / "config" / "envs.py").read_text()))
     assert names
     for name in names:
         assert f"| `{name}` |" in README, name

@@ -10,7 +10,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from .config import (MODELS, OP_CLASSES, OPS, ROLES, ConfigError, ModelConfig, NodeConfig, OpPreset, OverlapConfig,
+from .schema import (MODELS, OP_CLASSES, OPS, ROLES, ConfigError, ModelConfig, NodeConfig, OpPreset, OverlapConfig,
                      RoleConfig, _bad, _int_in)
 
 __all__ = ["load_config", "parse_config", "to_dict", "preset_path", "load_preset", "dump_config", "gpu_slug",
@@ -19,7 +19,7 @@ __all__ = ["load_config", "parse_config", "to_dict", "preset_path", "load_preset
 _NODE_KEYS = {"gpu_name": str, "tp_size": (int, type(None)), "num_sms": (int, type(None)), "pool_bytes": int}
 _OP_KEYS = {op: {f.name for f in dataclasses.fields(cls)} for op, cls in OP_CLASSES.items()}
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RoleConfig)}
-FP8_RS_METHODS = ("decomposed", "pair")   # GemmRs(fp8=True): the FP8 GEMM per owner chunk (overlap/gemm_rs.py)
+FP8_RS_METHODS = ("decomposed", "pair")   # GemmRs(fp8=True): the FP8 GEMM per owner chunk (overlap/ops/gemm_rs.py)
 
 
 def _check_keys(mapping, allowed, key, file) -> None:
@@ -163,7 +163,7 @@ def parse_config(raw, *, file: str = "<config>") -> OverlapConfig:
     model = _parse_model(raw["model"], file) if raw.get("model") is not None else None
     offload = None
     if raw.get("offload") is not None:
-        from .offload_config import parse_offload_section
+        from ..offload_config import parse_offload_section
         offload = parse_offload_section(raw["offload"], file=file)
     fp8 = raw.get("fp8", False)
     if not isinstance(fp8, bool):

@@ -35,7 +35,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from ._validate import OpInputError
+from .validate import OpInputError
 from .reference import ag_gemm_reference, gemm_rs_reference
 
 __all__ = ["LayerOps", "OverlapLayerOps", "NcclLayerOps", "TorchSymmLayerOps", "register_layer_ops",
@@ -183,7 +183,7 @@ def _bucket_ms(config, max_m: int) -> list[int]:
 
 
 class NcclLayerOps(LayerOps):
-    """The baseline: plain collectives (NCCL / gloo) then torch.mm, no overlap (overlap/reference.py)."""
+    """The baseline: plain collectives (NCCL / gloo) then torch.mm, no overlap (overlap/ops/reference.py)."""
 
     def __init__(self, *, group):
         self.group, self.world_size = group, dist.get_world_size(group)

@@ -28,27 +28,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from symm_mem.regions import PoolRequirements, requirements
+
 from . import custom_ops
-from ._validate import OpInputError, check_at_most, check_divisible, check_tensor
-from .config import ACTIVATIONS, ModelConfig, OverlapConfig
-from .presets import load_preset
+from .ag_gemm import AgGemm
+from .gemm_rs import GemmRs
+from .validate import OpInputError, check_at_most, check_divisible, check_tensor
+from ..config.schema import ACTIVATIONS, ModelConfig, OverlapConfig
+from ..config.presets import load_preset
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPMLP", "MLPReference", "BASELINES",
            "shard_fc1", "shard_fc2", "shard_rows", "pool_requirements", "PoolRequirements"]
 
 BASELINES = ("nccl", "torch_symm")
-POOL_ALIGN_BYTES = 256  # SymmetricPool's region alignment
-
-
-def _align(n: int) -> int:
-    return -(-n // POOL_ALIGN_BYTES) * POOL_ALIGN_BYTES
-
-
-class PoolRequirements(NamedTuple):
-    """What a pool needs for the overlapped layers: pass the three fields to SymmetricPool as they are."""
-    size_bytes: int
-    num_signal_words: int
-    num_device_words: int
 
 
 def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.dtype, num_layers: int = 2,
@@ -63,15 +55,11 @@ def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.
     region) and one GemmRs region [W, max_m/W, hidden] (independent of the FFN width) with their flags;
     `chunks_per_rank` is the preset's ag_gemm value (the fused AllGather consumer keeps a flag per chunk).
     """
-    from . import protocol
-    from .gemm_rs import flags_per_source
     check_divisible("max_m", max_m, world_size, "the group size")
-    region = _align(max_m * hidden * dtype.itemsize)
-    ag_region = _align(max_m * hidden) + _align(max_m * -(-hidden // 128) * 4) if fp8 else region
-    ag = protocol.AgFlags("", world_size, chunks_per_rank)
-    rs = protocol.RsFlags("", world_size, flags_per_source(max_m, world_size))
-    per_layer = (ag_region + region, ag.num_signals + rs.num_signals, ag.num_device_flags + rs.num_device_flags)
-    return PoolRequirements(*(num_layers * x for x in per_layer))
+    layer = (AgGemm.regions(name="layer", world_size=world_size, max_m=max_m, k=hidden, dtype=dtype,
+                            chunks_per_rank=chunks_per_rank, fp8=fp8)
+             + GemmRs.regions(name="layer", world_size=world_size, max_m=max_m, n=hidden, dtype=dtype))
+    return requirements(layer) * num_layers
 
 
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,

@@ -7,12 +7,12 @@ thread) and side lanes ("comm", "reduce"; CUDA streams of the op, or worker thre
     give(lane, flag, rank, value)  write `value` into `rank`'s control flag (after the lane's earlier work)
     clear(lane, words)          write CLEAR into device flag words (kernels' flags, reset between calls)
     set(lane, words)            write SET into device flag words
-    copy(lane, dst, src)        copy-engine copy (`src` a view, or a callable `src(ctx)` for a call tensor)
+    copy(lane, dst, src)        copy-engine copy (`src` a view, or a callable `src(call)` for a tensor of the call)
     record(lane, name) / after(lane, name)   an ordering point between lanes
-    run(lane, fn)               enqueue `fn(ctx)` (a GEMM, a kernel); `ctx` is the call's dict of tensors
+    run(lane, fn)               enqueue `fn(call)` (a GEMM, a kernel); `call` holds the call's tensors (the op's AgCall / RsCall)
     await_device(lane, words, value)  host driver only: block until device flags hold `value`
 
-`value` is SET or the call's M (overlap/protocol.py): a take that finds another nonzero value reports a
+`value` is SET or the call's M (overlap/ops/protocol.py): a take that finds another nonzero value reports a
 disagreement on M to every rank. The CUDA driver compiles the steps once: consecutive flag steps of a lane
 become one `cuStreamBatchMemOp` (no SM, ~2 us), copies between contiguous views one `cuMemcpyAsync` on the
 lane's stream, ordering points events. Side lanes start after the compute steps issued before them (the
@@ -125,7 +125,7 @@ class CudaDriver:
         self.start = torch.cuda.Event()
         self.lane_end = {lane: torch.cuda.Event() for lane in program.lanes}
         self.trace: dict[str, list] | None = None  # lane -> [start event, end event] (timing), when tracing
-        # (lane, enqueue(ctx, stream), needs the lane's stream to be current)
+        # (lane, enqueue(call, stream), needs the lane's stream to be current)
         self.items: list[tuple[str, Callable, bool]] = []
         pending: list = []
         pending_lane = None
@@ -134,7 +134,7 @@ class CudaDriver:
             nonlocal pending, pending_lane
             for first in range(0, len(pending), 255):
                 batch = memops.MemOpBatch(pending[first:first + 255])
-                self.items.append((pending_lane, lambda ctx, stream, b=batch: b.enqueue(stream.cuda_stream), False))
+                self.items.append((pending_lane, lambda call, stream, b=batch: b.enqueue(stream.cuda_stream), False))
             pending, pending_lane = [], None
 
         for step in program.steps:
@@ -157,19 +157,19 @@ class CudaDriver:
             dst, src = step.args
             nbytes = _contiguous_bytes(dst)
             if callable(src):
-                return (lambda ctx, stream: dst.copy_(src(ctx), non_blocking=True)), True
+                return (lambda call, stream: dst.copy_(src(call), non_blocking=True)), True
             if nbytes is not None and _contiguous_bytes(src) == nbytes:
                 d, s = dst.data_ptr(), src.data_ptr()
-                return (lambda ctx, stream: memops.memcpy_async(d, s, nbytes, stream.cuda_stream)), False
-            return (lambda ctx, stream: dst.copy_(src, non_blocking=True)), True
+                return (lambda call, stream: memops.memcpy_async(d, s, nbytes, stream.cuda_stream)), False
+            return (lambda call, stream: dst.copy_(src, non_blocking=True)), True
         if step.kind == "record":
             event = self.events[step.args[0]]
-            return (lambda ctx, stream: event.record(stream)), False
+            return (lambda call, stream: event.record(stream)), False
         if step.kind == "after":
             event = self.events[step.args[0]]
-            return (lambda ctx, stream: stream.wait_event(event)), False
+            return (lambda call, stream: stream.wait_event(event)), False
         fn = step.args[0]
-        return (lambda ctx, stream: fn(ctx)), True
+        return (lambda call, stream: fn(call)), True
 
     def enable_trace(self, on: bool) -> None:
         """Record timing events at the start and end of every lane (compute: the whole call) of each run."""
@@ -181,7 +181,7 @@ class CudaDriver:
         self.trace[COMPUTE][1].synchronize()
         return {lane: start.elapsed_time(end) for lane, (start, end) in self.trace.items()}
 
-    def run(self, ctx: dict, compute: torch.cuda.Stream) -> None:
+    def run(self, call, compute: torch.cuda.Stream) -> None:
         """Enqueue one call; `compute` must be the current stream. Side lanes fork from it at their first
         item and join back into it at the end."""
         trace = self.trace
@@ -191,7 +191,7 @@ class CudaDriver:
         forked = False
         for lane, enqueue, needs_stream in self.items:
             if lane == COMPUTE:
-                enqueue(ctx, compute)
+                enqueue(call, compute)
                 continue
             stream = self.streams[lane]
             if not forked:  # side lanes start after the compute steps issued before them (the prologue)
@@ -204,9 +204,9 @@ class CudaDriver:
                     trace[lane][0].record(stream)
             if needs_stream:
                 with torch.cuda.stream(stream):
-                    enqueue(ctx, stream)
+                    enqueue(call, stream)
             else:
-                enqueue(ctx, stream)
+                enqueue(call, stream)
         for lane in started:
             stream = self.streams[lane]
             if trace:
@@ -237,7 +237,7 @@ class HostDriver:
     def trace_ms(self) -> dict[str, float]:
         return {lane: (end - start) * 1e3 for lane, (start, end) in self.trace.items()}
 
-    def run(self, ctx: dict, compute=None) -> None:
+    def run(self, call, compute=None) -> None:
         events = {name: threading.Event() for name in self.program.events()}
         failure: list[BaseException] = []
 
@@ -246,7 +246,7 @@ class HostDriver:
                 self.trace[lane] = [time.perf_counter(), 0.0]
             try:
                 for step in steps:
-                    self._execute(step, ctx, events, failure)
+                    self._execute(step, call, events, failure)
                 if self.trace is not None and lane is not None:
                     self.trace[lane][1] = time.perf_counter()
             except BaseException as exc:  # noqa: BLE001 - surfaced on the calling thread
@@ -273,7 +273,7 @@ class HostDriver:
         if failure:
             raise failure[0]
 
-    def _execute(self, step: _Step, ctx, events, failure) -> None:
+    def _execute(self, step: _Step, call, events, failure) -> None:
         pool, kind = self.pool, step.kind
         if kind == "take":
             flag, peer, value = step.args
@@ -296,7 +296,7 @@ class HostDriver:
             self._await_device(*step.args)
         elif kind == "copy":
             dst, src = step.args
-            dst.copy_(src(ctx) if callable(src) else src)
+            dst.copy_(src(call) if callable(src) else src)
         elif kind == "record":
             events[step.args[0]].set()
         elif kind == "after":
@@ -304,7 +304,7 @@ class HostDriver:
             if failure:
                 raise failure[0]
         else:
-            step.args[0](ctx)
+            step.args[0](call)
 
     def _await_device(self, words: torch.Tensor, value: int, code: int) -> None:
         pool, op = self.pool, self.program.op

@@ -30,19 +30,39 @@ Every wait of the push path is a memory operation: the copy engine starts while 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from . import protocol
-from ._gemm_launch import Scatter, launch_gemm, launch_reduce
-from ._op import OpBase
-from ._validate import OpInputError, check_method_runs, check_tensor
-from .config import GemmRsConfig
-from .schedule import COMPUTE, Program
-from .triton_gemm import choose_blocks, num_sms, sm_carveout
+from symm_mem.regions import RegionSpec
 
-__all__ = ["GemmRs", "gemm_rs", "FLAG_BLOCK_M"]
+from . import protocol
+from .._gemm_launch import Scatter, launch_gemm, launch_reduce
+from .base import OpBase
+from .validate import OpInputError, check_method_runs, check_tensor
+from ..config.schema import GemmRsConfig
+from .schedule import COMPUTE, Program
+from ..triton_gemm import choose_blocks, num_sms, sm_carveout
+
+__all__ = ["GemmRs", "RsCall", "gemm_rs", "FLAG_BLOCK_M"]
+
+
+@dataclass(slots=True)
+class RsCall:
+    """The tensors of one call: what the steps of its Program read (a Program is built once per plan and
+    reads a call's tensors only through this). All on the current stream's device."""
+    out: torch.Tensor                     # [M/W, N] this rank's reduced rows ([M, N] for compute_alone)
+    a: torch.Tensor | None = None         # [M, K_local] (None for `reduce_scatter`)
+    w: torch.Tensor | None = None         # [K_local, N]
+    work: Callable | None = None          # bulk: the work overlapped with the reduce-scatter, returns `result`
+    check: tuple | None = None            # (stamp, version, failure code): the producer's version check
+    g: torch.Tensor | None = None         # weight grad: the output grad [M, J]
+    result: torch.Tensor | None = None    # weight grad [J, K_local] = g^T @ a, or what `work` returned
+    a_fp8: tuple | None = None            # FP8: (e4m3 a, 1x128 scales), quantised once per call
+    w_fp8: tuple | None = None            # FP8: (e4m3 w^T, 128x128 scales)
+    partials: torch.Tensor | None = None  # `reduce_scatter`: the partials [M, N] to reduce
 
 FLAG_BLOCK_M = 128  # row-block granularity of the device flags (the scatter GEMM's BLOCK_M)
 COMM, REDUCE = "comm", "reduce"
@@ -80,15 +100,15 @@ class GemmRs(OpBase):
         methods = {cfg.method for cfg in self.configs()}
         self._check_methods(name, methods, dtype)
         if fp8:
-            from .fp8 import Fp8WeightCache
+            from ..fp8 import Fp8WeightCache
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         max_rows = max_m // self.world_size
         self.flags_per_source = flags_per_source(max_m, self.world_size)
         self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, self.flags_per_source)
-        self.partials = pool.reserve(self.flags.region, (self.world_size * max_rows * n,), dtype,
-                                     num_signals=self.flags.num_signals,
-                                     num_device_flags=self.flags.num_device_flags, exclusive=True)
+        (spec,) = self.regions(name=name, world_size=self.world_size, max_m=max_m, n=n, dtype=dtype)
+        self.partials = pool.reserve(*spec[:3], num_signals=spec.num_signals,
+                                     num_device_flags=spec.num_device_flags, exclusive=True)
         self.row_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._staging = torch.empty(max_m if methods & set(STAGED_METHODS) else 0, n, dtype=dtype, device=self.device)
@@ -96,6 +116,14 @@ class GemmRs(OpBase):
         # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
         self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
         self._tile_counters = torch.zeros(_cdiv(max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
+
+    @staticmethod
+    def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
+        """The pool region a GemmRs reserves: W slots of [max_m/W, N] partials (one per source rank) with
+        the flags of `protocol.RsFlags` (a device flag per row block of each source)."""
+        flags = protocol.RsFlags(f"{name}.partials", world_size, flags_per_source(max_m, world_size))
+        return [RegionSpec(flags.region, (world_size * (max_m // world_size) * n,), dtype,
+                           flags.num_signals, flags.num_device_flags)]
 
     def _check_methods(self, name: str, methods: set, dtype) -> None:
         if self.fp8 and (dtype != torch.bfloat16 or not methods <= set(STAGED_METHODS)):
@@ -140,6 +168,13 @@ class GemmRs(OpBase):
             self._bulk_staging = torch.empty(self.max_m, self.n, dtype=self.dtype, device=self.device)
         return self._call(m, "bulk", a, w, wgrad_of, work, check)
 
+    def compute_alone(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """partials [M, N] = a [M, K_local] @ w: this op's plan for M without its comm lanes (no flags, pushes,
+        scatter or reduction): the same GEMMs (kernel, blocks, SM budget, owner order). The "compute alone"
+        of the k-factor."""
+        self._check_operands("a", a, self.k_local, w, self.k_local, self.n)
+        return self._call(a.shape[0], "compute", a, w, None, None, None)
+
     def reduce_scatter(self, partials: torch.Tensor) -> torch.Tensor:
         """out [M/W, N] = sum over ranks of their partials [M, N]'s rows of this rank: the comm of this op
         alone (copy-engine pushes and the reduction kernel), for the k-factor and the benchmarks."""
@@ -147,7 +182,7 @@ class GemmRs(OpBase):
         check_tensor("partials", partials, dtype=self.dtype, device=self.device, shape=(None, self.n))
         m = partials.shape[0]
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        self._launch(self._plan((m, "comm_only", False, False, False), m), {"partials": partials, "out": out},
+        self._launch(self._plan((m, "comm_only", False, False, False), m), RsCall(out=out, partials=partials),
                      (partials.data_ptr(), out.data_ptr()))
         return out
 
@@ -156,24 +191,25 @@ class GemmRs(OpBase):
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size + 1)]
 
     def _call(self, m: int, schedule: str, a, w, wgrad_of, work, check):
-        out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        ctx = {"a": a, "w": w, "out": out, "work": work, "check": check}
+        out = torch.empty(m if schedule == "compute" else m // self.world_size, self.n, dtype=self.dtype,
+                          device=self.device)
+        call = RsCall(a=a, w=w, out=out, work=work, check=check)
         addresses = (a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
         if check is not None:
             addresses += (check[0].data_ptr(), check[2])
         if wgrad_of is not None:
             grad = torch.empty(wgrad_of.shape[1], self.k_local, dtype=self.dtype, device=self.device)
-            ctx["g"], ctx["result"] = wgrad_of, grad
+            call.g, call.result = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
-            from .fp8 import quantize_activation
-            ctx["a_fp8"], ctx["w_fp8"] = quantize_activation(a), self._weights.get(w.t())
-            addresses += tuple(t.data_ptr() for pair in (ctx["a_fp8"], ctx["w_fp8"]) for t in pair)
+            from ..fp8 import quantize_activation
+            call.a_fp8, call.w_fp8 = quantize_activation(a), self._weights.get(w.t())
+            addresses += tuple(t.data_ptr() for pair in (call.a_fp8, call.w_fp8) for t in pair)
         key = (m, schedule, wgrad_of is not None, work is not None, check is not None)
-        self._launch(self._plans.get(key) or self._plan(key, m), ctx, None if work is not None else addresses)
-        if schedule == "op" and wgrad_of is None:
+        self._launch(self._plans.get(key) or self._plan(key, m), call, None if work is not None else addresses)
+        if schedule in ("op", "compute") and wgrad_of is None:
             return out
-        return out, ctx["result"]
+        return out, call.result
 
     def _slots(self, rank: int, rows: int) -> torch.Tensor:
         """[W, rows, N] view of `rank`'s slots (the contiguous prefix of its region)."""
@@ -194,14 +230,15 @@ class GemmRs(OpBase):
             program.run(COMPUTE, self._check_stamp)
         rows = m // self.world_size
         build = {"fused": self._fused, "epilogue_reduce": self._epilogue_reduce, "decomposed": self._decomposed,
-                 "pair": self._pair, "bulk": self._bulk, "comm_only": self._comm_only}[schedule]
+                 "pair": self._pair, "bulk": self._bulk, "comm_only": self._comm_only,
+                 "compute": self._compute}[schedule]
         build(program, m, rows, config)
         if wgrad and schedule != "bulk":
             program.run(COMPUTE, _wgrad)
         return program
 
-    def _check_stamp(self, ctx) -> None:
-        stamp, version, code = ctx["check"]
+    def _check_stamp(self, call) -> None:
+        stamp, version, code = call.check
         self.pool.record_failure_if(stamp.ne(version), code)
 
     def _peers(self) -> list[int]:
@@ -238,13 +275,13 @@ class GemmRs(OpBase):
         self._take_free(program, COMPUTE)
         offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
         own = self._slots(self.rank, rows)[0]
-        program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx["a"], w=ctx["w"], out=own, num_programs=programs,
+        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs,
                                                      blocks=blocks, epilogue=1, tile_row_offset=offset,
                                                      scatter=scatter))
         if not self._cuda:
             program.await_device(REDUCE, self._used_row_flags(rows), value=m,
                                  code=self.pool.device_error_code(self.flags.region, 0))
-        program.run(REDUCE, lambda ctx: self._reduce(ctx["out"], m, config, wait=True))
+        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=True))
         program.clear(REDUCE, self.row_flags)
         self._give_free(program, REDUCE)
 
@@ -252,7 +289,7 @@ class GemmRs(OpBase):
         programs = self.num_sms - config.sm_margin
         blocks, scatter = self._gemm_blocks(m, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
-        program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx["a"], w=ctx["w"], out=ctx["out"], num_programs=programs,
+        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
                                                      blocks=blocks, epilogue=2, scatter=scatter))
         program.clear(COMPUTE, self.row_flags)
         self._give_free(program, COMPUTE)
@@ -282,35 +319,35 @@ class GemmRs(OpBase):
             lo = owner * rows
             if owner == self.rank:
                 own = self._slots(owner, rows)[self.rank]
-                program.run(COMPUTE, self._mm_into(lo, rows, lambda ctx: own, margin))
+                program.run(COMPUTE, self._mm_into(lo, rows, lambda call: own, margin))
                 program.record(COMPUTE, "own")
                 continue
             staged = self._staging[lo:lo + rows]
-            program.run(COMPUTE, self._mm_into(lo, rows, lambda ctx, s=staged: s, margin))
+            program.run(COMPUTE, self._mm_into(lo, rows, lambda call, s=staged: s, margin))
             program.record(COMPUTE, f"staged{owner}")
             program.after(COMM, f"staged{owner}")
             self._push(program, owner, m, staged)
         self._take_pushed(program, REDUCE, m)
         program.after(REDUCE, "own")
-        program.run(REDUCE, lambda ctx: self._reduce(ctx["out"], m, config, wait=False))
+        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False))
         self._give_free(program, REDUCE)
 
     def _pair(self, program: Program, m: int, rows: int, config) -> None:
         peer, margin = 1 - self.rank, config.sm_margin
         staged = self._staging[:rows]
-        program.run(COMPUTE, self._mm_into(peer * rows, rows, lambda ctx: staged, margin))
+        program.run(COMPUTE, self._mm_into(peer * rows, rows, lambda call: staged, margin))
         program.record(COMPUTE, "staged")
         program.after(COMM, "staged")
         self._push(program, peer, m, staged)
-        program.run(COMPUTE, self._mm_into(self.rank * rows, rows, lambda ctx: ctx["out"], margin))
+        program.run(COMPUTE, self._mm_into(self.rank * rows, rows, lambda call: call.out, margin))
         program.take(COMPUTE, self.flags.pushed(peer), peer=peer, value=m)
         slot = self._slots(self.rank, rows)[peer]
-        program.run(COMPUTE, lambda ctx: ctx["out"].add_(slot))
+        program.run(COMPUTE, lambda call: call.out.add_(slot))
         self._give_free(program, COMPUTE)
 
     def _bulk(self, program: Program, m: int, rows: int, config) -> None:
         staged = self._bulk_staging[:m]
-        program.run(COMPUTE, self._mm_into(0, m, lambda ctx: staged, 0))
+        program.run(COMPUTE, self._mm_into(0, m, lambda call: staged, 0))
         program.record(COMPUTE, "staged")
         program.after(COMM, "staged")
         for owner in self._peers():
@@ -319,49 +356,62 @@ class GemmRs(OpBase):
         self._take_pushed(program, COMPUTE, m)
         own, slots = self._bulk_staging[self.rank * rows:(self.rank + 1) * rows], self._slots(self.rank, rows)
         others = [slots[s] for s in self._peers()]
-        program.run(COMPUTE, lambda ctx: _sum_into(ctx["out"], own, others))
+        program.run(COMPUTE, lambda call: _sum_into(call.out, own, others))
         self._give_free(program, COMPUTE)
+
+    def _compute(self, program: Program, m: int, rows: int, config) -> None:
+        if config.method in STAGED_METHODS:
+            owners = [1 - self.rank, self.rank] if config.method == "pair" else self.owners()
+            for owner in owners:
+                lo = owner * rows
+                program.run(COMPUTE, self._mm_into(lo, rows, lambda call, lo=lo: call.out[lo:lo + rows],
+                                                   config.sm_margin))
+            return
+        programs = self.num_sms - config.sm_margin
+        blocks = self._gemm_blocks(m, programs)
+        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
+                                                     blocks=blocks))
 
     def _comm_only(self, program: Program, m: int, rows: int, config) -> None:
         own = self._slots(self.rank, rows)[self.rank]
-        program.copy(COMPUTE, own, lambda ctx: ctx["partials"][self.rank * rows:(self.rank + 1) * rows])
+        program.copy(COMPUTE, own, lambda call: call.partials[self.rank * rows:(self.rank + 1) * rows])
         program.record(COMPUTE, "own")
         for owner in self._peers():
-            self._push(program, owner, m, lambda ctx, o=owner: ctx["partials"][o * rows:(o + 1) * rows])
+            self._push(program, owner, m, lambda call, o=owner: call.partials[o * rows:(o + 1) * rows])
         self._take_pushed(program, REDUCE, m)
         program.after(REDUCE, "own")
-        program.run(REDUCE, lambda ctx: self._reduce(ctx["out"], m, config, wait=False))
+        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False))
         self._give_free(program, REDUCE)
 
     def _release(self) -> None:
         self.partials = self.row_flags = self._staging = self._bulk_staging = None
 
     def _mm_into(self, lo: int, rows: int, dst, margin: int):
-        """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
+        """A GEMM step: dst(call) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
         the rows quantised at the call's start, bf16 out)."""
         if self.fp8:
-            from .fp8 import fp8_gemm
+            from ..fp8 import fp8_gemm
 
-            def mm_fp8(ctx) -> None:
-                (a8, a_scales), (w8, w_scales) = ctx["a_fp8"], ctx["w_fp8"]
-                fp8_gemm(a8=a8[lo:lo + rows], a_scales=a_scales[lo:lo + rows], w8=w8, w_scales=w_scales, out=dst(ctx))
+            def mm_fp8(call) -> None:
+                (a8, a_scales), (w8, w_scales) = call.a_fp8, call.w_fp8
+                fp8_gemm(a8=a8[lo:lo + rows], a_scales=a_scales[lo:lo + rows], w8=w8, w_scales=w_scales, out=dst(call))
             return mm_fp8
 
-        def mm(ctx) -> None:
+        def mm(call) -> None:
             with sm_carveout(margin):
-                torch.mm(ctx["a"][lo:lo + rows], ctx["w"], out=dst(ctx))
+                torch.mm(call.a[lo:lo + rows], call.w, out=dst(call))
         return mm
 
 
-def _wgrad(ctx) -> None:
-    torch.mm(ctx["g"].t(), ctx["a"], out=ctx["result"])
+def _wgrad(call) -> None:
+    torch.mm(call.g.t(), call.a, out=call.result)
 
 
-def _bulk_work(ctx) -> None:
-    if ctx["work"] is not None:
-        ctx["result"] = ctx["work"]()
+def _bulk_work(call) -> None:
+    if call.work is not None:
+        call.result = call.work()
     else:
-        _wgrad(ctx)
+        _wgrad(call)
 
 
 def _sum_into(out: torch.Tensor, own: torch.Tensor, others: list[torch.Tensor]) -> None:

@@ -2,7 +2,7 @@
 
 An op is collective: every rank builds it with the same arguments (checked once, `SymmetricPool.agree`) and
 calls it the same number of times with the same M. The M of a call is carried by the flags that say "this
-call's data is there" (overlap/protocol.py): ranks that disagree meet a flag at another nonzero value and
+call's data is there" (overlap/ops/protocol.py): ranks that disagree meet a flag at another nonzero value and
 every rank raises `OpInputError` naming both Ms, at the call (CPU) or at the next call / `check_errors()`
 (CUDA: the watchdog sees it within milliseconds). No rank waits for another's host on the way in.
 
@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from symm_mem import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
-from . import envs
-from ._validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
-from .config import OpPreset
+from ..config import envs
+from .validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
+from ..config.schema import OpPreset
 from .schedule import CudaDriver, HostDriver
 
 __all__ = ["OpBase", "Plan", "MAX_GRAPHS"]
@@ -160,7 +160,7 @@ class OpBase:
             plan = self._plans[key] = Plan(key, config, program, driver)
         return plan
 
-    def _launch(self, plan: Plan, ctx: dict, addresses: tuple | None) -> None:
+    def _launch(self, plan: Plan, call, addresses: tuple | None) -> None:
         """Enqueue one call of `plan` (the call path of every op). `addresses`: the data pointers (and any
         layout the plan does not fix) of every call tensor the plan reads or writes; None: never replay."""
         if self._closed or self.pool.closed:
@@ -172,9 +172,9 @@ class OpBase:
             self.pool.begin_call()  # raises a failure recorded by an earlier call (this rank's or a peer's)
             try:
                 if self._cuda:
-                    self._enqueue(plan, ctx, addresses)
+                    self._enqueue(plan, call, addresses)
                 else:
-                    plan.driver.run(ctx)
+                    plan.driver.run(call)
                 self._calls += 1
                 self._last_key = plan.key
             finally:
@@ -186,12 +186,12 @@ class OpBase:
         if not self._cuda:  # a peer that gave up during this call: raise on this call
             self._raise_if_failed()
 
-    def _enqueue(self, plan: Plan, ctx: dict, addresses) -> None:
+    def _enqueue(self, plan: Plan, call, addresses) -> None:
         if _capturing():
             # a capture waits for no event recorded outside it (torch.cuda.graph synchronises first; a
             # capture on another stream than the last eager call must follow a synchronize), and nothing
             # recorded inside it is waited for outside it
-            plan.driver.run(ctx, torch.cuda.current_stream())
+            plan.driver.run(call, torch.cuda.current_stream())
             self._last_stream = None
             return
         stream = _raw_stream(self._device_index)
@@ -199,12 +199,12 @@ class OpBase:
             self._follow(self._last_stream)  # the previous call's buffers are reused by this one
         self._last_stream = stream
         if addresses is None or self._trace or not self._use_graphs:
-            plan.driver.run(ctx, torch.cuda.current_stream())
+            plan.driver.run(call, torch.cuda.current_stream())
             return
         key = (plan.key,) + addresses
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._first_calls(plan, ctx, key)
+            graph = self._first_calls(plan, call, key)
             if graph is None:
                 return
         _replay(graph)
@@ -216,24 +216,24 @@ class OpBase:
         event.record(torch.cuda.ExternalStream(previous, device=self.device))
         torch.cuda.current_stream().wait_event(event)
 
-    def _first_calls(self, plan: Plan, ctx: dict, key):
+    def _first_calls(self, plan: Plan, call, key):
         """A key seen once runs step by step; the second time its graph is recorded (returned, to replay)."""
         if key not in self._seen:  # record only what repeats
             if len(self._seen) >= MAX_SEEN_KEYS:
                 self._seen.clear()
             self._seen.add(key)
-            plan.driver.run(ctx, torch.cuda.current_stream())
+            plan.driver.run(call, torch.cuda.current_stream())
             return None
-        graph = self._record(plan, ctx, torch.cuda.current_stream())
+        graph = self._record(plan, call, torch.cuda.current_stream())
         if graph is None:
-            plan.driver.run(ctx, torch.cuda.current_stream())
+            plan.driver.run(call, torch.cuda.current_stream())
             return None
         self._graphs[key] = graph
         if len(self._graphs) > MAX_GRAPHS:  # the oldest recorded first
             self._graphs.popitem(last=False)
         return graph
 
-    def _record(self, plan: Plan, ctx: dict, stream):
+    def _record(self, plan: Plan, call, stream):
         """A CUDA graph of one call of `plan` on these tensors (not executed: the caller replays it)."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode
         if _get_current_dispatch_mode() is not None:  # e.g. torch.compile's CUDA-graph trees warming up
@@ -245,7 +245,7 @@ class OpBase:
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                plan.driver.run(ctx, side)
+                plan.driver.run(call, side)
             finally:
                 graph.capture_end()
         stream.wait_stream(side)

@@ -46,5 +46,5 @@ def torchrun_world() -> tuple[int, int, int] | None:
 
 
 def eager_graphs() -> bool:
-    """Replay eager CUDA op calls as CUDA graphs recorded from their plans (overlap/_op.py)."""
+    """Replay eager CUDA op calls as CUDA graphs recorded from their plans (overlap/ops/base.py)."""
     return os.environ.get("OVERLAP_EAGER_GRAPHS", "1") != "0"

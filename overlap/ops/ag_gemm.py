@@ -21,18 +21,38 @@ No wait of the comm path needs an SM, so the copy engine starts while the consum
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from . import protocol
-from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
-from ._op import OpBase
-from ._validate import OpInputError, check_method_runs, check_tensor
-from .config import AgGemmConfig
-from .schedule import COMPUTE, Program
-from .triton_gemm import choose_blocks, num_sms, sm_carveout
+from symm_mem.regions import RegionSpec
 
-__all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
+from . import protocol
+from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
+from .base import OpBase
+from .validate import OpInputError, check_method_runs, check_tensor
+from ..config.schema import AgGemmConfig
+from .schedule import COMPUTE, Program
+from ..fp8 import Fp8WeightCache, scale_groups
+from ..triton_gemm import choose_blocks, num_sms, sm_carveout
+
+__all__ = ["AgGemm", "AgCall", "Chunk", "ConsumerGemm", "ag_gemm"]
+
+
+@dataclass(slots=True)
+class AgCall:
+    """The tensors of one call: what the steps of its Program read (a Program is built once per plan and
+    reads a call's tensors only through this). All on the current stream's device."""
+    a_shard: torch.Tensor | None = None   # [M/W, K] this rank's rows: published, then read by the local GEMM
+    w: torch.Tensor | None = None         # [K, N_local]
+    out: torch.Tensor | None = None       # [M, N_local], fresh for this call
+    lead: Callable | None = None          # run before the GEMM over gathered rows (reads local data only)
+    stamp: torch.Tensor | None = None     # int64 [1]: receives the op's version (column layers)
+    x: torch.Tensor | None = None         # weight grad: the other operand [M, J]
+    grad: torch.Tensor | None = None      # weight grad: the result [J, K] = x^T @ gathered a
+    w_fp8: tuple | None = None            # FP8: (e4m3 w^T [N_local, K], its 128x128 scales)
 
 COMM = "comm"
 
@@ -61,13 +81,13 @@ class AgGemm(OpBase):
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         chunks = max(cfg.chunks_per_rank for cfg in self.configs())
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, chunks)
-        self.gathered = pool.reserve(self.flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
-                                     num_signals=self.flags.num_signals,
-                                     num_device_flags=self.flags.num_device_flags, exclusive=True)
-        self.scales = None
-        if fp8:  # the gathered rows' scales: [max_m, cdiv(K, 128)] fp32, row-major, pulled with the rows
-            from .fp8 import Fp8WeightCache, scale_groups
-            self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
+        specs = self.regions(name=name, world_size=self.world_size, max_m=max_m, k=k, dtype=dtype,
+                             chunks_per_rank=chunks, fp8=fp8)
+        self.gathered, *scales = (pool.reserve(*spec[:3], num_signals=spec.num_signals,
+                                               num_device_flags=spec.num_device_flags, exclusive=True)
+                                  for spec in specs)
+        self.scales = scales[0] if fp8 else None
+        if fp8:
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
         self._gathered_ptr = self.gathered.data_ptr()
         self._row_bytes = self.gathered.stride(0) * self.gathered.element_size()
@@ -77,6 +97,18 @@ class AgGemm(OpBase):
         # reads the region later compares its stamp with it (custom_ops, save_gathered="view")
         self.version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._claimed: int | None = None  # rows per rank of an input_slot handed out and not yet used
+
+    @staticmethod
+    def regions(*, name: str, world_size: int, max_m: int, k: int, dtype: torch.dtype, chunks_per_rank: int,
+                fp8: bool) -> list[RegionSpec]:
+        """The pool regions an AgGemm reserves: the gathered rows [max_m, K] with the flags of
+        `protocol.AgFlags`, and with fp8 their scales [max_m, cdiv(K, 128)] fp32 (pulled with the rows)."""
+        flags = protocol.AgFlags(f"{name}.a", world_size, chunks_per_rank)
+        specs = [RegionSpec(flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
+                            flags.num_signals, flags.num_device_flags)]
+        if fp8:
+            specs.append(RegionSpec(f"{name}.s", (max_m, scale_groups(k)), torch.float32))
+        return specs
 
     # ----- public --------------------------------------------------------------------------------------
     def input_slot(self, m: int) -> torch.Tensor:
@@ -95,7 +127,7 @@ class AgGemm(OpBase):
             raise OpInputError(f"{self.name}: input_slot({m}) while the slot of a previous input_slot call is "
                                f"still unused; call the op first")
         rows = m // self.world_size
-        self._launch(self._plan(("claim", m), m), {}, ())
+        self._launch(self._plan(("claim", m), m), AgCall(), ())
         self._claimed = rows
         return self.gathered[self.rank * rows:(self.rank + 1) * rows]
 
@@ -122,22 +154,22 @@ class AgGemm(OpBase):
         """`__call__` for tensors a caller has validated already (the layers)."""
         m = a_shard.shape[0] * self.world_size
         out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        ctx = {"a_shard": a_shard, "w": w, "out": out, "lead": lead, "stamp": stamp}
+        call = AgCall(a_shard=a_shard, w=w, out=out, lead=lead, stamp=stamp)
         addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
         if wgrad_of is not None:
             grad = torch.empty(wgrad_of.shape[1], self.k, dtype=self.dtype, device=self.device)
-            ctx["x"], ctx["grad"] = wgrad_of, grad
+            call.x, call.grad = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if stamp is not None:
             addresses += (stamp.data_ptr(),)
         if self.fp8:
-            ctx["w_fp8"] = w8 = self._weights.get(w.t())
+            call.w_fp8 = w8 = self._weights.get(w.t())
             addresses += (w8[0].data_ptr(), w8[1].data_ptr())
         wgrad = None if wgrad_of is None else ("lead" if wgrad_lead else "after")
-        self._call(m, "op", ctx, None if lead is not None else addresses,
+        self._call(m, "op", call, None if lead is not None else addresses,
                    wgrad=wgrad, lead=lead is not None, stamp=stamp is not None)
         if wgrad_of is not None:
-            return out, ctx["grad"]
+            return out, call.grad
         if not return_gathered:
             return out
         return out, (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
@@ -148,7 +180,7 @@ class AgGemm(OpBase):
         self._check_live()
         if not self.fp8:
             return self.gathered[:m]
-        from .fp8 import dequantize_activation
+        from ..fp8 import dequantize_activation
         return dequantize_activation(self.gathered[:m], self.scales[:m]).to(torch.bfloat16)
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
@@ -157,8 +189,23 @@ class AgGemm(OpBase):
         self._check_live()
         check_tensor("a_shard", a_shard, dtype=self.dtype, device=self.device, shape=(None, self.k))
         m = a_shard.shape[0] * self.world_size
-        self._call(m, "none", {"a_shard": a_shard}, (a_shard.data_ptr(),))
+        self._call(m, "none", AgCall(a_shard=a_shard), (a_shard.data_ptr(),))
         return (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
+
+    def compute_alone(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """out [M, N_local]: this op's plan for M = W x a_shard's rows without its comm lanes (no flags, no
+        pulls): the same consumer GEMMs (kernel, blocks, SM budget, chunk order) over the rows that the last
+        `all_gather(a_shard)` left in the pool; call that first. The "compute alone" of the k-factor."""
+        self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
+        m = a_shard.shape[0] * self.world_size
+        out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
+        call = AgCall(a_shard=a_shard, w=w, out=out)
+        addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
+        if self.fp8:
+            call.w_fp8 = w8 = self._weights.get(w.t())
+            addresses += (w8[0].data_ptr(), w8[1].data_ptr())
+        self._call(m, "compute", call, addresses)
+        return out
 
     def chunks(self, m: int) -> list[Chunk]:
         """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
@@ -173,15 +220,15 @@ class AgGemm(OpBase):
                                    whole=whole)
 
     # ----- one call ------------------------------------------------------------------------------------
-    def _call(self, m: int, consumer: str, ctx: dict, addresses, *, wgrad=None, lead=False, stamp=False) -> None:
+    def _call(self, m: int, consumer: str, call: AgCall, addresses, *, wgrad=None, lead=False, stamp=False) -> None:
         rows = m // self.world_size
         claimed = self._claimed is not None
         if claimed and self._claimed != rows:
             raise OpInputError(f"{self.name}: input_slot was taken for {self._claimed * self.world_size} rows, "
                                f"this call has M = {m}")
-        zero_copy = ctx["a_shard"].data_ptr() == self._gathered_ptr + self.rank * rows * self._row_bytes
+        zero_copy = call.a_shard.data_ptr() == self._gathered_ptr + self.rank * rows * self._row_bytes
         key = (m, consumer, wgrad, lead, zero_copy, claimed, stamp)
-        self._launch(self._plans.get(key) or self._plan(key, m), ctx, addresses)
+        self._launch(self._plans.get(key) or self._plan(key, m), call, addresses)
         self._claimed = None
 
     def _build(self, key, config) -> Program:
@@ -193,6 +240,8 @@ class AgGemm(OpBase):
         m, consumer, wgrad, lead, zero_copy, claimed, stamp = key
         rows = m // self.world_size
         chunks = plan_chunks(rank=self.rank, world_size=self.world_size, m=m, chunks_per_rank=config.chunks_per_rank)
+        if consumer == "compute":
+            return self._compute(program, m, chunks, config)
         if consumer == "op":
             consumer = config.method
         fused = consumer == "fused"
@@ -215,9 +264,17 @@ class AgGemm(OpBase):
             program.run(COMPUTE, self._bump_version)
         return program
 
-    def _bump_version(self, ctx) -> None:
+    def _compute(self, program: Program, m: int, chunks, config) -> Program:
+        if config.method == "fused":
+            program.set(COMPUTE, self.chunk_flags)  # every chunk is present: the kernel's waits pass at once
+            self._fused_consumer(program, m, chunks, config, lead=False)
+        else:
+            self._decomposed_consumer(program, m, chunks, config, whole=False, lead=False, waits=False)
+        return program
+
+    def _bump_version(self, call) -> None:
         self.version.add_(1)
-        ctx["stamp"].copy_(self.version)
+        call.stamp.copy_(self.version)
 
     def _ring(self) -> list[int]:
         return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
@@ -231,11 +288,11 @@ class AgGemm(OpBase):
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
         slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
-            from ._fp8_launch import launch_quantize_activation
+            from .._fp8_launch import launch_quantize_activation
             slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
-            program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx["a_shard"], slot, slot_scales))
+            program.run(COMPUTE, lambda call: launch_quantize_activation(call.a_shard, slot, slot_scales))
         elif not zero_copy:
-            program.copy(COMPUTE, slot, lambda ctx: ctx["a_shard"])
+            program.copy(COMPUTE, slot, lambda call: call.a_shard)
         if fused:
             for chunk in chunks:
                 if chunk.owner == self.rank:
@@ -268,14 +325,17 @@ class AgGemm(OpBase):
             program.give(COMM, self.flags.consumed(self.rank), previous_owner)
         program.record(COMM, "gathered")
 
-    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool) -> None:
+    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool,
+                             waits: bool = True) -> None:
         if lead:
-            program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
         gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
                                     chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
                                     whole=whole)
         for gemm in gemms:
-            if gemm.wait == len(chunks):  # rows from the pool: every pull and the local slot
+            if not waits:
+                pass
+            elif gemm.wait == len(chunks):  # rows from the pool: every pull and the local slot
                 program.after(COMPUTE, "gathered")
             elif gemm.wait >= 0:
                 program.after(COMPUTE, f"chunk{gemm.wait}")
@@ -287,22 +347,22 @@ class AgGemm(OpBase):
         first = lo - self.rank * (m // self.world_size)
         gathered = self.gathered[lo:lo + count]
         if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
-            from .fp8 import fp8_gemm
+            from ..fp8 import fp8_gemm
             scales = self.scales[lo:lo + count]
 
-            def mm_fp8(ctx) -> None:
-                w8, w_scales = ctx["w_fp8"]
-                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=ctx["out"][lo:lo + count])
+            def mm_fp8(call) -> None:
+                w8, w_scales = call.w_fp8
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out[lo:lo + count])
             return mm_fp8
 
-        def mm(ctx) -> None:
-            a = ctx["a_shard"][first:first + count] if local else gathered
+        def mm(call) -> None:
+            a = call.a_shard[first:first + count] if local else gathered
             with sm_carveout(margin):
-                torch.mm(a, ctx["w"], out=ctx["out"][lo:lo + count])
+                torch.mm(a, call.w, out=call.out[lo:lo + count])
         return mm
 
     def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
-        from ._gemm_launch import ChunkWait, launch_gemm
+        from .._gemm_launch import ChunkWait, launch_gemm
         from kernels.gemm import ag_tile_row_offset
 
         rows = m // self.world_size
@@ -315,24 +375,24 @@ class AgGemm(OpBase):
             for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
                 program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
         if lead:
-            program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
         gathered = self.gathered[:m]
         if self.fp8:
-            from .fp8 import choose_fp8_blocks, fp8_gemm
+            from ..fp8 import choose_fp8_blocks, fp8_gemm
             blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 
-            def gemm(ctx) -> None:
-                w8, w_scales = ctx["w_fp8"]
-                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=ctx["out"],
+            def gemm(call) -> None:
+                w8, w_scales = call.w_fp8
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
                          num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
         else:
             blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
                                    sm_count=programs)
             offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
 
-            def gemm(ctx) -> None:
-                launch_gemm(a=gathered, w=ctx["w"], out=ctx["out"], num_programs=programs, blocks=blocks,
+            def gemm(call) -> None:
+                launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=blocks,
                             tile_row_offset=offset, chunk_wait=wait)
         program.run(COMPUTE, gemm)
 
@@ -340,9 +400,9 @@ class AgGemm(OpBase):
         """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
         lo = self.rank * rows
 
-        def lead(ctx) -> None:
+        def lead(call) -> None:
             with sm_carveout(margin):
-                torch.mm(ctx["x"][lo:lo + rows].t(), ctx["a_shard"], out=ctx["grad"])
+                torch.mm(call.x[lo:lo + rows].t(), call.a_shard, out=call.grad)
         program.run(COMPUTE, lead)
 
     def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
@@ -350,8 +410,8 @@ class AgGemm(OpBase):
         lo = self.rank * rows
         others = [(first, end) for first, end in ((0, lo), (lo + rows, m)) if end > first]
 
-        def rest(ctx) -> None:
-            full, x, grad = self.gathered_bf16(m), ctx["x"], ctx["grad"]
+        def rest(call) -> None:
+            full, x, grad = self.gathered_bf16(m), call.x, call.grad
             if not lead:
                 torch.mm(x.t(), full, out=grad)
                 return

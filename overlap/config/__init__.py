@@ -1,0 +1,2 @@
+"""Configuration: the validated, frozen dataclasses (`schema`), the YAML presets and their one loader
+(`presets`), and the one module that reads environment variables (`envs`)."""
