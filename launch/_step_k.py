@@ -25,18 +25,17 @@ def max_over_ranks(values: list[float], ctx) -> list[float]:
 
 def step_k_factors(ctx, mlp, x, dy, step, warmup: int, reps: int, label: str = "") -> dict:
     """k_comm / k_comp of the two AllGather+GEMM ops (fc1 forward, fc2 backward) inside training steps: the
-    op's traced spans (comm stream or thread; the whole call) over its gather alone and its GEMM alone."""
+    op.s traced spans (comm stream or thread; the whole call) over its gather alone and its compute alone."""
     keys = ("fc1_fwd_ag", "fc2_bwd_ag")
     ops = {"fc1_fwd_ag": mlp.fc1.ops.ag, "fc2_bwd_ag": mlp.fc2.ops.ag}
     shards = {"fc1_fwd_ag": x.detach(), "fc2_bwd_ag": dy}
     weights = {"fc1_fwd_ag": mlp.fc1.weight.detach(), "fc2_bwd_ag": mlp.fc2.weight.detach().t()}  # as backward passes it
     variants = {}
     for key, op in ops.items():
-        full = op.all_gather(shards[key]).clone()
-        out = torch.empty(full.shape[0], weights[key].shape[1], dtype=full.dtype, device=full.device)
+        op.all_gather(shards[key])  # compute_alone reads the rows the gather left in the pool
         if ctx.device.type == "cuda":  # CPU: the comm thread's span, below
             variants[f"comm_{key}"] = lambda op=op, s=shards[key]: op.all_gather(s)
-        variants[f"gemm_{key}"] = lambda a=full, w=weights[key], o=out: torch.mm(a, w, out=o)
+        variants[f"gemm_{key}"] = lambda op=op, s=shards[key], w=weights[key]: op.compute_alone(s, w)
     progress(f"{label}k: each AllGather and GEMM alone", rank=ctx.rank)
     solo = {name: st.median_ms for name, st in
             bench_interleaved(variants, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps,

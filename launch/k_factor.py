@@ -12,12 +12,10 @@ Every time is in ms: the median over reps of the MAX over the ranks of the group
                  done by the GEMM epilogue's NVLink stores, which cannot run without the GEMM: the CE push
                  stands in for it (for epilogue_reduce the reduction too runs inside the GEMM: the same
                  stand-in, which overstates its comm).
-* comp solo    the op's consumer GEMM alone on a side stream (CPU: the calling thread), same SM budget,
-               local epilogue, no waits: AgGemm decomposed = one cuBLAS mm per chunk in the op's order
-               (with the op's sm_margin carveout); fused = the persistent Triton GEMM on num_sms - max(sm_margin, 1)
-               programs. GemmRs decomposed = one cuBLAS mm per owner chunk with the SM carveout
-               `sm_margin`; fused and epilogue_reduce = the Triton GEMM on num_sms - sm_margin programs.
-               CPU: torch.mm.
+* comp solo    `op.compute_alone(...)`: the op's own plan for that M without its comm lanes (no flags, no
+               copies, local epilogue), on a side stream (CPU: the calling thread): the same GEMMs, blocks,
+               SM budget and chunk / owner order as the op's call. The one definition of "compute alone"
+               (the benchmarks and the in-step k use it too).
 * overlapped   mode "pair" (default, any op, CPU too): the same comm_fn and comp_fn started together, each
                on its own stream (CPU: comm on a thread, compute on the caller), with no data dependency:
                pure contention. Per-stream spans come from CUDA events on each stream (host clocks per
@@ -48,7 +46,6 @@ import torch.distributed as dist
 
 from overlap.ops.ag_gemm import AgGemm
 from overlap.ops.gemm_rs import GemmRs
-from overlap.triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
 from ._comm_delay import inject_comm_delay
 from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
@@ -274,44 +271,15 @@ def op_pair(op, inputs) -> OpPair:
     Collective for AgGemm (one all_gather builds the gathered input of the GEMM).
     """
     a, w = inputs
-    dev, cfg = op.device, op.config
-    fused = cfg.method == "fused"
+    # compute alone: the op's own plan without its comm lanes (the same GEMMs, blocks and SM budget)
     if isinstance(op, AgGemm):
-        gathered = op.all_gather(a).clone()
-        out = torch.empty(gathered.shape[0], w.shape[1], dtype=w.dtype, device=dev)
-        if fused:
-            programs = num_sms(dev) - cfg.sm_margin
-            # the fused consumer's own blocks: its K loop waits on flags, so no warp specialisation
-            blocks = choose_blocks(gathered.shape[0], w.shape[1], w.shape[0], device_type=dev.type,
-                                   warp_specialize=False, sm_count=programs)
-            comp = lambda: triton_mm(gathered, w, out, num_programs=programs, blocks=blocks)  # noqa: E731
-        else:
-            plan = [(lo, lo + count) for lo, count, _ in op.consumer_gemms(gathered.shape[0])]
-
-            def comp():
-                # the decomposed consumer's GEMMs (per chunk, or lead + rest), with the op's carveout
-                with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
-                    for lo, hi in plan:
-                        torch.mm(gathered[lo:hi], w, out=out[lo:hi])
-        return OpPair(lambda: op.all_gather(a), comp, lambda: op(a, w), None)
+        op.all_gather(a)  # compute_alone reads the rows the gather left in the pool
+        return OpPair(lambda: op.all_gather(a), lambda: op.compute_alone(a, w), lambda: op(a, w), None)
     if isinstance(op, GemmRs):
         partials = torch.mm(a, w)
-        out = torch.empty_like(partials)
-        rows = a.shape[0] // op.world_size
-        if cfg.method in ("fused", "epilogue_reduce"):
-            programs = num_sms(dev) - cfg.sm_margin
-            comp = lambda: triton_mm(a, w, out, num_programs=programs)  # noqa: E731
-        else:
-            owners = op.owners()
-
-            def comp():
-                with sm_carveout(cfg.sm_margin if dev.type == "cuda" else 0):
-                    for owner in owners:
-                        sl = slice(owner * rows, (owner + 1) * rows)
-                        torch.mm(a[sl], w, out=out[sl])
         # the op's own comm path without the GEMM: the decomposed schedule's pushes and reduction (for the
         # scatter methods the GEMM epilogue's stores cannot run without the GEMM: the push stands in for them)
-        return OpPair(lambda: op.reduce_scatter(partials), comp, lambda: op(a, w), None)
+        return OpPair(lambda: op.reduce_scatter(partials), lambda: op.compute_alone(a, w), lambda: op(a, w), None)
     raise TypeError(f"op_pair: unsupported op {type(op).__name__}; pass AgGemm or GemmRs, or use measure_pair")
 
 

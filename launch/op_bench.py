@@ -148,6 +148,8 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
         gather_buf = torch.empty(m, k, dtype=dtype, device=dev)
         out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)
         variants = {f"ours_{key}": (lambda op=op: op(a_shard, w)) for key, op in ops.items()}
+        if not cuda_graphs:  # k's compute alone: each op's own plan without its comm lanes
+            variants |= {f"compute_{key}": (lambda op=op: op.compute_alone(a_shard, w)) for key, op in ops.items()}
         variants["seq"] = lambda: ag_gemm_reference(a_shard, w, group=ctx.group)
         group_name = _torch_group_name(ctx.group) if dev.type == "cuda" else None
         if group_name:
@@ -164,8 +166,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
         t_comm = min(stats["comm_nccl"].median_ms, stats["comm_ce"].median_ms)
         for (key, op), cfg in zip(ops.items(), configs):
             k_comm, k_comp = (None, None) if cuda_graphs else _k_factors(
-                ctx, op, (a_shard, w), stats["comm_ce"].median_ms,
-                stats["gemm_cublas"].median_ms if cfg.method == "decomposed" else t_gemm)
+                ctx, op, (a_shard, w), stats["comm_ce"].median_ms, stats[f"compute_{key}"].median_ms)
             row = {"layer": point.layer, "op": "ag_gemm", "M": m, "K": k, "N": n, "method": cfg.method,
                    "cuda_graphs": cuda_graphs,
                    "sm_margin": cfg.sm_margin, "chunks_per_rank": cfg.chunks_per_rank,
@@ -180,7 +181,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
 
 def _k_factors(ctx, op, args, t_comm_solo: float, t_comp_solo: float) -> tuple[float, float]:
     """k of the op's own call (the one definition, launch/k_factor.py): its traced lane spans over the comm
-    path alone and the GEMM alone."""
+    path alone and its compute alone (`op.compute_alone`)."""
     kf = k_from_trace(trace_op(op, args, reps=TRACE_REPS), t_comm_solo=t_comm_solo, t_comp_solo=t_comp_solo)
     return kf.k_comm, kf.k_comp
 
@@ -213,6 +214,8 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
         rs_out = torch.empty(m // world, n, dtype=dtype, device=dev)
         out_c, out_t = torch.empty(m, n, dtype=dtype, device=dev), torch.empty(m, n, dtype=dtype, device=dev)
         variants = {f"ours_{key}": (lambda op=op: op(a, w)) for key, op in ops.items()}
+        if not cuda_graphs:  # k's compute alone: each op's own plan without its comm lanes
+            variants |= {f"compute_{key}": (lambda op=op: op.compute_alone(a, w)) for key, op in ops.items()}
         variants["seq"] = lambda: gemm_rs_reference(a, w, group=ctx.group)
         group_name = _torch_group_name(ctx.group) if dev.type == "cuda" else None
         if group_name:
@@ -230,8 +233,7 @@ def bench_rs_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
         t_comm = stats["comm_nccl"].median_ms
         for (key, op), cfg in zip(ops.items(), configs):
             k_comm, k_comp = (None, None) if cuda_graphs else _k_factors(
-                ctx, op, (a, w), stats["comm_ce"].median_ms,
-                stats["gemm_cublas"].median_ms if cfg.method in ("decomposed", "pair") else t_gemm)
+                ctx, op, (a, w), stats["comm_ce"].median_ms, stats[f"compute_{key}"].median_ms)
             row = {"layer": point.layer, "op": "gemm_rs", "M": m, "K": k, "N": n, "method": cfg.method,
                    "cuda_graphs": cuda_graphs,
                    "sm_margin": cfg.sm_margin, "num_comm_sms": cfg.num_comm_sms,
