@@ -13,10 +13,11 @@ import threading
 
 import torch
 
+from ._gemm_splitk import launch_split_k, release_split_k_workspaces, split_k_workspace
 from .gemm_blocks import GemmBlocks, choose_blocks
 
 __all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
-           "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS"]
+           "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS", "release_split_k_workspaces", "split_k_workspace"]
 
 # A stream-K finisher waits this long for a contributor before computing its K range itself (only a
 # contributor that is not resident -- SMs held by another kernel -- is ever that late).
@@ -128,7 +129,6 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
                                      sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
     if blocks.split_k > 1:
-        from ._gemm_splitk import launch_split_k
         launch_split_k(a=a, w=b, out=out, blocks=blocks, num_programs=num_programs, tile_row_offset=tile_row_offset)
         return out
     programs = num_programs or num_sms(a.device) * blocks.programs_per_sm

@@ -19,9 +19,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.gemm_splitk import split_k_gemm_kernel, split_k_ranges  # noqa: E402
-from overlap._gemm_splitk import release_split_k_workspaces, split_k_workspace  # noqa: E402
 from overlap.gemm_blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
-from overlap.triton_gemm import triton_mm  # noqa: E402
+from overlap.triton_gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
