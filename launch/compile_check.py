@@ -6,9 +6,9 @@ compile with this Triton, and what does it cost in shared memory, registers and 
 The target is sm_90 (Hopper). `--table` checks every configuration of the block tables
 (configs/gemm_blocks/), `--candidates` the sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and
 the quantisers, `--configs` the bf16 configurations named (BMxBNxBKw<warps>s<stages>[g<group>][ws][fl][es2]
-[sk<waves>][o2][sp<splits>], e.g. 128x256x64w8s3 or 128x128x64w4s3sp4); give at least one of the four. Exit status 1 when a configuration fails
-to compile or spills registers. Runs on CPU (Triton's own ptxas); it checks the compiler, not speed or
-results.
+[sk<waves>][o2][sp<splits>], e.g. 128x256x64w8s3 or the split-K 128x128x64w4s3sp4); give at least one of
+the four. Exit status 1 when a configuration fails to compile or spills registers. Runs on CPU (Triton's own
+ptxas); it checks the compiler, not speed or results.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ K_total / W, N = H) at the given TP sizes and M, in both layouts of B (`kn`: row
 
 Candidates: a short list per shape class (launch/_tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
 CTAs per SM, stream-K; short K -> flattened loops, warp specialisation, split epilogue; large -> 128x256
-tiles and their variants), plus the current table's choice and the hand heuristic; `--candidates`
-replaces the classes' lists.
+tiles and their variants), split-K where few 128x128 tiles meet a long K (SPLIT_K_CANDIDATES), the
+current table's choice and the hand heuristic; `--candidates` replaces the classes' lists.
 
 Phases, all inside the wall-time bound `--time-budget-s`:
 
@@ -343,9 +343,8 @@ class _Sweep:
         import torch
 
         from launch.timing import bench_interleaved, progress
-        from overlap.triton_gemm import release_split_k_workspaces
         from overlap.gemm_blocks import GemmBlocks
-        from overlap.triton_gemm import triton_mm
+        from overlap.triton_gemm import release_split_k_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)

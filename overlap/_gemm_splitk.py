@@ -48,7 +48,8 @@ def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block
     m, k = a.shape
     n = w.shape[1]
     if a.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError(f"launch_split_k: a strides {a.stride()} and out strides {out.stride()} need a last stride of 1")
+        raise ValueError(f"launch_split_k: a strides {a.stride()} and out strides {out.stride()}; allowed: a last "
+                         "stride of 1")
     b_transposed = not w.is_contiguous()
     b = w.t() if b_transposed else w
     if not b.is_contiguous():
