@@ -10,7 +10,8 @@ import math
 from overlap.config.schema import OpPreset, OverlapConfig
 
 __all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures", "M_ORDER",
-           "GEMM_CLASSES", "shape_class", "gemm_candidates", "tune_order", "point_seconds"]
+           "GEMM_CLASSES", "SPLIT_K_CANDIDATES", "shape_class", "splits_k", "gemm_candidates", "tune_order",
+           "point_seconds"]
 
 CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
 OP_KEYS = {"ag_gemm": ("method", "sm_margin", "chunks_per_rank", "lead_fraction"),
@@ -115,6 +116,14 @@ GEMM_CLASSES = {
               "128x256x64w8s3fl"),
 }
 SHORT_K = 2048
+# Split-K (kernels/gemm_splitk.py, `sp<S>`): each tile's K over S units, which the hardware schedules two or
+# three to an SM (96 KB / 64 KB of shared memory each), so 48-400 output tiles still fill 132 SMs evenly.
+# Tried besides the class's list where 128x128 tiles fill at most SPLIT_K_WAVES waves and K is long
+# enough to split: the narrow-N shapes (qkv at TP 4/8, N 768-2560) at M <= 4096, whatever their class.
+SPLIT_K_CANDIDATES = tuple(f"{tile}sp{splits}" for tile in ("128x128x64w4s3", "128x64x64w4s4", "64x64x64w4s4")
+                           for splits in (2, 4, 8))
+SPLIT_K_WAVES = 3
+SPLIT_K_MIN_K = 1024
 _SECONDS_PER_CALL = 7e-4     # L2 flush, device hold (300 us), synchronisation and launch around one timed call
 _SECONDS_PER_POINT = 0.15    # operands, the cuBLAS reference, one checked call per candidate
 _ASSUMED_FLOPS = 600e12      # a pessimistic bf16 rate for the estimate
@@ -127,9 +136,16 @@ def shape_class(m: int, n: int, k: int, sms: int) -> str:
     return "short_k" if k <= SHORT_K else "large"
 
 
+def splits_k(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether the split-K candidates are tried for out[m, n] = a[m, k] @ b[k, n] on `sms` SMs."""
+    return -(-m // 128) * -(-n // 128) <= SPLIT_K_WAVES * sms and k >= SPLIT_K_MIN_K
+
+
 def gemm_candidates(m: int, n: int, k: int, sms: int, extra=()) -> tuple[str, ...]:
-    """The class's candidates, then `extra` (e.g. the current table's choice), without repeats."""
-    return tuple(dict.fromkeys(GEMM_CLASSES[shape_class(m, n, k, sms)] + tuple(extra)))
+    """The class's candidates, the split-K ones where they fit (`splits_k`), then `extra` (e.g. the current
+    table's choice), without repeats."""
+    split = SPLIT_K_CANDIDATES if splits_k(m, n, k, sms) else ()
+    return tuple(dict.fromkeys(GEMM_CLASSES[shape_class(m, n, k, sms)] + split + tuple(extra)))
 
 
 def tune_order(points, ms_order=M_ORDER):

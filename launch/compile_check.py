@@ -6,9 +6,9 @@ compile with this Triton, and what does it cost in shared memory, registers and 
 The target is sm_90 (Hopper). `--table` checks every configuration of the block tables
 (configs/gemm_blocks/), `--candidates` the sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and
 the quantisers, `--configs` the bf16 configurations named (BMxBNxBKw<warps>s<stages>[g<group>][ws][fl][es2]
-[sk<waves>], e.g. 128x256x64w8s3); give at least one of the four. Exit status 1 when a configuration fails
-to compile or spills registers. Runs on CPU (Triton's own ptxas); it checks the compiler, not speed or
-results.
+[sk<waves>][o2][sp<splits>], e.g. 128x256x64w8s3 or the split-K 128x128x64w4s3sp4); give at least one of
+the four. Exit status 1 when a configuration fails to compile or spills registers. Runs on CPU (Triton's own
+ptxas); it checks the compiler, not speed or results.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from overlap.gemm_blocks import GemmBlocks
 
 from ._cli import ArgumentParser, run_launcher
 
-__all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_fp8_gemm", "compile_quantizers"]
+__all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_split_k_gemm", "compile_fp8_gemm",
+           "compile_quantizers"]
 
 PROG = "launch.compile_check"
 
@@ -100,6 +101,22 @@ def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtyp
                               num_stages=blocks.num_stages, arch=arch)
 
 
+def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
+    """The split-K GEMM (a name with `sp<S>`) as overlap/_gemm_splitk.py launches it: host-side TMA
+    descriptors for aligned operands."""
+    from kernels.gemm_splitk import reduce_rows, split_k_gemm_kernel
+
+    b_block = (blocks.block_n, blocks.block_k) if b_transposed else (blocks.block_k, blocks.block_n)
+    types = dict(a=f"tensordesc<{dtype}[{blocks.block_m}, {blocks.block_k}]>", b=f"tensordesc<{dtype}[{b_block[0]}, "
+                 f"{b_block[1]}]>", c_ptr=f"*{dtype}:16", workspace_ptr="*fp32:16", counters_ptr="*i32:16",
+                 M="i32", tile_row_offset="i32", N="i32:16", K="i32:16", lda="i32:16", ldb="i32:16", ldc="i32:16")
+    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+                      SPLIT_K=blocks.split_k, USE_DESCRIPTORS=True, B_TRANSPOSED=b_transposed,
+                      REDUCE_M=reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps))
+    return compile_for_target(split_k_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
+                              num_stages=blocks.num_stages, arch=arch)
+
+
 def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = False):
     """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
     from kernels.gemm_fp8 import fp8_gemm_kernel
@@ -145,7 +162,8 @@ def _check(job):
     try:
         blocks = GemmBlocks.parse(name)
         if kind == "gemm":
-            compiled = compile_gemm(blocks, b_transposed=extra)
+            compile = compile_split_k_gemm if blocks.split_k > 1 else compile_gemm
+            compiled = compile(blocks, b_transposed=extra)
         else:
             compiled = compile_fp8_gemm(blocks, wait_chunks=extra)
         usage = resource_usage(compiled)

@@ -154,6 +154,8 @@ def bench_device(name: str) -> tuple[torch.device, str]:
 
 
 def _run_bf16(args) -> int:
+    from overlap.triton_gemm import release_split_k_workspaces
+
     started = time.monotonic()
     dev, device_name = bench_device(args.device)
     table = load_block_table(path=args.table) if args.table else load_block_table(gpu_name(dev) or "cpu")
@@ -190,6 +192,7 @@ def _run_bf16(args) -> int:
                          for name, blk in usable.items()})
         stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
                                   hold_device_us=args.hold_us)
+        release_split_k_workspaces()  # one per (shape, configuration): 240 shapes would keep them all
         t_cublas = stats["cublas"].median_ms
         row = {"layer": layer, "op": op, "tp": world, "layout": layout, "M": m, "K": k, "N": n,
                "t_cublas_ms": t_cublas, "table_blocks": variants_blocks["table"].name,

@@ -9,8 +9,8 @@ K_total / W, N = H) at the given TP sizes and M, in both layouts of B (`kn`: row
 
 Candidates: a short list per shape class (launch/_tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
 CTAs per SM, stream-K; short K -> flattened loops, warp specialisation, split epilogue; large -> 128x256
-tiles and their variants), plus the current table's choice and the hand heuristic; `--candidates`
-replaces the classes' lists.
+tiles and their variants), split-K where few 128x128 tiles meet a long K (SPLIT_K_CANDIDATES), the
+current table's choice and the hand heuristic; `--candidates` replaces the classes' lists.
 
 Phases, all inside the wall-time bound `--time-budget-s`:
 
@@ -46,11 +46,11 @@ from launch._cli import ArgumentParser, int_list, require, run_dir, run_launcher
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
            "operands", "write_table", "precompile", "main"]
 
-# The union of the shape classes' lists (launch/_tune.py GEMM_CLASSES): what `--candidates all` means and
-# what launch.compile_check --candidates compiles.
+# The union of the shape classes' lists and the split-K candidates (launch/_tune.py): what `--candidates all`
+# means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:
-    from launch._tune import GEMM_CLASSES
-    return tuple(dict.fromkeys(name for names in GEMM_CLASSES.values() for name in names))
+    from launch._tune import GEMM_CLASSES, SPLIT_K_CANDIDATES
+    return tuple(dict.fromkeys(name for names in (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES) for name in names))
 
 
 CANDIDATES = _all_classes()
@@ -344,7 +344,7 @@ class _Sweep:
 
         from launch.timing import bench_interleaved, progress
         from overlap.gemm_blocks import GemmBlocks
-        from overlap.triton_gemm import triton_mm
+        from overlap.triton_gemm import release_split_k_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)
@@ -376,6 +376,7 @@ class _Sweep:
                          for name, blk in usable.items()})
         stats = bench_interleaved(variants, group=None, device=self.dev, warmup=2, reps=self.args.reps,
                                   hold_device_us=self.args.hold_us)
+        release_split_k_workspaces()  # one per (shape, configuration): a sweep would keep hundreds
         return {name: s.median_ms for name, s in stats.items()}
 
     def write(self) -> None:

@@ -17,7 +17,9 @@ the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, writ
 A configuration is written as its name, e.g. `128x256x64w8s3g16ws`: BLOCK_M x BLOCK_N x BLOCK_K, warps,
 stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl` (flattened loop nest),
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
-`o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue).
+`o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
+`sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
+finish; for too few output tiles and long K).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the 
 PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/ops/gemm_rs.py FLAG_BLOCK_M)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(?:sp(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GemmBlocks:
     epilogue_subtile: int = 1
     stream_k: int = 0
     programs_per_sm: int = 1   # the default grid: this many persistent programs per SM (2: two CTAs share one)
+    split_k: int = 1           # > 1: the split-K kernel, each tile's K steps over this many units
 
     @property
     def name(self) -> str:
@@ -65,23 +68,24 @@ class GemmBlocks:
                 + (f"g{self.group_m}" if self.group_m != 8 else "") + ("ws" if self.warp_specialize else "")
                 + ("fl" if self.flatten else "") + (f"es{self.epilogue_subtile}" if self.epilogue_subtile != 1 else "")
                 + (f"sk{self.stream_k}" if self.stream_k else "")
-                + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else ""))
+                + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else "")
+                + (f"sp{self.split_k}" if self.split_k != 1 else ""))
 
     @classmethod
     def parse(cls, name: str) -> GemmBlocks:
         match = _NAME.match(name)
         if not match:
             raise ValueError(f"block configuration {name!r} does not read as BMxBNxBKw<warps>s<stages>"
-                             "[g<group>][ws][fl][es2][sk<waves>]")
-        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy = match.groups()
+                             "[g<group>][ws][fl][es2][sk<waves>][o2][sp<splits>]")
+        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy, splits = match.groups()
         return cls(int(bm), int(bn), int(bk), int(group or 8), int(warps), int(stages), bool(ws), bool(fl),
-                   int(es or 1), int(sk or 0), int(occupancy or 1))
+                   int(es or 1), int(sk or 0), int(occupancy or 1), int(splits or 1))
 
     @property
     def plain(self) -> bool:
-        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening or stream-K;
-        they choose their own program count, so `o2` is ignored there)."""
-        return not (self.warp_specialize or self.flatten or self.stream_k)
+        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening, stream-K or
+        split-K; they choose their own program count, so `o2` is ignored there)."""
+        return not (self.warp_specialize or self.flatten or self.stream_k or self.split_k > 1)
 
     def problems(self, operand_bytes: int = 2) -> list[str]:
         """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""
@@ -107,6 +111,11 @@ class GemmBlocks:
             out.append("stream-K waits for other programs: one program per SM (all resident)")
         if self.stream_k and self.warp_specialize:
             out.append("stream-K with warp specialisation spills registers (launch.compile_check)")
+        if not 1 <= self.split_k <= 16:
+            out.append(f"split_k {self.split_k} not in 1..16")
+        elif self.split_k > 1 and (self.warp_specialize or self.flatten or self.stream_k or self.programs_per_sm != 1
+                                   or self.epilogue_subtile != 1):
+            out.append("split-K (its own kernel) takes none of ws, fl, sk, o2, es2")
         if shared > SHARED_MEMORY_LIMIT:
             out.append(f"needs ~{shared} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
         return out
@@ -202,7 +211,7 @@ def _entry(raw, where: str, operand_bytes: int) -> BlockTableEntry:
             raise BlockTableError(f"{where}.{key}: got {raw[key]!r}; {'; '.join(parsed[key].problems(operand_bytes))}")
     if not parsed["plain"].plain or parsed["plain"].block_m != PLAIN_BLOCK_M:
         raise BlockTableError(f"{where}.plain: got {raw['plain']!r}; allowed: BLOCK_M {PLAIN_BLOCK_M} without "
-                              "ws, fl or sk (callers that wait on flags use it)")
+                              "ws, fl, sk or sp (callers that wait on flags use it)")
     ratios = {key: raw.get(key) for key in ("vs_cublas", "plain_vs_cublas")}
     for key, value in ratios.items():
         if value is not None and (not isinstance(value, (int, float)) or not value > 0):

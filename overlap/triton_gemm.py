@@ -13,10 +13,11 @@ import threading
 
 import torch
 
+from ._gemm_splitk import launch_split_k, release_split_k_workspaces, split_k_workspace
 from .gemm_blocks import GemmBlocks, choose_blocks
 
 __all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
-           "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS"]
+           "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS", "release_split_k_workspaces", "split_k_workspace"]
 
 # A stream-K finisher waits this long for a contributor before computing its K range itself (only a
 # contributor that is not resident -- SMs held by another kernel -- is ever that late).
@@ -116,7 +117,8 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     """out[M, N] = a[M, K] @ b[K, N] on the current stream with `num_programs` persistent programs
     (b row-major, or the transpose view of a row-major [N, K]); valid on the current stream. Blocks from
     `choose_blocks` for the layout and GPU unless given. A stream-K configuration uses a workspace private
-    to the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
+    to the current stream (allocated on its first use there: warm up before a CUDA-graph capture); so does a
+    split-K one (`split_k > 1`: overlap/_gemm_splitk.py, at most `num_programs` programs when given)."""
     from ._gemm_launch import launch_gemm
 
     m, k = a.shape
@@ -126,6 +128,9 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     b_transposed = b_operand(b)[2]
     blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
                                      sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    if blocks.split_k > 1:
+        launch_split_k(a=a, w=b, out=out, blocks=blocks, num_programs=num_programs, tile_row_offset=tile_row_offset)
+        return out
     programs = num_programs or num_sms(a.device) * blocks.programs_per_sm
     launch_gemm(a=a, w=b, out=out, num_programs=programs, blocks=blocks, tile_row_offset=tile_row_offset)
     return out

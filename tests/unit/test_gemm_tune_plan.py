@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from launch import gemm_bench, gemm_tune
-from launch._tune import GEMM_CLASSES, M_ORDER, gemm_candidates, point_seconds, shape_class, tune_order
+from launch._tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, gemm_candidates, point_seconds, shape_class,
+                          splits_k, tune_order)
 from launch.shapes import ag_points, rs_points
 from overlap.gemm_blocks import PLAIN_BLOCK_M, GemmBlocks
 
@@ -44,6 +45,28 @@ def test_candidates_add_extras_once_and_keep_the_class_list_first():
     names = gemm_candidates(1024, 768, 4096, H200_SMS, extra=("128x128x64w4s4", "256x128x64w8s3"))
     assert names[:len(GEMM_CLASSES["few_tiles"])] == GEMM_CLASSES["few_tiles"]
     assert names.count("128x128x64w4s4") == 1 and names[-1] == "256x128x64w8s3"
+
+
+@pytest.mark.parametrize("m,n,k,expected", [
+    (1024, 768, 4096, True),     # llama8b.qkv at TP8: 48 tiles of 128x128
+    (4096, 1280, 8192, True),    # llama70b.qkv at TP8: 320 tiles, class "large", a weak third wave
+    (8192, 768, 4096, True),     # 384 tiles: just within three waves
+    (4096, 2560, 8192, False),   # 640 tiles
+    (16384, 768, 4096, False),
+    (1024, 4096, 512, False),    # K too short to split
+])
+def test_split_k_candidates_are_tried_where_few_128_tiles_meet_a_long_k(m, n, k, expected):
+    assert splits_k(m, n, k, H200_SMS) == expected
+    names = gemm_candidates(m, n, k, H200_SMS)
+    assert all((name in names) == expected for name in SPLIT_K_CANDIDATES)
+
+
+def test_split_k_candidates_are_canonical_and_never_the_plain_choice():
+    splits = {GemmBlocks.parse(name).split_k for name in SPLIT_K_CANDIDATES}
+    assert splits == {2, 4, 8} and set(SPLIT_K_CANDIDATES) <= set(gemm_tune.CANDIDATES)
+    for name in SPLIT_K_CANDIDATES:
+        blocks = GemmBlocks.parse(name)
+        assert blocks.name == name and not blocks.problems() and not blocks.plain
 
 
 def test_order_measures_both_ends_of_m_first_then_by_size():

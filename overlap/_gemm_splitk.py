@@ -1,0 +1,76 @@
+"""The launcher of the split-K GEMM (kernels/gemm_splitk.py): its workspace, its grid and its operands.
+
+`triton_mm` calls `launch_split_k` for a configuration with `split_k > 1` (a name ending in `sp<S>`).
+The fp32 workspace and the tile counters are allocated on the first launch of a (stream, shape,
+configuration) and reused by every later one (the kernel leaves the counters at zero): no allocation per
+call, and a CUDA graph captured after a warm-up keeps using the same buffers. They are private to a stream,
+since two GEMMs of one shape running at once must not share counters. `release_split_k_workspaces()` frees
+them (a sweep over many shapes; never while a captured graph still uses them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gemm_blocks import GemmBlocks
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 workspace [tiles * S * BLOCK_M * BLOCK_N], int32 counters [tiles], zero) of the current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, m, n, blocks.block_m, blocks.block_n, blocks.split_k)
+    if key not in _workspaces:
+        tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+        _workspaces[key] = (
+            torch.empty(tiles * blocks.split_k * blocks.block_m * blocks.block_n, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _workspaces[key]
+
+
+def release_split_k_workspaces() -> None:
+    """Forget every workspace (the caching allocator reuses the memory once no launch holds it)."""
+    _workspaces.clear()
+
+
+def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: GemmBlocks,
+                   num_programs: int | None = None, tile_row_offset: int = 0) -> None:
+    """out = a [M, K] @ w [K, N] on the current stream, each tile's K split over `blocks.split_k` units.
+
+    w is row-major or the transpose view of a row-major [N, K]. One program per unit unless
+    `num_programs` (the caller leaves SMs free) caps the grid; the programs then loop over the units.
+    """
+    from kernels.gemm_splitk import reduce_rows, split_k_gemm_kernel
+
+    if blocks.split_k < 2:
+        raise ValueError(f"launch_split_k: blocks {blocks.name!r} have split_k {blocks.split_k}; allowed: >= 2")
+    m, k = a.shape
+    n = w.shape[1]
+    if a.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"launch_split_k: a strides {a.stride()} and out strides {out.stride()}; allowed: a last "
+                         "stride of 1")
+    b_transposed = not w.is_contiguous()
+    b = w.t() if b_transposed else w
+    if not b.is_contiguous():
+        raise ValueError(f"launch_split_k: w strides {w.stride()} are neither row-major nor a transposed row-major")
+    ldb = b.stride(0)
+    workspace, counters = split_k_workspace(a.device, m, n, blocks)
+    units = counters.numel() * blocks.split_k
+    programs = min(units, num_programs) if num_programs else units
+    # TMA: 16-byte aligned bases and row strides
+    use_descriptors = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (a, b))
+    if use_descriptors:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [blocks.block_m, blocks.block_k])
+        b_block = [blocks.block_n, blocks.block_k] if b_transposed else [blocks.block_k, blocks.block_n]
+        b_arg = TensorDescriptor(b, list(b.shape), [ldb, 1], b_block)
+    else:
+        a_arg, b_arg = a, b
+    split_k_gemm_kernel[(max(1, programs),)](
+        a_arg, b_arg, out, workspace, counters, m, n, k, a.stride(0), ldb, out.stride(0), tile_row_offset,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+        SPLIT_K=blocks.split_k, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
+        REDUCE_M=reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages)

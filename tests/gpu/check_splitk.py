@@ -1,0 +1,177 @@
+"""GPU correctness of the split-K bf16 GEMM (kernels/gemm_splitk.py through overlap.triton_mm), compiled (not
+the interpreter): one PASS/FAIL line per check with its error, exit status 1 on any FAIL.
+
+    python -m tests.gpu.check_splitk            # on the GPU machine (~1 min, mostly compiling)
+    python -m tests.gpu.check_splitk --cpu      # tiny shapes under the Triton interpreter: checks the script
+
+Checks, every output NaN-poisoned before the call, against an fp64 product and torch.mm (relative Frobenius
+<= 1e-2): every split-K candidate of the tuner in both weight layouts, three calls in a row with fresh operands
+(the tile counters back at zero after each), bitwise equal on a repeat with the same operands (the sum order
+does not depend on which split arrives last); 32 calls queued back to back into 32 outputs, all bitwise equal;
+M/N/K tails (K not a multiple of S * BLOCK_K) on the TMA path and unaligned K on the pointer path; a grid
+capped below the units (persistent programs) with a row rotation; replays of a captured CUDA graph with new
+operands.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch
+
+TOLERANCE = 1e-2
+results: list[tuple[str, bool, str]] = []
+
+
+def check(name: str):
+    def wrap(fn):
+        start = time.perf_counter()
+        try:
+            results.append((name, True, fn() or ""))
+        except Exception as exc:  # every check runs; the failure is reported with its message
+            results.append((name, False, f"{type(exc).__name__}: {exc}"[:400]))
+            traceback.print_exc()
+        ok, detail = results[-1][1], results[-1][2]
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
+        return fn
+    return wrap
+
+
+def rel(actual, expected) -> float:
+    return (torch.linalg.norm(actual.double() - expected.double()) / torch.linalg.norm(expected.double())).item()
+
+
+def expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+# (full size on the GPU, tiny under the interpreter): M, N, K
+SHAPES = {"main": (1024, 768, 4096), "tails": ((1000, 776, 4104), (136, 1288, 8200)), "unaligned": (520, 384, 4100),
+          "capped": (4096, 1280, 8192), "graph": (2048, 768, 4096)}
+TINY = {"main": (48, 40, 256), "tails": ((37, 40, 200),), "unaligned": (40, 24, 100), "capped": (64, 48, 256),
+        "graph": (48, 40, 256)}
+
+
+def main(argv=None) -> int:
+    cpu = "--cpu" in (argv if argv is not None else sys.argv[1:])
+    if not cpu and not torch.cuda.is_available():
+        print("FAIL no CUDA device (use --cpu for the interpreter)")
+        return 1
+    from launch._tune import SPLIT_K_CANDIDATES
+    from overlap.gemm_blocks import GemmBlocks
+    from overlap.triton_gemm import split_k_workspace, triton_mm
+
+    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    shapes = TINY if cpu else SHAPES
+    names = ("16x16x16w1s1sp2", "32x16x16w1s1sp4") if cpu else SPLIT_K_CANDIDATES
+    tails_names = names if cpu else ("128x128x64w4s3sp4", "128x64x64w4s4sp8", "64x64x64w4s4sp2")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def operands(m, n, k, layout):
+        a = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+        w = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16()
+        return a, (w.t() if layout == "nk" else w.t().contiguous())
+
+    def run(a, b, blocks, **kwargs):
+        out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16, device=dev)
+        triton_mm(a, b, out, blocks=blocks, **kwargs)
+        return out
+
+    def verify(out, a, b, what):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        expect(not torch.isnan(out).any(), f"{what}: NaN left in the output (a tile never stored)")
+        err, err_mm = rel(out, a.double() @ b.double()), rel(out, torch.mm(a, b))
+        expect(err <= TOLERANCE and err_mm <= TOLERANCE, f"{what}: {err:.3g} vs fp64, {err_mm:.3g} vs torch.mm")
+        return err
+
+    def counters_zero(m, n, blocks, what):
+        counters = split_k_workspace(dev, m, n, blocks)[1]
+        expect(int(counters.abs().sum().item()) == 0, f"{what}: counters left at {counters.nonzero().flatten()[:8]}")
+
+    @check("every split-K candidate, both layouts: 3 calls with fresh operands, counters at zero, repeat bitwise")
+    def _():
+        worst = 0.0
+        m, n, k = shapes["main"]
+        for name in names:
+            blocks = GemmBlocks.parse(name)
+            for layout in ("kn", "nk"):
+                for call in range(3):
+                    a, b = operands(m, n, k, layout)
+                    out = run(a, b, blocks)
+                    worst = max(worst, verify(out, a, b, f"{name} {layout} call {call}"))
+                    counters_zero(m, n, blocks, f"{name} {layout} call {call}")
+                again = run(a, b, blocks)
+                verify(again, a, b, f"{name} {layout} repeat")
+                expect(torch.equal(out, again), f"{name} {layout}: a repeat with the same operands differs")
+        return f"{len(names)} configurations, worst {worst:.2e}"
+
+    @check("32 calls queued back to back: every output bitwise equal and right, counters at zero")
+    def _():
+        m, n, k = shapes["main"]
+        blocks = GemmBlocks.parse(names[-1] if cpu else "128x128x64w4s3sp4")
+        a, b = operands(m, n, k, "nk")
+        outs = [run(a, b, blocks) for _ in range(4 if cpu else 32)]
+        verify(outs[0], a, b, blocks.name)
+        expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{blocks.name}: queued calls differ")
+        counters_zero(m, n, blocks, blocks.name)
+        return blocks.name
+
+    @check("M/N/K tails (TMA path, K not a multiple of S * BLOCK_K) and unaligned K (pointer path)")
+    def _():
+        worst = 0.0
+        cases = [(shape, name) for shape in shapes["tails"] for name in tails_names]
+        cases.append((shapes["unaligned"], tails_names[0]))
+        for (m, n, k), name in cases:
+            blocks = GemmBlocks.parse(name)
+            for layout in ("kn", "nk"):
+                a, b = operands(m, n, k, layout)
+                worst = max(worst, verify(run(a, b, blocks), a, b, f"{name} {layout} M={m} N={n} K={k}"))
+                counters_zero(m, n, blocks, f"{name} {layout} M={m} N={n} K={k}")
+        return f"{len(cases)} cases, worst {worst:.2e}"
+
+    @check("a grid capped below the units (persistent programs) with a row rotation")
+    def _():
+        m, n, k = shapes["capped"]
+        blocks = GemmBlocks.parse(names[0])
+        for programs, offset in ((3, 1), (100, 5)):
+            a, b = operands(m, n, k, "nk")
+            verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
+                   f"{blocks.name} programs={programs} offset={offset}")
+            counters_zero(m, n, blocks, f"programs={programs}")
+        return blocks.name
+
+    if not cpu:
+        @check("a captured CUDA graph replays right with new operands (workspace from the warm-up)")
+        def _():
+            m, n, k = shapes["graph"]
+            blocks = GemmBlocks.parse(names[0])
+            a, b = operands(m, n, k, "nk")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                triton_mm(a, b, out, blocks=blocks)   # warm-up: compiles, allocates this stream's workspace
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                triton_mm(a, b, out, blocks=blocks)
+            for replay in range(3):
+                fresh_a, fresh_b = operands(m, n, k, "nk")
+                a.copy_(fresh_a)
+                b.copy_(fresh_b)
+                out.fill_(float("nan"))
+                graph.replay()
+                verify(out, a, b, f"replay {replay}")
+            return blocks.name
+
+    failed = [name for name, ok, _ in results if not ok]
+    print(f"{len(results) - len(failed)} of {len(results)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
