@@ -39,6 +39,8 @@ SCALE_GROUP = gl.constexpr(128)
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
 GROUP_M = gl.constexpr(8)
+# the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -92,7 +94,7 @@ def _retire(product, empty, step, NUM_STAGES: gl.constexpr, OUTSTANDING: gl.cons
     """Wait until at most OUTSTANDING MMAs of this warpgroup are in flight (the one of `step` done), then
     release step `step`'s ring slot to the producer."""
     done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(product, ))
-    gl.thread_barrier()  # every warp of this warpgroup is past the wait before the slot is released
+    _barrier()  # every warp of this warpgroup is past the wait before the slot is released
     mbarrier.arrive(empty.index(step % NUM_STAGES))
     return done
 
@@ -161,10 +163,10 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b
         step += num_k
 
         tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
-        gl.thread_barrier()
+        _barrier()
         out_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
-        gl.thread_barrier()  # every warp's rows are in the staging tile before the store is issued
+        _barrier()  # every warp's rows are in the staging tile before the store is issued
         tma.async_copy_shared_to_global(c_desc, [first_row, col_block * BLOCK_N], out_smem)
     tma.store_wait(pendings=0)
 

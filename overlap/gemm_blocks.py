@@ -17,7 +17,8 @@ the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, writ
 A configuration is written as its name, e.g. `128x256x64w8s3g16ws`: BLOCK_M x BLOCK_N x BLOCK_K, warps,
 stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl` (flattened loop nest),
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
-`o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue).
+`o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue), `gl`
+(FP8 only: the Gluon kernel, kernels/gemm_fp8_gluon.py; 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the 
 PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/gemm_rs.py FLAG_BLOCK_M)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(gl)?$")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class GemmBlocks:
     epilogue_subtile: int = 1
     stream_k: int = 0
     programs_per_sm: int = 1   # the default grid: this many persistent programs per SM (2: two CTAs share one)
+    gluon: bool = False        # FP8 only: the Gluon kernel instead of the @triton.jit one
 
     @property
     def name(self) -> str:
@@ -63,23 +65,23 @@ class GemmBlocks:
                 + (f"g{self.group_m}" if self.group_m != 8 else "") + ("ws" if self.warp_specialize else "")
                 + ("fl" if self.flatten else "") + (f"es{self.epilogue_subtile}" if self.epilogue_subtile != 1 else "")
                 + (f"sk{self.stream_k}" if self.stream_k else "")
-                + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else ""))
+                + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else "") + ("gl" if self.gluon else ""))
 
     @classmethod
     def parse(cls, name: str) -> GemmBlocks:
         match = _NAME.match(name)
         if not match:
             raise ValueError(f"block configuration {name!r} does not read as BMxBNxBKw<warps>s<stages>"
-                             "[g<group>][ws][fl][es2][sk<waves>]")
-        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy = match.groups()
+                             "[g<group>][ws][fl][es2][sk<waves>][o2][gl]")
+        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy, gluon = match.groups()
         return cls(int(bm), int(bn), int(bk), int(group or 8), int(warps), int(stages), bool(ws), bool(fl),
-                   int(es or 1), int(sk or 0), int(occupancy or 1))
+                   int(es or 1), int(sk or 0), int(occupancy or 1), bool(gluon))
 
     @property
     def plain(self) -> bool:
-        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening or stream-K;
+        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening, stream-K or Gluon;
         they choose their own program count, so `o2` is ignored there)."""
-        return not (self.warp_specialize or self.flatten or self.stream_k)
+        return not (self.warp_specialize or self.flatten or self.stream_k or self.gluon)
 
     def problems(self, operand_bytes: int = 2) -> list[str]:
         """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""
