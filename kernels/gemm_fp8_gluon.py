@@ -145,10 +145,6 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     WG_M: gl.constexpr = BLOCK_M // 2
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)

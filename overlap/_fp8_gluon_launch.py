@@ -40,7 +40,7 @@ def gluon_operand_problems(*, a8: torch.Tensor, w8: torch.Tensor, out: torch.Ten
     return out_
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
