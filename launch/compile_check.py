@@ -26,6 +26,7 @@ from overlap.gemm_blocks import GemmBlocks
 from ._cli import ArgumentParser, run_launcher
 
 __all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_split_k_gemm", "compile_fp8_gemm",
+           "compile_fp8_gluon_gemm",
            "compile_quantizers"]
 
 PROG = "launch.compile_check"
@@ -121,6 +122,9 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
     """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
     from kernels.gemm_fp8 import fp8_gemm_kernel
 
+    if blocks.gluon:
+        return compile_fp8_gluon_gemm(blocks, arch=arch)
+
     types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "error_code_base", "timeout_ns")}
     types.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc")})
     types.update(a_ptr="*fp8e4nv:16", b_ptr="*fp8e4nv:16", c_ptr="*bf16:16", a_scales_ptr="*fp32:16",
@@ -137,6 +141,38 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
         constexprs.update(chunk_flags_ptr=None, error_ptr=None, chunks_per_rank=1)
     return compile_for_target(fp8_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
                               num_stages=blocks.num_stages, arch=arch)
+
+
+def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90):
+    """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/_fp8_gluon_launch.py launches it: host
+    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3 and C [64, BLOCK_N] bf16, unit scale strides."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel as fn
+
+    def descriptor(dtype: str, block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16}[dtype])
+        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
+
+    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
+                 b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]), c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]), a_scales_ptr="*fp32:16",
+                 b_scales_ptr="*fp32:16", M="i32", N="i32", K="i32", a_scale_stride_k="i32", b_scale_stride_n="i32")
+    constexprs = dict(a_scale_stride_m=1, b_scale_stride_k=1, NUM_STAGES=blocks.num_stages, MMA_REGS=232,
+                      LOAD_REGS=40)
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name], constants[(index,)] = "constexpr", constexprs[name]
+        else:
+            signature[name], _, divisible = types[name].partition(":")
+            if divisible:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": blocks.num_warps, "num_stages": blocks.num_stages})
 
 
 def compile_quantizers(arch: int = 90) -> dict:

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from ._fp8_gluon_launch import gluon_block_problems, launch_fp8_gluon_gemm
 from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
 from .gemm_blocks import GemmBlocks, load_block_table
 
@@ -188,12 +189,29 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
                          "multiple of 128, no stream-K")
     if a8.is_cuda and blocks.problems(operand_bytes=1):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(blocks.problems(operand_bytes=1))}")
-    if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
-        raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl, got {blocks.name}")
-    if m and n:
+    if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten or blocks.gluon):
+        raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl / gl, got {blocks.name}")
+    if blocks.gluon:
+        _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset)
+    elif m and n:
         launch_fp8_gemm(a8, a_scales, w8, w_scales, out, blocks=blocks, num_programs=num_programs,
                         tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
+
+
+def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset) -> None:
+    problems = gluon_block_problems(block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
+                                    num_warps=blocks.num_warps, group_m=blocks.group_m,
+                                    num_stages=blocks.num_stages, programs_per_sm=blocks.programs_per_sm)
+    if tile_row_offset:
+        problems.append(f"tile_row_offset {tile_row_offset} (the Gluon kernel walks tiles from row block 0)")
+    if not a8.is_cuda:
+        problems.append("needs a CUDA device (Gluon kernels do not run under the interpreter)")
+    if problems:
+        raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(problems)}")
+    if out.shape[0] and out.shape[1]:
+        launch_fp8_gluon_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, block_n=blocks.block_n,
+                              num_stages=blocks.num_stages, num_programs=num_programs)
 
 
 def _reference_groups(values: torch.Tensor, amax: torch.Tensor):

@@ -19,7 +19,8 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
-finish; for too few output tiles and long K).
+finish; for too few output tiles and long K), `gl` (FP8 only: the Gluon kernel, kernels/gemm_fp8_gluon.py;
+128xBNx128w4s<stages>, BN 64 or 128).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the 
 PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/ops/gemm_rs.py FLAG_BLOCK_M)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(?:sp(\d+))?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(?:sp(\d+))?(gl)?$")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class GemmBlocks:
     stream_k: int = 0
     programs_per_sm: int = 1   # the default grid: this many persistent programs per SM (2: two CTAs share one)
     split_k: int = 1           # > 1: the split-K kernel, each tile's K steps over this many units
+    gluon: bool = False        # FP8 only: the Gluon kernel instead of the @triton.jit one
 
     @property
     def name(self) -> str:
@@ -69,23 +71,23 @@ class GemmBlocks:
                 + ("fl" if self.flatten else "") + (f"es{self.epilogue_subtile}" if self.epilogue_subtile != 1 else "")
                 + (f"sk{self.stream_k}" if self.stream_k else "")
                 + (f"o{self.programs_per_sm}" if self.programs_per_sm != 1 else "")
-                + (f"sp{self.split_k}" if self.split_k != 1 else ""))
+                + (f"sp{self.split_k}" if self.split_k != 1 else "") + ("gl" if self.gluon else ""))
 
     @classmethod
     def parse(cls, name: str) -> GemmBlocks:
         match = _NAME.match(name)
         if not match:
             raise ValueError(f"block configuration {name!r} does not read as BMxBNxBKw<warps>s<stages>"
-                             "[g<group>][ws][fl][es2][sk<waves>][o2][sp<splits>]")
-        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy, splits = match.groups()
+                             "[g<group>][ws][fl][es2][sk<waves>][o2][sp<splits>][gl]")
+        bm, bn, bk, warps, stages, group, ws, fl, es, sk, occupancy, splits, gluon = match.groups()
         return cls(int(bm), int(bn), int(bk), int(group or 8), int(warps), int(stages), bool(ws), bool(fl),
-                   int(es or 1), int(sk or 0), int(occupancy or 1), int(splits or 1))
+                   int(es or 1), int(sk or 0), int(occupancy or 1), int(splits or 1), bool(gluon))
 
     @property
     def plain(self) -> bool:
-        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening, stream-K or
-        split-K; they choose their own program count, so `o2` is ignored there)."""
-        return not (self.warp_specialize or self.flatten or self.stream_k or self.split_k > 1)
+        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening, stream-K,
+        split-K or Gluon; they choose their own program count, so `o2` is ignored there)."""
+        return not (self.warp_specialize or self.flatten or self.stream_k or self.split_k > 1 or self.gluon)
 
     def problems(self, operand_bytes: int = 2) -> list[str]:
         """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""

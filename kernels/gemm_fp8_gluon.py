@@ -1,0 +1,214 @@
+"""Persistent FP8 block-scaled GEMM in Triton's Gluon dialect (Hopper: TMA, mbarrier, async wgmma), bf16 out.
+
+Computes what ``kernels/gemm_fp8.py`` computes, with the same operands and scale layouts:
+
+    C[m, n] = sum_g (A[m, g-th 128 columns] . B[n, g-th 128 columns]) * a_scale[m, g] * b_scale[n // 128, g]
+
+A [M, K] and B [N, K] e4m3, rows contiguous, read through host tensor descriptors of blocks [128, 128] and
+[BLOCK_N, 128]; C [M, N] written through a descriptor of blocks [64, BLOCK_N]. TMA reads zeros past M, N
+and K and clips the store, so tails need no masks (only the A-scale loads are masked).
+
+    fp8_gluon_gemm_kernel[(num_programs,)](
+        a_desc, b_desc, c_desc, a_scales, b_scales, M, N, K,
+        a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
+        NUM_STAGES=..., num_warps=4)
+
+Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
+accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
+lockstep, so the tensor cores idle meanwhile. Here three warp-specialised partitions share the SM:
+
+* a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted);
+  it refills a slot once both consumers released it (``empty``, two arrivals);
+* two consumer warpgroups, each owning 64 rows of the 128-row tile: wait for the slot, MMA its 64 x BLOCK_N
+  x 128 product into fresh registers, release the slot, promote. Nothing synchronises the two consumers,
+  so one promotes while the other's MMA runs (DeepGEMM's arrangement); each stores its half of C.
+
+Registers: a kernel of 4 + 4 + 1 warps runs 384 threads, so ptxas allocates at most 168 per thread even
+where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
+flight per warpgroup (192) spills there, and a single 8-warp partition (255 registers) needed CTA-wide
+barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
+Tiles are walked persistently in GROUP_M = 8 swizzled order (as ``persistent_gemm_kernel``, no rotation).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+SCALE_GROUP = gl.constexpr(128)
+# Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
+# partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
+GROUP_M = gl.constexpr(8)
+# the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
+    # GROUP_M row blocks share each B column panel while it is hot in L2
+    tiles_per_group = GROUP_M * num_col_blocks
+    first_row_block = (tile_id // tiles_per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_row_blocks - first_row_block, GROUP_M)
+    index_in_group = tile_id % tiles_per_group
+    return first_row_block + index_in_group % rows_in_group, index_in_group // rows_in_group
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K):
+    """The producer warp: TMA loads of every K group of this program's tiles into the ring, each slot
+    once both consumer warpgroups have released it."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
+        for k in range(num_k):
+            slot = step % NUM_STAGES
+            # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _issue_mma(a_bufs, b_bufs, ready, product, step, HALF: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Wait for step `step`'s operands, start this warpgroup's MMA (its 64-row half of A) into `product`'s
+    registers: a fresh sum, the group's partial product is scaled on its own."""
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    slot = step % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+    a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
+    return warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), product, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _retire(product, empty, step, NUM_STAGES: gl.constexpr, OUTSTANDING: gl.constexpr):
+    """Wait until at most OUTSTANDING MMAs of this warpgroup are in flight (the one of `step` done), then
+    release step `step`'s ring slot to the producer."""
+    done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(product, ))
+    _barrier()  # every warp of this warpgroup is past the wait before the slot is released
+    mbarrier.arrive(empty.index(step % NUM_STAGES))
+    return done
+
+
+@gluon.jit
+def _group_scales(a_scales_ptr, b_scales_ptr, rows, M, col_block_128, k, a_scale_stride_m, a_scale_stride_k,
+                  b_scale_stride_n, b_scale_stride_k):
+    # rows past M read scale 0: their products are never stored
+    a_scale = gl.load(a_scales_ptr + rows * a_scale_stride_m + k * a_scale_stride_k, mask=rows < M, other=0.0)
+    b_scale = gl.load(b_scales_ptr + col_block_128 * b_scale_stride_n + k * b_scale_stride_k)
+    return a_scale * b_scale
+
+
+@gluon.jit
+def _promote(acc, product, scale):
+    return acc + product * gl.expand_dims(scale, 1)
+
+
+@gluon.jit
+def _k_loop(a_bufs, b_bufs, ready, empty, a_scales_ptr, b_scales_ptr, first_row, M, col_block_128, num_k, step,
+                          a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
+                          HALF: gl.constexpr):
+    """The tile's K loop, each group's MMA retired before its promotion: the other warpgroup's MMA keeps
+    the tensor cores busy meanwhile (128 registers of accumulator and product per thread for 64x128)."""
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    rows = first_row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma_layout))
+    acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    for k in range(num_k):
+        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k, HALF, NUM_STAGES)
+        scale = _group_scales(a_scales_ptr, b_scales_ptr, rows, M, col_block_128, k, a_scale_stride_m,
+                              a_scale_stride_k, b_scale_stride_n, b_scale_stride_k)
+        product = _retire(product, empty, step + k, NUM_STAGES, 0)
+        acc = _promote(acc, product, scale)
+    return acc
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K,
+                   a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
+                   HALF: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    WG_M: gl.constexpr = BLOCK_M // 2
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    out_smem = c_smem.index(HALF)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
+        first_row = row_block * BLOCK_M + HALF * WG_M
+        col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, a_scales_ptr, b_scales_ptr, first_row, M, col_block_128, num_k,
+                      step, a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, HALF)
+        step += num_k
+
+        tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
+        _barrier()
+        out_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _barrier()  # every warp's rows are in the staging tile before the store is issued
+        tma.async_copy_shared_to_global(c_desc, [first_row, col_block * BLOCK_N], out_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _mma_low(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
+             a_scale_stride_k, b_scale_stride_n, b_scale_stride_k):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
+                   a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, 0)
+
+
+@gluon.jit
+def _mma_high(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
+              a_scale_stride_k, b_scale_stride_n, b_scale_stride_k):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
+                   a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, 1)
+
+
+@gluon.jit
+def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scales_ptr, b_scales_ptr, M, N, K,
+                          a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
+                          NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    gl.static_assert(BLOCK_K == SCALE_GROUP, "one K step per 128-wide scale group")
+    gl.static_assert(BLOCK_N <= SCALE_GROUP, "one B scale per tile and K group: BLOCK_N <= 128")
+    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
+    gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K,
+                a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K)
+    gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args)], [4, 1],
+                       [MMA_REGS, LOAD_REGS])
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

@@ -1,0 +1,77 @@
+"""Private launcher of the Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py): host tensor descriptors, grid and
+argument order. Operands are validated by overlap/fp8.py; what only this kernel needs (TMA alignment, its
+tile shapes) is checked here."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .triton_gemm import num_sms
+
+GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
+GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
+GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
+GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_fp8_gluon.py GROUP_M)
+_SCALE_GROUP = 128
+
+
+def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps: int, group_m: int,
+                         num_stages: int, programs_per_sm: int) -> list[str]:
+    """Why the Gluon kernel cannot run these blocks (empty when it can)."""
+    out = []
+    for name, value, allowed in (("block_m", block_m, (GLUON_BLOCK_M,)), ("block_n", block_n, GLUON_BLOCK_NS),
+                                 ("block_k", block_k, (_SCALE_GROUP,)), ("num_warps", num_warps, (GLUON_NUM_WARPS,)),
+                                 ("group_m", group_m, (GLUON_GROUP_M,)), ("programs_per_sm", programs_per_sm, (1,)),
+                                 ("num_stages", num_stages, (2, 3, 4, 5, 6))):
+        if value not in allowed:
+            out.append(f"gluon: {name} {value} not in {allowed}")
+    return out
+
+
+def gluon_operand_problems(*, a8: torch.Tensor, w8: torch.Tensor, out: torch.Tensor) -> list[str]:
+    """TMA needs 16-byte aligned bases and row strides (e4m3: K % 16 == 0; bf16 C: N % 8 == 0)."""
+    out_ = []
+    for name, t in (("a8", a8), ("w8", w8), ("out", out)):
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            out_.append(f"gluon: {name} needs a 16-byte aligned base and row stride (stride {t.stride(0)} x "
+                        f"{t.element_size()} bytes)")
+    return out_
+
+
+@functools.cache
+def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
+
+
+def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+                          out: torch.Tensor, block_n: int = 128, num_stages: int = 4,
+                          num_programs: int | None = None) -> None:
+    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/fp8.py)."""
+    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
+
+    problems = gluon_operand_problems(a8=a8, w8=w8, out=out) + gluon_block_problems(
+        block_m=GLUON_BLOCK_M, block_n=block_n, block_k=_SCALE_GROUP, num_warps=GLUON_NUM_WARPS,
+        group_m=GLUON_GROUP_M, num_stages=num_stages, programs_per_sm=1)
+    if problems:
+        raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
+    m, k = a8.shape
+    n = w8.shape[0]
+    tiles = -(-m // GLUON_BLOCK_M) * -(-n // block_n)
+    programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
+    fp8_gluon_gemm_kernel[(programs,)](
+        _descriptor(a8, (GLUON_BLOCK_M, _SCALE_GROUP)), _descriptor(w8, (block_n, _SCALE_GROUP)),
+        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), a_scales, w_scales, m, n, k,
+        a_scales.stride(0), a_scales.stride(1), w_scales.stride(0), w_scales.stride(1),
+        NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)

@@ -1,0 +1,48 @@
+"""The Gluon FP8 GEMM's place behind fp8_gemm (its numerics are checked on the GPU by
+tests/gpu/check_fp8_gluon.py: Gluon kernels do not run under the interpreter)."""
+
+import re
+
+import pytest
+import torch
+
+from launch.gemm_tune import FP8_CANDIDATES
+from overlap import fp8
+from overlap.gemm_blocks import GemmBlocks
+
+
+def test_the_gl_suffix_round_trips_and_is_not_plain():
+    blocks = GemmBlocks.parse("128x128x128w4s6gl")
+    assert blocks.gluon and blocks.name == "128x128x128w4s6gl"
+    assert not blocks.plain, "the Gluon kernel has no chunk-wait mode: flag-waiting callers must not get it"
+    assert not GemmBlocks.parse("128x128x128w4s6").gluon
+    assert any(GemmBlocks.parse(name).gluon for name in FP8_CANDIDATES)
+
+
+def _operands(m=8, n=16, k=256):
+    a8, a_scales = fp8.quantize_activation(torch.randn(m, k))
+    w8, w_scales = fp8.quantize_weight(torch.randn(n, k))
+    return dict(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales)
+
+
+def test_fp8_gemm_refuses_gluon_blocks_off_cuda_in_one_sentence():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse("128x128x128w4s4gl"))
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("128x128x128w8s4gl", "num_warps 8 not in (4,)"),
+    ("128x256x128w4s3gl", "block_n 256 not in (64, 128)"),
+    ("64x128x128w4s4gl", "block_m 64 not in (128,)"),
+    ("128x128x128w4s4g16gl", "group_m 16 not in (8,)"),
+])
+def test_fp8_gemm_names_what_the_gluon_kernel_cannot_run(name, problem):
+    with pytest.raises(ValueError, match=re.escape(f"gluon: {problem}")):
+        fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse(name))
+
+
+def test_fp8_gemm_refuses_gluon_blocks_for_the_chunk_waiting_consumer():
+    wait = fp8.ChunkWait(flags=torch.zeros(4, dtype=torch.int32), rows_per_rank=4, chunks_per_rank=1,
+                         error_words=torch.zeros(4, dtype=torch.int32), error_code_base=0, timeout_s=1.0)
+    with pytest.raises(ValueError, match="chunk_wait needs blocks without ws / fl / gl"):
+        fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse("128x128x128w4s4gl"), chunk_wait=wait)
