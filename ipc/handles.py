@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._mapping import byte_tensor, map_fd, unmap
+from .mapping import byte_tensor, map_fd, unmap
 
 from .errors import IpcError
 

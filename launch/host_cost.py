@@ -34,7 +34,7 @@ import torch.distributed as dist
 from launch.report import format_table, write_results
 from launch.timing import progress
 
-from symm_mem._layout import BACKENDS
+from symm_mem import BACKENDS
 
 from . import _dist
 from ._cli import ArgumentParser, output_file, require, run_dir, run_launcher

@@ -22,12 +22,11 @@ import torch
 import torch.distributed as dist
 
 from . import _waits
-from ._layout import (ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, PoolStats,
-                      Region, align, check_same_shape, check_spec, check_timeout, check_word, encode_abort,
-                      resolve_backend)
+from ._layout import (ABORT_WORD, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align, check_same_shape, check_spec, check_timeout,
+                      check_word, resolve_backend)
 from .control import ControlPages
+from .failures import PoolFailures
 from .errors import PeerLostError, PoolCapacityError, PoolClosedError, PoolError
-from .liveness import process_alive
 from .rendezvous import Rendezvous
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "live_pool_count"]
@@ -40,7 +39,7 @@ def live_pool_count() -> int:
     return _live_pools
 
 
-class SymmetricPool:
+class SymmetricPool(PoolFailures):
     """`size_bytes` of symmetric memory on every rank of `group`, `num_signal_words` control flags (what
     streams and host threads wait on) and `num_device_words` device flags (what kernels poll).
 
@@ -277,72 +276,6 @@ class SymmetricPool:
     def _bound(self, timeout_s) -> float:
         return self.timeout_s if timeout_s is None else check_timeout(timeout_s)
 
-    def error_words(self) -> torch.Tensor:
-        """This rank's control page as an int32 tensor on the pool's device: kernels store the code of an
-        expired wait into word 0 and the value they waited for into word 1, and read the abort word 2."""
-        self._check_open()
-        return self._control.own_tensor()
-
-    def device_error_code(self, name: str, index: int) -> int:
-        """The error code a kernel records for device flag `index` of region `name`."""
-        return DEVICE_CODE_BASE + self.region(name).first_device_word + index
-
-    # ----- failures --------------------------------------------------------------------------------------
-    def raise_if_failed(self) -> None:
-        """Raise the recorded failure of this rank or the group (no synchronisation: host memory only)."""
-        self._check_open()
-        own = self._own
-        if own[ERROR_CODE_WORD] or own[ABORT_WORD]:  # the common case costs two loads
-            self._waits.raise_if_failed()
-
-    def check_errors(self) -> None:
-        """Synchronise the device, then raise SignalTimeout / PeerLostError / PeerAbortError if any wait of
-        this rank expired or any rank gave up."""
-        self._check_open()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._waits.raise_if_failed()
-
-    def abort(self, reason: int = 3, *, lost: int | None = None, mismatch=None) -> None:
-        """Tell every live rank of the group to stop: their waits end and raise PeerAbortError (or, with
-        `lost`, PeerLostError naming that rank; with `mismatch`, PeerMismatchError). Only the first abort is
-        kept. Plain host stores."""
-        if self._control is None or not self._control.words:
-            return
-        alive = [r == self.rank or process_alive(pid) for r, pid in enumerate(self.peer_pids)]
-        self._control.write_abort(encode_abort(self.rank, reason, lost), alive, mismatch)
-
-    def report_mismatch(self, flag_code: int, mine: int, seen: int, peer: int | None) -> None:
-        """This rank awaited `mine` on the flag of `flag_code` (a control word's error code, or a device
-        word's) and found the peer's `seen`: the ranks disagree on a call's M. Recorded in every rank's page
-        with the abort, so that every rank raises PeerMismatchError naming both values."""
-        who = (self.rank + 1) | ((peer + 1 if peer is not None else 0) << 8)
-        self.abort(MISMATCH_REASON, mismatch=(mine, seen, who, flag_code))
-
-    def source_of_code(self, code: int) -> int | None:
-        """The peer that writes the device flag of a kernel's error code (None if not a device flag)."""
-        return _waits.source_of_code(self, code)
-
-    def failure_code(self, message: str) -> int:
-        """An error code for a device-side check of an op (`record_failure_if`): when recorded, this rank
-        raises DeviceCheckError(message) and the others PeerAbortError."""
-        self._check_open()
-        return self._waits.failure_code(message)
-
-    def record_failure_if(self, condition: torch.Tensor, code: int) -> None:
-        """On the current stream: record `code` (a `failure_code`) in this rank's error word if the bool [1]
-        tensor `condition` is true and no failure is recorded yet; the watchdog then aborts the group."""
-        head = self._control.own_tensor()[:1]
-        head.copy_(torch.where(condition & (head == 0), code, head))
-
-    def control_code(self, name: str, index: int) -> int:
-        """The error code of control flag `index` of region `name` (what the watchdog and errors name)."""
-        return FIRST_FLAG_WORD + self.region(name).first_control_word + index
-
-    def lost_peers(self) -> list[int]:
-        """Ranks of the group whose process has exited."""
-        return [r for r, pid in enumerate(self.peer_pids) if r != self.rank and not process_alive(pid)]
-
     def agree(self, what: str, fields: dict) -> None:
         """Collective, bounded: raise (on every rank) if the ranks passed different `fields`; the message names
         each differing field and every rank's value. For an op's static arguments."""
@@ -357,13 +290,6 @@ class SymmetricPool:
         self._check_open()
         self._waits.host_wait(ready, timeout_s=self.timeout_s if timeout_s is None else timeout_s, peer=peer,
                               on_timeout=on_timeout, waiting_for=waiting_for)
-
-    def record_timeout(self, name: str, index: int, expected: int, observed: int = -1) -> None:
-        """Record an expired wait on control flag `index` of `name` (it expected `expected`, last saw
-        `observed`) and abort the group (for `on_timeout`)."""
-        region = self.region(name)
-        self._control.record_error(FIRST_FLAG_WORD + region.first_control_word + index, expected, observed)
-        self.abort(1)
 
     # ----- collective lifecycle ---------------------------------------------------------------------------
     def barrier(self) -> None:

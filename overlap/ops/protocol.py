@@ -43,7 +43,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from symm_mem._layout import ABORT_WORD, ERROR_CODE_WORD, ERROR_VALUE_WORD  # noqa: F401 (the error layout)
 
 __all__ = ["SET", "CLEAR", "Flag", "AgFlags", "RsFlags", "initialise"]
 
