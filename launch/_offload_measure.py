@@ -21,8 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from overlap._activation import SavedInputActivation, activation_forward
-from overlap.offload_plan import Rates
+from overlap.offload.activation import SavedInputActivation, activation_forward
+from overlap.offload.planner import Rates
 
 __all__ = ["CopyRates", "LiveBytes", "measure_copies", "measure_layer_times", "measure_ms", "peak_of",
            "rates_from"]

@@ -8,9 +8,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine
-from overlap.offload_plan import MLPShape, OffloadPlanError, pacing_offset, plan_offload, plan_sweep, simulate
+from overlap.offload.engine import OffloadEngine
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, OffloadPlanError, pacing_offset, plan_offload, plan_sweep, simulate
 from launch.timing import bench_interleaved, progress
 
 from ._bench_mlp import BenchMLP

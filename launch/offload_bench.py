@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import MODELS
-from overlap.host_pool import HostPool, OffloadError
-from overlap.offload_config import DEFAULT_MAX_ADDED, PACING
-from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
+from overlap.offload.config import DEFAULT_MAX_ADDED, PACING
+from overlap.offload.host_pool import HostPool, OffloadError
+from overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import progress
 

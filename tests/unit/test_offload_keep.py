@@ -16,10 +16,10 @@ import time
 import torch
 
 from launch._bench_mlp import BenchMLP
-from overlap._activation import SavedInputActivation
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine
-from overlap.offload_plan import MLPShape, Rates, plan_offload
+from overlap.offload.activation import SavedInputActivation
+from overlap.offload.engine import OffloadEngine
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, Rates, plan_offload
 
 H, F, M, LAYERS = 64, 224, 16, 4
 RATES = Rates(d2h_gbps=50, h2d_gbps=50)

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from overlap.offload_plan import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, grad_bytes, layer_times,
+from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, grad_bytes, layer_times,
                                   pacing_offset, plan_offload, simulate, tensor_bytes)
 
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s

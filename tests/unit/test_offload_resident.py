@@ -14,9 +14,9 @@ import torch
 
 from launch._bench_mlp import BenchMLP
 from launch._offload_measure import LiveBytes
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine, host_bytes
-from overlap.offload_plan import MLPShape, Rates, plan_offload, simulate
+from overlap.offload.engine import OffloadEngine, host_bytes
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
 
 H, F, M, LAYERS = 64, 224, 96, 6   # llama8b's H:F, M != H so that no two tensors share a shape
 # times of a llama8b layer at M = 4096 on one H200, copies slowed to take as long as there (tiny tensors)

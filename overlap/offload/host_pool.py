@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _numa
+from . import numa as _numa
 
 __all__ = ["HostPool", "HostSlot", "HostPoolStats", "OffloadError", "SlotInUseError", "StaleSlotError",
            "live_host_pool_count", "SLOT_ALIGN_BYTES"]

@@ -1,13 +1,13 @@
 """OffloadEngine: saved activations of a stack of TP MLPs to pinned host slots and back, on copy-engine streams.
 
-    plan = plan_offload(MLPShape(...), Rates(...), budget_bytes=...)     # overlap/offload_plan.py
+    plan = plan_offload(MLPShape(...), Rates(...), budget_bytes=...)     # overlap/offload/planner.py
     with HostPool(host_bytes(plan), device=dev) as pool:
         engine = enable_offload(mlps, plan, pool=pool)                   # mlps in forward order
         y = mlps[1](mlps[0](x)); y.backward(dy)                          # any number of steps
         disable_offload(mlps); engine.close()
 
 Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h); see
-overlap/offload_config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
+overlap/offload/config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
 moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops `tp_overlap::column_forward` /
 `row_forward` and the activation save through it; weights and anything that is not the expected tensor
 are kept as they are); an op whose tensor is kept runs without hooks, and backward hooks exist only in
@@ -40,10 +40,10 @@ import weakref
 
 import torch
 
-from ._activation import SavedInputActivation, activation_forward
+from .activation import SavedInputActivation, activation_forward
+from .config import CANDIDATES
 from .host_pool import HostPool, OffloadError
-from .offload_config import CANDIDATES
-from .offload_plan import OffloadPlan, plan_for, tensor_bytes
+from .planner import OffloadPlan, plan_for, tensor_bytes
 
 __all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "OffloadError"]
 

@@ -1,7 +1,7 @@
 """The step model behind the offload planner: shapes, measured rates, and a simulation of one training step.
 
 A stack of L TP MLPs, forward 0..L-1 then backward L-1..0, on one compute stream with one device-to-host
-and one host-to-device copy queue (see overlap/offload_plan.py for how the planner uses it). Pure functions:
+and one host-to-device copy queue (see overlap/offload/planner.py for how the planner uses it). Pure functions:
 no torch, no device.
 
 Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth) run one after the
@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .config import CANDIDATES
 from .host_pool import OffloadError
-from .offload_config import CANDIDATES
 
 __all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "tensor_bytes", "grad_bytes",
            "layer_times", "simulate", "SAVE_POINTS_PER_LAYER", "RELEASE_MARGIN", "GRADS"]

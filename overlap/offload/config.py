@@ -9,7 +9,7 @@ The saved activations of one TP MLP that offload may touch (the "candidates"):
        recomputed from h in backward (one elementwise pass)
 
 Per tensor the decision is keep | offload | recompute (recompute: `a` only). The planner
-(overlap/offload_plan.py) decides; `decisions` forces some of them by hand.
+(overlap/offload/planner.py) decides; `decisions` forces some of them by hand.
 
 YAML (every key optional; errors name the file, the key, the value and what is allowed):
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "CANDIDATES", "DECISIONS",
            "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES", "DEFAULT_MAX_ADDED", "MAX_ADDED"]
