@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from overlap.config import ConfigError
 from overlap.offload.config import OffloadConfig, parse_offload_arg
-from overlap.offload.engine import OffloadEngine, host_bytes, plan_for
+from overlap.offload.engine import OffloadEngine, host_bytes
 from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import Rates
+from overlap.offload.planner import Rates, plan_for
 from launch.timing import bench_interleaved
 
 from ._offload_measure import measure_copies, measure_layer_times, peak_of

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 from ..config import ConfigError
 
-__all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "CANDIDATES", "DECISIONS",
-           "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES", "DEFAULT_MAX_ADDED", "MAX_ADDED"]
+__all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "DEFAULT_MAX_ADDED", "PACING"]
 
 CANDIDATES = ("x", "h", "a")
 DECISIONS = ("keep", "offload", "recompute")

@@ -43,9 +43,9 @@ import torch
 from .activation import SavedInputActivation, activation_forward
 from .config import CANDIDATES
 from .host_pool import HostPool, OffloadError
-from .planner import OffloadPlan, plan_for, tensor_bytes
+from .planner import OffloadPlan, tensor_bytes
 
-__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "OffloadError"]
+__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes"]
 
 
 def host_bytes(plan: OffloadPlan) -> int:

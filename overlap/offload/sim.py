@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from .config import CANDIDATES
 from .host_pool import OffloadError
 
-__all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "tensor_bytes", "grad_bytes",
-           "layer_times", "simulate", "SAVE_POINTS_PER_LAYER", "RELEASE_MARGIN", "GRADS"]
+__all__: list[str] = []  # the planner re-exports what others use
 
 SAVE_POINTS_PER_LAYER = 3  # x, h, a
 RELEASE_MARGIN = 0.10      # release a copy's device memory only once 10 % past its predicted landing

@@ -5,8 +5,9 @@ import itertools
 
 import pytest
 
-from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, grad_bytes, layer_times,
-                                  pacing_offset, plan_offload, simulate, tensor_bytes)
+from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload,
+                                    simulate, tensor_bytes)
+from overlap.offload.sim import grad_bytes, layer_times
 
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
 SHAPE = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2)
