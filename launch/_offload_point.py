@@ -126,7 +126,7 @@ def run_point(ctx, spec, args, host: HostPool, local, deadline) -> tuple[list[di
     t0 = time.monotonic()
     plans = _plans(shape, rates, args, fixed, none_above + fixed, local, notes)
     planner_s = time.monotonic() - t0
-    none_pred = simulate(shape, rates, {}, 1, plain=True, fixed_bytes=fixed)
+    none_pred = simulate(shape, rates, {}, 1, fixed_bytes=fixed)
     point = {"model": name, "M": m, "layers": layers, "copies": dict(copies), "layer_times_ms": times,
              "fixed_bytes": fixed, "grad_bytes": stack.grad_bytes, "planner_s": planner_s, "notes": notes,
              "planner_table": plans["planner"].table(), "frontier": list(plans["planner"].frontier)}

@@ -14,7 +14,7 @@ interleaved (launch.timing: CUDA events, median of --reps, spread):
 
     none         the plain stack (autograd's activation, which also saves silu(gate))
     none_again   the same, timed again: the noise floor of the time columns
-    keep         the engine keeping everything (its activation saves only h)
+    keep         the engine keeping everything: the plain stack's ops (no hook, autograd's activation)
     recompute    a recomputed from h in every layer, x and h kept
     offload_all  x, h and a offloaded in every layer
     planner      the planner at each --budget: auto (its default time budget, +2 % of the step), +N% (a
@@ -184,7 +184,7 @@ def _estimate(model, m, layers, args, cuda) -> dict:
     variants_ms = (4 + len(args.budgets)) * keep * 1.05 + offload_all  # none twice, keep, recompute, planners
     b = tensor_bytes(shape)
     weights = layers * (model["hidden"] * b["h"] // (m * 2) + model["ffn_hidden"] * model["hidden"]) * 2
-    plain = simulate(shape, nominal, {}, 1, plain=True).peak_bytes
+    plain = simulate(shape, nominal, {}, 1).peak_bytes
     device = weights + plain + 2 * b["x"] + 2 * COPY_BYTES + 2 * b["h"]
     steps = args.reps + args.warmup + 5   # per variant: timed, warm-up, two peaks (two steps each), the check
     seconds = steps * variants_ms * 1.15 / 1e3 + (10 if cuda else 2) + 0.05 * layers  # + building, measuring

@@ -10,10 +10,11 @@ from .activation import SavedInputActivation, activation_forward
 from .config import DEFAULT_MAX_ADDED, PACING, OffloadConfig, parse_offload_arg, parse_offload_section
 from .engine import OffloadEngine, disable_offload, enable_offload, host_bytes
 from .host_pool import HostPool, OffloadError
-from .planner import MLPShape, OffloadPlanError, Rates, pacing_offset, plan_for, plan_offload, plan_sweep, simulate, \
-    tensor_bytes
+from .planner import (MLPShape, OffloadPlanError, Rates, calibrate, pacing_offset, plan_for, plan_offload, plan_sweep,
+                      simulate, tensor_bytes)
 
 __all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "plan_offload",
-           "plan_sweep", "simulate", "pacing_offset", "tensor_bytes", "MLPShape", "Rates", "OffloadPlanError",
+           "plan_sweep", "simulate", "calibrate", "pacing_offset", "tensor_bytes", "MLPShape", "Rates",
+           "OffloadPlanError",
            "OffloadConfig", "parse_offload_section", "parse_offload_arg", "DEFAULT_MAX_ADDED", "PACING",
            "HostPool", "OffloadError", "SavedInputActivation", "activation_forward"]

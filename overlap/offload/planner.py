@@ -33,12 +33,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ._shapes import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
 from .config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
-from .sim import (SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, SimResult, layer_times, simulate,
-                  tensor_bytes)
+from .sim import SimResult, calibrate, simulate
 
 __all__ = ["MLPShape", "Rates", "OffloadPlanError", "plan_offload", "plan_sweep", "plan_for", "simulate",
-           "tensor_bytes", "pacing_offset"]
+           "calibrate", "tensor_bytes", "pacing_offset"]
 
 AUTO_MAX_ADDED = DEFAULT_MAX_ADDED   # budget "auto": plans may add at most this fraction of the step
 EXHAUSTIVE_PLANS = 1024              # up to this many plans (per depth): try them all

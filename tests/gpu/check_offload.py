@@ -262,7 +262,7 @@ def _peaks():
             above, before = peak_of(step(engine, False), DEV, prepare=drop)
             act = peak_of(step(engine, True), DEV, prepare=hold)[0]
             drop()
-            pred = plans.get(name) or simulate(shape, RATES, {}, 1, plain=True)
+            pred = plans.get(name) or simulate(shape, RATES, {}, 1)
             got = (above, act)
             want = (pred.peak_bytes, pred.act_peak_bytes)  # the step's own bytes: fixed 0
             report.append(f"{name} {got[0] / 2**20:.0f}/{want[0] / 2**20:.0f} MiB, act {got[1] / 2**20:.0f}/"

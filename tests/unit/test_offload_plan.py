@@ -7,7 +7,7 @@ import pytest
 
 from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload,
                                     simulate, tensor_bytes)
-from overlap.offload.sim import grad_bytes, layer_times
+from overlap.offload._shapes import grad_bytes, layer_times
 
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
 SHAPE = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2)
@@ -58,10 +58,11 @@ def test_recompute_costs_its_time_and_saves_its_bytes_in_the_table_with_the_righ
     assert plan.step_ms == pytest.approx(keep.step_ms + 16 * 0.378)  # the top layer's a too: forced
     row = next(r for r in plan.rows if r.tensor == "L3.a")
     ms, peak, act = row.vs_keep["recompute"]
-    # the peak is the end of backward's (every gradient there): recompute lowers the activation peak only
-    assert ms == pytest.approx(0.378) and peak == 0 and act == -tensor_bytes(shape)["a"], row
+    # the peak is the end of backward's (every gradient there): recompute lowers the activation peak only,
+    # by a and by the silu(gate) autograd's activation keeps where nothing of the layer moves
+    assert ms == pytest.approx(0.378) and peak == 0 and act == -2 * tensor_bytes(shape)["a"], row
     assert "| L3.a | 112.0 | recompute |" in plan.table()
-    assert "0.378; +0.378 ms, peak +0 MiB, act -112 MiB" in plan.table()
+    assert "0.378; +0.378 ms, peak +0 MiB, act -224 MiB" in plan.table()
     assert plan.added_ms > 0
 
 
@@ -114,7 +115,7 @@ def test_tighter_budgets_never_cost_less_time():
     shape = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=4)
     keep = simulate(shape, RATES, {}, 1)
     added = [plan_offload(shape, RATES, budget_bytes=int(keep.peak_bytes * f)).added_ms
-             for f in (1.0, 0.95, 0.9, 0.85, 0.8)]
+             for f in (1.0, 0.9, 0.8, 0.7, 0.6)]
     assert added == sorted(added) and added[0] == 0 and added[-1] > 0, added
 
 
@@ -240,5 +241,5 @@ def test_rates_and_shapes_are_validated():
         MLPShape(hidden=8, ffn_hidden=8, m=8, grads="sometimes")
     with pytest.raises(OffloadPlanError, match="max_added"):
         plan_offload(SHAPE, RATES, max_added=-0.1)
-    with pytest.raises(OffloadPlanError, match="plain=True"):
-        simulate(SHAPE, RATES, {(0, "h"): "offload"}, 1, plain=True)
+    with pytest.raises(OffloadPlanError, match="Rates.compute_scale"):
+        Rates(d2h_gbps=1, h2d_gbps=1, compute_scale=0)
