@@ -9,8 +9,9 @@ For every point (model:layers:M; without --points every model x --layers x --tok
 fits the device and the time budget (what is skipped is noted with the reason): a stack of MLPs
 (launch/_bench_mlp.py: TPMLP's saved tensors at W = 1; bf16), the copy bandwidth each way into the pinned
 host pool and the k of the copy and of the GEMM beside the step's fc1 GEMM, the layer's measured times and
-the optimizer step's, the planner's table, then training steps (forward, backward, SGD) of every variant,
-interleaved (launch.timing: CUDA events, median of --reps, spread):
+the optimizer step's, the plain step's (the step model's compute times are scaled to it: pieces measured
+alone add up to more than the step), the planner's table, then training steps (forward, backward, SGD) of
+every variant, interleaved (launch.timing: CUDA events, median of --reps, spread):
 
     none         the plain stack (autograd's activation, which also saves silu(gate))
     none_again   the same, timed again: the noise floor of the time columns
@@ -253,7 +254,8 @@ def _summary(labels, rows, done, notes, out, plot, start) -> None:
         print(f"\n{point['model']} L={point['layers']} M={point['M']}: copies D2H {c['d2h_gbps']:.1f} GB/s, H2D "
               f"{c['h2d_gbps']:.1f} GB/s, k_copy {c['k_copy_d2h']:.3f}/{c['k_copy_h2d']:.3f}, k_gemm "
               f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
-              f"planner {point['planner_s']:.1f} s")
+              f"planner {point['planner_s']:.1f} s; model calibrated on none's step {point['none_step_ms']:.1f} ms "
+              f"(compute x {point['compute_scale']:.3f})")
         print(point["planner_table"])
         for key, (value, target, met) in point["targets"].items():
             print(f"  target {key}: {value if value is None else round(value, 4)} (target {target}) "

@@ -1,12 +1,13 @@
 """The offload planner with synthetic numbers: budgets, ties, impossible budgets, auto, depth, pacing, table,
 and the time model's signs and magnitudes."""
 
+import dataclasses
 import itertools
 
 import pytest
 
-from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, pacing_offset, plan_offload,
-                                    simulate, tensor_bytes)
+from overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, calibrate, pacing_offset,
+                                    plan_offload, simulate, tensor_bytes)
 from overlap.offload._shapes import grad_bytes, layer_times
 
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
@@ -243,3 +244,26 @@ def test_rates_and_shapes_are_validated():
         plan_offload(SHAPE, RATES, max_added=-0.1)
     with pytest.raises(OffloadPlanError, match="Rates.compute_scale"):
         Rates(d2h_gbps=1, h2d_gbps=1, compute_scale=0)
+
+
+def test_calibration_scales_compute_to_the_measured_plain_step_and_leaves_the_copies_alone():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=4096, num_layers=16)
+    rates = Rates(**MEASURED, fc1_bwd_ms=3.0, fc2_bwd_ms=1.5, act_bwd_plain_ms=0.5, step_extra_ms=4.0)
+    model = simulate(shape, rates, {}, 1).step_ms
+    measured = model / 1.12   # pieces measured alone add up 12 % above the step they run in
+    tuned = calibrate(shape, rates, measured)
+    assert tuned.compute_scale == pytest.approx(1 / 1.12)
+    assert simulate(shape, tuned, {}, 1).step_ms == pytest.approx(measured)
+    t, t0 = layer_times(shape, tuned), layer_times(shape, rates)
+    assert all(a == pytest.approx(b / 1.12) for a, b in zip(dataclasses.astuple(t), dataclasses.astuple(t0)))
+    assert (tuned.d2h_gbps, tuned.h2d_gbps, tuned.k_copy, tuned.k_gemm) == (54, 54, 1.0, 1.0)
+    # the first copy (an empty queue) lasts its bytes over the measured bandwidth, calibrated or not
+    copy_ms = tensor_bytes(shape)["h"] / 54e9 * 1e3
+    for r in (rates, tuned):
+        saved, landed, *_ = simulate(shape, r, {(0, "h"): "offload"}, 1).windows[(0, "h")]
+        assert landed - saved == pytest.approx(copy_ms)
+    # calibrating twice on the same measurement changes nothing; a calibrated model calibrates from itself
+    assert calibrate(shape, tuned, measured).compute_scale == pytest.approx(tuned.compute_scale)
+    for bad in (0, -1.0, None):
+        with pytest.raises(OffloadPlanError, match="measured_step_ms"):
+            calibrate(shape, rates, bad)
