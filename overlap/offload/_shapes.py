@@ -42,7 +42,8 @@ class MLPShape:
 @dataclass(frozen=True, kw_only=True)
 class Rates:
     """Measured numbers: copy bandwidth each way (GB/s, 1e9 bytes), the copy's slowdown under the step's
-    GEMMs (k_copy) and the GEMMs' under copies (k_gemm; both taken as at least 1), dense GEMM rate (TFLOP/s)
+    GEMMs (k_copy) and the GEMMs' under copies (k_gemm: under a device-to-host copy, k_gemm_h2d under a
+    host-to-device one, default k_gemm; all taken as at least 1), dense GEMM rate (TFLOP/s)
     and memory bandwidth (GB/s) for derived layer times, or measured layer times (ms) that override them
     (backward GEMMs: dgrad and wgrad each, default the forward GEMM's time), and `step_extra_ms` (optimizer
     and anything else in the step outside the layers). `compute_scale` multiplies every compute time (layer
@@ -54,6 +55,7 @@ class Rates:
     hbm_gbps: float = 3500.0
     k_copy: float = 1.0
     k_gemm: float = 1.0
+    k_gemm_h2d: float | None = None
     fc1_ms: float | None = None
     fc2_ms: float | None = None
     act_ms: float | None = None
@@ -70,6 +72,8 @@ class Rates:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
+        if self.k_gemm_h2d is not None and not (isinstance(self.k_gemm_h2d, (int, float)) and self.k_gemm_h2d > 0):
+            raise OffloadPlanError(f"Rates.k_gemm_h2d must be a positive number or None, got {self.k_gemm_h2d!r}")
         for name in ("fc1_ms", "fc2_ms", "act_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms", "fc1_bwd_ms",
                      "fc2_bwd_ms", "step_extra_ms"):
             value = getattr(self, name)

@@ -5,8 +5,9 @@ and one host-to-device copy queue (see overlap/offload/planner.py for how the pl
 no torch, no device.
 
 Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth; times
-`Rates.compute_scale`, see `calibrate`) run one after the other; a GEMM that runs while a copy queue is busy takes k_gemm times longer for the overlapping part (k
-below 1 is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
+`Rates.compute_scale`, see `calibrate`) run one after the other; a GEMM that runs while a copy queue is
+busy takes k_gemm (k_gemm_h2d under a host-to-device copy) times longer for the overlapping part (k below 1
+is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
 is complete (the op that saves it has run: x after fc1, h after the activation, a after fc2) and its queue is
 free, and lasts bytes / bandwidth * k_copy. Its device memory is released at the first later save point the
 copy has landed by (plus a margin), else at the start of backward, which waits for it. Backward of layer p
@@ -105,7 +106,9 @@ class _Step:
         self.dw = grad_bytes(shape)
         self.dec = {k: v for k, v in decisions.items() if v != "keep"}
         self.depth, self.offset = depth, pacing_offset
-        self.kg, kc = max(1.0, rates.k_gemm), max(1.0, rates.k_copy)
+        kc = max(1.0, rates.k_copy)
+        self.kg = max(1.0, rates.k_gemm)
+        self.kg_h2d = max(1.0, rates.k_gemm_h2d if rates.k_gemm_h2d is not None else rates.k_gemm)
         self.d2h_ms = {n: self.b[n] / (rates.d2h_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
         self.h2d_ms = {n: self.b[n] / (rates.h2d_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
         self.d2h, self.h2d = _Queue(), _Queue()
@@ -140,8 +143,9 @@ class _Step:
 
     def gemm(self, ms):
         end = self.now + ms
-        busy = min(ms, self.d2h.covered(self.now, end) + self.h2d.covered(self.now, end))
-        self.now = end + (self.kg - 1.0) * busy
+        out, back = self.d2h.covered(self.now, end), self.h2d.covered(self.now, end)
+        both = max(1.0, (out + back) / ms) if ms > 0 else 1.0  # both queues busy: one slowdown at a time
+        self.now = end + ((self.kg - 1.0) * out + (self.kg_h2d - 1.0) * back) / both
 
     def d(self, p, n):
         return self.dec.get((p, n), "keep")

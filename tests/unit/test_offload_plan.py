@@ -267,3 +267,17 @@ def test_calibration_scales_compute_to_the_measured_plain_step_and_leaves_the_co
     for bad in (0, -1.0, None):
         with pytest.raises(OffloadPlanError, match="measured_step_ms"):
             calibrate(shape, rates, bad)
+
+
+def test_the_gemm_slows_by_the_k_of_the_copy_direction_it_overlaps():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=4096, num_layers=4)
+    one = {(0, "h"): "offload"}
+    base = dict(MEASURED, k_gemm=1.1)
+    same = simulate(shape, Rates(**base), one, 1).step_ms
+    assert simulate(shape, Rates(**base, k_gemm_h2d=1.1), one, 1).step_ms == pytest.approx(same)
+    keep = simulate(shape, Rates(**base), {}, 1).step_ms
+    cheap_back = simulate(shape, Rates(**base, k_gemm_h2d=1.0), one, 1).step_ms
+    cheap_out = simulate(shape, Rates(**dict(base, k_gemm=1.0), k_gemm_h2d=1.1), one, 1).step_ms
+    # each direction's copy lasts about as long: each k accounts for part of the added time, both for all of it
+    assert keep < cheap_back < same and keep < cheap_out < same
+    assert (cheap_back - keep) + (cheap_out - keep) == pytest.approx(same - keep, rel=0.05)
