@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ._shapes import (GRADS, RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, LayerTimes, MLPShape, OffloadPlanError, Rates,
-                      grad_bytes, layer_times, tensor_bytes)
+from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
+                      layer_times, tensor_bytes)
 from .config import CANDIDATES
 
 __all__: list[str] = []  # the planner re-exports what others use
