@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overlap._activation import activation_forward
+from overlap.offload.activation import activation_forward
 
 __all__ = ["BenchMLP"]
 

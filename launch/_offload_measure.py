@@ -21,8 +21,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from overlap._activation import SavedInputActivation, activation_forward
-from overlap.offload_plan import Rates
+from overlap.offload.activation import SavedInputActivation, activation_forward
+from overlap.offload.planner import Rates
 
 __all__ = ["CopyRates", "LiveBytes", "measure_copies", "measure_layer_times", "measure_ms", "peak_of",
            "rates_from"]
@@ -225,10 +225,12 @@ def peak_of(step, device: torch.device, prepare=None) -> tuple[int, int]:
 
 
 def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0) -> Rates:
-    """Planner input: measured bandwidths, k (at least 1: below is noise) and layer times (recompute of a =
-    the activation forward), and the step's time outside the layers."""
+    """Planner input: measured bandwidths, k (at least 1: below is noise; the GEMM's per copy direction) and
+    layer times (recompute of a = the activation forward), and the step's time outside the layers."""
     return Rates(d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
-                 k_copy=max(1.0, copies["k_copy_d2h"], copies["k_copy_h2d"]), k_gemm=max(1.0, copies["k_gemm"]),
+                 k_copy=max(1.0, copies["k_copy_d2h"], copies["k_copy_h2d"]),
+                 k_gemm=max(1.0, copies.get("k_gemm_d2h", copies["k_gemm"])),
+                 k_gemm_h2d=max(1.0, copies.get("k_gemm_h2d", copies["k_gemm"])),
                  fc1_ms=times["fc1_ms"], fc2_ms=times["fc2_ms"], act_ms=times["act_ms"],
                  act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"],
                  act_bwd_plain_ms=times.get("act_bwd_plain_ms"), fc1_bwd_ms=times.get("fc1_bwd_ms"),

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from ipc.errors import OverlapError
-
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine
-from overlap.offload_plan import MLPShape, OffloadPlanError, pacing_offset, plan_offload, plan_sweep, simulate
+from overlap.offload.engine import OffloadEngine
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
+                                    simulate)
 from launch.timing import bench_interleaved, progress
 
 from ._bench_mlp import BenchMLP
@@ -122,14 +122,20 @@ def run_point(ctx, spec, args, host: HostPool, local, deadline) -> tuple[list[di
     host.reset_slots()
     copies, times, rates = _machine(ctx, stack, host)
     shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers)
+    # pieces measured alone add up to more than the step they run in: scale the model's compute to the
+    # measured plain step (the slowest rank's), copies keep their measured bandwidth
+    none_us = _max_over_ranks(ctx, [1e3 * measure_ms(stack.step(None), dev, reps=5)])[0]
+    stack.drop_grads()
+    rates = calibrate(shape, rates, none_us / 1e3)
     # what exists when a step starts (weights, inputs; grads are dropped first) and the plain stack's peak
     none_above, fixed = peak_of(stack.step(None, with_opt=False), dev, prepare=stack.drop_grads)
     notes = []
     t0 = time.monotonic()
     plans = _plans(shape, rates, args, fixed, none_above + fixed, local, notes)
     planner_s = time.monotonic() - t0
-    none_pred = simulate(shape, rates, {}, 1, plain=True, fixed_bytes=fixed)
+    none_pred = simulate(shape, rates, {}, 1, fixed_bytes=fixed)
     point = {"model": name, "M": m, "layers": layers, "copies": dict(copies), "layer_times_ms": times,
+             "none_step_ms": none_us / 1e3, "compute_scale": rates.compute_scale,
              "fixed_bytes": fixed, "grad_bytes": stack.grad_bytes, "planner_s": planner_s, "notes": notes,
              "planner_table": plans["planner"].table(), "frontier": list(plans["planner"].frontier)}
     # refuse to start what would overrun the time budget: the timed phase cannot be cut short

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.config.schema import ConfigError
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine, host_bytes, plan_for
-from overlap.offload_config import OffloadConfig, parse_offload_arg
-from overlap.offload_plan import Rates
+from overlap.offload.config import OffloadConfig, parse_offload_arg
+from overlap.offload.engine import OffloadEngine, host_bytes
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import Rates, plan_for
 from launch.timing import bench_interleaved
 
 from ._offload_measure import measure_copies, measure_layer_times, peak_of

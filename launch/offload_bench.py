@@ -9,12 +9,13 @@ For every point (model:layers:M; without --points every model x --layers x --tok
 fits the device and the time budget (what is skipped is noted with the reason): a stack of MLPs
 (launch/_bench_mlp.py: TPMLP's saved tensors at W = 1; bf16), the copy bandwidth each way into the pinned
 host pool and the k of the copy and of the GEMM beside the step's fc1 GEMM, the layer's measured times and
-the optimizer step's, the planner's table, then training steps (forward, backward, SGD) of every variant,
-interleaved (launch.timing: CUDA events, median of --reps, spread):
+the optimizer step's, the plain step's (the step model's compute times are scaled to it: pieces measured
+alone add up to more than the step), the planner's table, then training steps (forward, backward, SGD) of
+every variant, interleaved (launch.timing: CUDA events, median of --reps, spread):
 
     none         the plain stack (autograd's activation, which also saves silu(gate))
     none_again   the same, timed again: the noise floor of the time columns
-    keep         the engine keeping everything (its activation saves only h)
+    keep         the engine keeping everything: the plain stack's ops (no hook, autograd's activation)
     recompute    a recomputed from h in every layer, x and h kept
     offload_all  x, h and a offloaded in every layer
     planner      the planner at each --budget: auto (its default time budget, +2 % of the step), +N% (a
@@ -46,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from overlap.config.schema import MODELS
-from overlap.host_pool import HostPool, OffloadError
-from overlap.offload_config import DEFAULT_MAX_ADDED, PACING
-from overlap.offload_plan import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
+from overlap.offload.config import DEFAULT_MAX_ADDED, PACING
+from overlap.offload.host_pool import HostPool, OffloadError
+from overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
 from launch.report import device_slug, format_table, run_labels, write_results
 from launch.timing import progress
 
@@ -184,7 +185,7 @@ def _estimate(model, m, layers, args, cuda) -> dict:
     variants_ms = (4 + len(args.budgets)) * keep * 1.05 + offload_all  # none twice, keep, recompute, planners
     b = tensor_bytes(shape)
     weights = layers * (model["hidden"] * b["h"] // (m * 2) + model["ffn_hidden"] * model["hidden"]) * 2
-    plain = simulate(shape, nominal, {}, 1, plain=True).peak_bytes
+    plain = simulate(shape, nominal, {}, 1).peak_bytes
     device = weights + plain + 2 * b["x"] + 2 * COPY_BYTES + 2 * b["h"]
     steps = args.reps + args.warmup + 5   # per variant: timed, warm-up, two peaks (two steps each), the check
     seconds = steps * variants_ms * 1.15 / 1e3 + (10 if cuda else 2) + 0.05 * layers  # + building, measuring
@@ -253,7 +254,8 @@ def _summary(labels, rows, done, notes, out, plot, start) -> None:
         print(f"\n{point['model']} L={point['layers']} M={point['M']}: copies D2H {c['d2h_gbps']:.1f} GB/s, H2D "
               f"{c['h2d_gbps']:.1f} GB/s, k_copy {c['k_copy_d2h']:.3f}/{c['k_copy_h2d']:.3f}, k_gemm "
               f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
-              f"planner {point['planner_s']:.1f} s")
+              f"planner {point['planner_s']:.1f} s; model calibrated on none's step {point['none_step_ms']:.1f} ms "
+              f"(compute x {point['compute_scale']:.3f})")
         print(point["planner_table"])
         for key, (value, target, met) in point["targets"].items():
             print(f"  target {key}: {value if value is None else round(value, 4)} (target {target}) "

@@ -25,9 +25,7 @@ from symm_mem import PeerAbortError, SignalTimeout, SymmetricPool  # noqa: E402
 
 from .config.presets import load_config, load_preset  # noqa: E402
 from .config.schema import AgGemmConfig, ConfigError, GemmRsConfig, OverlapConfig, RoleConfig  # noqa: E402
-from .host_pool import HostPool, OffloadError  # noqa: E402
-from .offload import disable_offload, enable_offload, plan_for  # noqa: E402
-from .offload_config import OffloadConfig  # noqa: E402
+from .offload import HostPool, OffloadConfig, OffloadError, disable_offload, enable_offload, plan_for  # noqa: E402
 from .ops.ag_gemm import AgGemm  # noqa: E402
 from .ops.gemm_rs import GemmRs  # noqa: E402
 from .ops.layers import ColumnParallelLinear, RowParallelLinear, TPMLP, pool_requirements  # noqa: E402

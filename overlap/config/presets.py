@@ -163,7 +163,7 @@ def parse_config(raw, *, file: str = "<config>") -> OverlapConfig:
     model = _parse_model(raw["model"], file) if raw.get("model") is not None else None
     offload = None
     if raw.get("offload") is not None:
-        from ..offload_config import parse_offload_section
+        from ..offload.config import parse_offload_section
         offload = parse_offload_section(raw["offload"], file=file)
     fp8 = raw.get("fp8", False)
     if not isinstance(fp8, bool):

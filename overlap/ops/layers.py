@@ -227,7 +227,7 @@ class TPMLP(nn.Module):
         return cls(model.hidden, model.ffn_hidden, activation=model.activation, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offload is not None:  # activation offload (overlap/offload.py)
+        if self.offload is not None:  # activation offload (overlap/offload/engine.py)
             engine, position = self.offload
             return engine.forward(position, self, x)
         h = self.fc1(x)

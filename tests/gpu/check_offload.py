@@ -25,9 +25,9 @@ import torch
 
 from launch._bench_mlp import BenchMLP
 from launch._offload_measure import peak_of
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine, host_bytes
-from overlap.offload_plan import MLPShape, Rates, plan_offload, simulate
+from overlap.offload.engine import OffloadEngine, host_bytes
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
 
 H, F, LAYERS, ROWS = 512, 1536, 3, (1024, 512, 1024)
 RATES = Rates(d2h_gbps=50, h2d_gbps=50, gemm_tflops=400, hbm_gbps=3000)
@@ -262,7 +262,7 @@ def _peaks():
             above, before = peak_of(step(engine, False), DEV, prepare=drop)
             act = peak_of(step(engine, True), DEV, prepare=hold)[0]
             drop()
-            pred = plans.get(name) or simulate(shape, RATES, {}, 1, plain=True)
+            pred = plans.get(name) or simulate(shape, RATES, {}, 1)
             got = (above, act)
             want = (pred.peak_bytes, pred.act_peak_bytes)  # the step's own bytes: fixed 0
             report.append(f"{name} {got[0] / 2**20:.0f}/{want[0] / 2**20:.0f} MiB, act {got[1] / 2**20:.0f}/"
@@ -337,7 +337,7 @@ def _tpmlp():
         raise _Skip(f"no one-rank process group here: {exc}")
     try:
         from overlap.ops.layers import TPMLP
-        from overlap.offload import disable_offload, enable_offload
+        from overlap.offload.engine import disable_offload, enable_offload
         kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0], dtype=torch.bfloat16, overlap=False, device=DEV)
         torch.manual_seed(3)
         plain = [TPMLP(H, F, name=f"p{i}", **kwargs) for i in range(LAYERS)]

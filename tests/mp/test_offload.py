@@ -12,10 +12,10 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children (see launch/_dist.py)
 import torch.distributed as dist
 
-from overlap.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
+from overlap.offload.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
 from overlap.ops.layers import TPMLP, pool_requirements
-from overlap.offload import OffloadEngine, disable_offload, enable_offload, host_bytes
-from overlap.offload_plan import MLPShape, Rates, pacing_offset, plan_offload
+from overlap.offload.engine import OffloadEngine, disable_offload, enable_offload, host_bytes
+from overlap.offload.planner import MLPShape, Rates, pacing_offset, plan_offload
 from tests.multiproc import run_ranks
 
 HIDDEN, FFN, LAYERS = 24, 40, 3
@@ -362,7 +362,7 @@ def _tp_mlp_report(rank, world):
     """The fields launch.tp_mlp --offload adds to its row, for a forced list and for auto."""
     from launch._dist import DistContext
     from launch._offload_report import offload_report
-    from overlap.offload_config import parse_offload_arg
+    from overlap.offload.config import parse_offload_arg
 
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, torch.device("cpu"), dist.group.WORLD)

@@ -41,7 +41,7 @@ def test_offload_bench_runs_every_variant_on_cpu_and_predicts_every_peak(tmp_pat
     assert by["offload_all"]["engine"]["offloaded"] > 0 and by["offload_all"]["demand_fetches"] == 0
     assert by["recompute"]["engine"]["recomputed"] > 0 and by["recompute"]["engine"]["offloaded"] == 0
     assert by["planner[0.8x]"]["peak_bytes"] <= 0.8 * by["none"]["peak_bytes"]
-    assert by["keep"]["peak_bytes"] < by["none"]["peak_bytes"]  # the engine's activation saves h only
+    assert by["keep"]["peak_bytes"] == by["none"]["peak_bytes"]  # keeping everything runs the plain stack
     point = doc["points"][0]
     assert point["copies"]["d2h_gbps"] > 0 and point["frontier"] and set(point["targets"]) == {
         "act_vs_none", "peak_vs_none", "time_vs_none", "keep_vs_none", "peak_error", "time_error", "copy_gbps"}

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from overlap import _numa
-from overlap.host_pool import (SLOT_ALIGN_BYTES, HostPool, OffloadError, SlotInUseError, StaleSlotError,
+from overlap.offload import numa
+from overlap.offload.host_pool import (SLOT_ALIGN_BYTES, HostPool, OffloadError, SlotInUseError, StaleSlotError,
                                live_host_pool_count)
 
 
@@ -27,41 +27,41 @@ def _sysfs(tmp_path, *, nodes="0-1", cpulists=None, pci=None):
 
 
 def test_parse_cpulist():
-    assert _numa.parse_cpulist("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
-    assert _numa.parse_cpulist("") == ()
+    assert numa.parse_cpulist("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
+    assert numa.parse_cpulist("") == ()
 
 
 def test_the_gpu_node_comes_from_its_pci_device(tmp_path, monkeypatch):
     mine = sorted(os.sched_getaffinity(0))
     root = _sysfs(tmp_path, cpulists={0: "1000-1001", 1: ",".join(map(str, mine))},
                   pci={"0000:18:00.0": 1, "0000:9a:00.0": -1})
-    monkeypatch.setattr(_numa, "pci_address", lambda device: ("0000:18:00.0", "test"))
-    found = _numa.find_placement(torch.device("cuda", 0), sysfs=root)
+    monkeypatch.setattr(numa, "pci_address", lambda device: ("0000:18:00.0", "test"))
+    found = numa.find_placement(torch.device("cuda", 0), sysfs=root)
     assert found.node == 1 and found.cpus == tuple(mine)
     assert "0000:18:00.0/numa_node = 1" in found.source
     # the firmware's "no node" (-1), a missing file, and a device with no PCI address all fall back cleanly
-    monkeypatch.setattr(_numa, "pci_address", lambda device: ("0000:9a:00.0", "test"))
-    assert _numa.find_placement("cuda:0", sysfs=root).node is None
-    assert "-1" in _numa.find_placement("cuda:0", sysfs=root).source
-    monkeypatch.setattr(_numa, "pci_address", lambda device: ("0000:aa:00.0", "test"))
-    assert "unreadable" in _numa.find_placement("cuda:0", sysfs=root).source
-    monkeypatch.setattr(_numa, "pci_address", lambda device: (None, "no PCI address here"))
-    assert _numa.find_placement("cuda:0", sysfs=root) == _numa.NumaPlacement(None, (), "no PCI address here")
+    monkeypatch.setattr(numa, "pci_address", lambda device: ("0000:9a:00.0", "test"))
+    assert numa.find_placement("cuda:0", sysfs=root).node is None
+    assert "-1" in numa.find_placement("cuda:0", sysfs=root).source
+    monkeypatch.setattr(numa, "pci_address", lambda device: ("0000:aa:00.0", "test"))
+    assert "unreadable" in numa.find_placement("cuda:0", sysfs=root).source
+    monkeypatch.setattr(numa, "pci_address", lambda device: (None, "no PCI address here"))
+    assert numa.find_placement("cuda:0", sysfs=root) == numa.NumaPlacement(None, (), "no PCI address here")
 
 
 def test_placement_falls_back_without_numa_information(tmp_path):
-    assert _numa.find_placement("cpu", sysfs=str(tmp_path)).node is None  # no sysfs at all
+    assert numa.find_placement("cpu", sysfs=str(tmp_path)).node is None  # no sysfs at all
     single = _sysfs(tmp_path / "one", nodes="0", cpulists={0: "0-1"})
-    assert "single NUMA node" in _numa.find_placement("cuda:0", sysfs=single).source
-    assert _numa.find_placement("cpu", node=None).source == "placement disabled by the caller"
+    assert "single NUMA node" in numa.find_placement("cuda:0", sysfs=single).source
+    assert numa.find_placement("cpu", node=None).source == "placement disabled by the caller"
     with pytest.raises(ValueError, match="allowed"):
-        _numa.find_placement("cpu", node="nearest")
+        numa.find_placement("cpu", node="nearest")
 
 
 def test_a_cpu_rank_uses_the_node_of_its_cpus(tmp_path):
     mine = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     root = _sysfs(tmp_path, cpulists={0: "1000-1001", 1: mine})
-    found = _numa.find_placement("cpu", sysfs=root)
+    found = numa.find_placement("cpu", sysfs=root)
     assert found.node == 1 and "node 1" in found.source
 
 

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from overlap.config.schema import ConfigError
-from overlap.offload_config import (CANDIDATES, DEFAULT_MAX_ADDED, MAX_PREFETCH_DEPTH, OffloadConfig,
+from overlap.offload.config import (CANDIDATES, DEFAULT_MAX_ADDED, MAX_PREFETCH_DEPTH, OffloadConfig,
                                     parse_offload_arg, parse_offload_section)
 
 

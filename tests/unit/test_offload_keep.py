@@ -1,4 +1,5 @@
-"""The engine's keep path does no per-tensor work: a kept tensor is saved by autograd as without the engine.
+"""The engine's keep path does no per-tensor work: a kept tensor is saved by autograd as without the engine,
+and a plan that moves nothing runs the very ops (and autograd nodes) of the stack without the engine.
 
     python -m tests.unit.test_offload_keep [steps]    # host time per step: none, the engine's activation
                                                       # without the engine, the engine keeping everything
@@ -13,13 +14,15 @@ import statistics
 import sys
 import time
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from launch._bench_mlp import BenchMLP
-from overlap._activation import SavedInputActivation
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine
-from overlap.offload_plan import MLPShape, Rates, plan_offload
+from overlap.offload.activation import SavedInputActivation
+from overlap.offload.engine import OffloadEngine
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, Rates, plan_offload
 
 H, F, M, LAYERS = 64, 224, 16, 4
 RATES = Rates(d2h_gbps=50, h2d_gbps=50)
@@ -99,6 +102,64 @@ def test_only_the_ops_of_moved_tensors_are_hooked(monkeypatch):
     assert calls["pack"] == [(1, "h"), (2, "a")], calls
     # unpacked: h, fc2's weight, a (a recompute, which unpacks its source h: one call more)
     assert calls["unpack"] == 4 and calls["backward_hooks"] == LAYERS, calls
+
+
+class _Ops(TorchDispatchMode):
+    """Every ATen op that runs, by name, in order (forward, autograd's backward included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _nodes(y):
+    """The autograd graph under y, as node names in breadth-first order."""
+    names, todo, seen = [], [y.grad_fn], set()
+    while todo:
+        node = todo.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def _traced(mlps, forward, x, dy):
+    for m in mlps:
+        m.zero_grad(set_to_none=True)
+    with _Ops() as ops:
+        y = x
+        for i, m in enumerate(mlps):
+            y = forward(i, m, y)
+        nodes = _nodes(y)
+        y.backward(dy)
+    return ops.ops, nodes
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_keeping_everything_runs_the_ops_and_nodes_of_the_plain_stack(activation):
+    torch.manual_seed(0)
+    mlps = [BenchMLP(H, F, activation=activation, device="cpu", dtype=torch.float32) for _ in range(LAYERS)]
+    x, dy = torch.randn(M, H), torch.randn(M, H)
+    plain_ops, plain_nodes = _traced(mlps, lambda i, m, y: m(y), x, dy)
+    shape = MLPShape(hidden=H, ffn_hidden=F, m=M, dtype_bytes=4, num_layers=LAYERS, activation=activation)
+    with HostPool(1 << 20, device="cpu") as pool:
+        engine = OffloadEngine(plan_offload(shape, RATES, forced=KEEP), pool=pool)
+        ops, nodes = _traced(mlps, engine.forward, x, dy)
+    assert ops == plain_ops and nodes == plain_nodes, (ops, nodes)
+    assert "SavedInputActivationBackward" not in nodes and ("SiluBackward0" in nodes) == (activation == "swiglu")
+    # the check sees the engine's activation where a layer moves h: one node of its own per such layer
+    plan = plan_offload(shape, RATES, forced=KEEP)
+    plan = dataclasses.replace(plan, decisions=tuple((p, n, "recompute" if (p, n) == (1, "a") else d)
+                                                     for p, n, d in plan.decisions))
+    with HostPool(1 << 20, device="cpu") as pool:
+        _, moved = _traced(mlps, OffloadEngine(plan, pool=pool).forward, x, dy)
+    assert moved.count("SavedInputActivationBackward") == 1, moved
 
 
 def microbenchmark(steps: int = 200, layers: int = 16) -> dict:

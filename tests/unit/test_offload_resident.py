@@ -14,9 +14,9 @@ import torch
 
 from launch._bench_mlp import BenchMLP
 from launch._offload_measure import LiveBytes
-from overlap.host_pool import HostPool
-from overlap.offload import OffloadEngine, host_bytes
-from overlap.offload_plan import MLPShape, Rates, plan_offload, simulate
+from overlap.offload.engine import OffloadEngine, host_bytes
+from overlap.offload.host_pool import HostPool
+from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
 
 H, F, M, LAYERS = 64, 224, 96, 6   # llama8b's H:F, M != H so that no two tensors share a shape
 # times of a llama8b layer at M = 4096 on one H200, copies slowed to take as long as there (tiny tensors)
@@ -68,7 +68,7 @@ def test_resident_bytes_at_the_boundary_and_at_the_peak_are_what_each_plan_predi
     mlps = [BenchMLP(H, F, activation=activation, device="cpu", dtype=torch.float32) for _ in range(LAYERS)]
     shape = _shape(grads, activation)
     report = {}
-    plain = simulate(shape, RATES, {}, 1, plain=True)
+    plain = simulate(shape, RATES, {}, 1)
     report["none"] = (_measure(mlps, None, grads), (plain.boundary_bytes, plain.peak_bytes))
     with HostPool(64 << 20, device="cpu") as pool:
         for name, kwargs in VARIANTS.items():
@@ -87,7 +87,7 @@ def test_resident_bytes_at_the_boundary_and_at_the_peak_are_what_each_plan_predi
     # the variants really differ: the check would see a plan that frees nothing
     peaks = {name: got[0][1] for name, got in report.items()}
     assert peaks["recompute"] < peaks["keep"] and peaks["planner"] < peaks["keep"], peaks
-    assert peaks["keep"] < peaks["none"] if activation == "swiglu" else peaks["keep"] == peaks["none"]
+    assert peaks["keep"] == peaks["none"]  # keeping everything runs the plain stack's ops
     assert report["offload_all"][0][0] < report["recompute"][0][0] < report["keep"][0][0]
 
 

@@ -33,10 +33,9 @@ import torch
 
 from ipc.errors import OverlapError
 
-from . import _numa
+from . import numa as _numa
 
-__all__ = ["HostPool", "HostSlot", "HostPoolStats", "OffloadError", "SlotInUseError", "StaleSlotError",
-           "live_host_pool_count", "SLOT_ALIGN_BYTES"]
+__all__ = ["HostPool", "OffloadError"]
 
 SLOT_ALIGN_BYTES = 4096  # page-aligned slots: DMA-friendly and no two slots share a page
 _CUDA_HOST_REGISTER_PORTABLE = 1

@@ -1,17 +1,19 @@
 """OffloadEngine: saved activations of a stack of TP MLPs to pinned host slots and back, on copy-engine streams.
 
-    plan = plan_offload(MLPShape(...), Rates(...), budget_bytes=...)     # overlap/offload_plan.py
+    plan = plan_offload(MLPShape(...), Rates(...), budget_bytes=...)     # overlap/offload/planner.py
     with HostPool(host_bytes(plan), device=dev) as pool:
         engine = enable_offload(mlps, plan, pool=pool)                   # mlps in forward order
         y = mlps[1](mlps[0](x)); y.backward(dy)                          # any number of steps
         disable_offload(mlps); engine.close()
 
 Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h); see
-overlap/offload_config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
+overlap/offload/config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
 moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops `tp_overlap::column_forward` /
 `row_forward` and the activation save through it; weights and anything that is not the expected tensor
 are kept as they are); an op whose tensor is kept runs without hooks, and backward hooks exist only in
-plans that offload, so keeping costs no per-tensor work.
+plans that offload, so keeping costs no per-tensor work. A layer that moves h or a runs the activation
+that saves h only (overlap/offload/activation.py); the others run autograd's, so a plan that moves
+nothing runs the very ops of the stack without the engine.
 
 Streams and events (CUDA; every dependency is an event, nothing synchronises the host):
 * offload, at save time: the device-to-host stream (high priority) waits for the compute stream (the tensor
@@ -40,12 +42,12 @@ import weakref
 
 import torch
 
-from ._activation import SavedInputActivation, activation_forward
+from .activation import SavedInputActivation, activation_forward
+from .config import CANDIDATES
 from .host_pool import HostPool, OffloadError
-from .offload_config import CANDIDATES
-from .offload_plan import OffloadPlan, plan_for, tensor_bytes
+from .planner import OffloadPlan, tensor_bytes
 
-__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes", "plan_for", "OffloadError"]
+__all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes"]
 
 
 def host_bytes(plan: OffloadPlan) -> int:
@@ -139,9 +141,10 @@ class OffloadEngine:
     def forward(self, layer: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """TPMLP.forward of `mlp` at position `layer`, its saved tensors handled per the plan.
 
-        An op whose saved tensor the plan keeps runs without hooks (autograd saves as it always does), so
-        a layer that keeps everything costs the plain layer plus one call; a backward hook is installed
-        only where backward has something to do (releases, prefetches: plans that offload)."""
+        An op whose saved tensor the plan keeps runs without hooks (autograd saves as it always does), and a
+        layer that moves neither h nor a runs autograd's activation: a layer that keeps everything runs the
+        plain layer's ops plus one call. A backward hook is installed only where backward has something to
+        do (releases, prefetches: plans that offload)."""
         if self._closed:
             raise OffloadError(f"{self.name}: the engine is closed")
         if not torch.is_grad_enabled():  # nothing is saved: the plain math
@@ -157,7 +160,7 @@ class OffloadEngine:
             self._check_capture()
             self._join_leftovers()
         if not moves and not self._pending and not self._deferred:
-            y = mlp.fc2(SavedInputActivation.apply(mlp.fc1(x), self.activation))
+            y = mlp.fc2(activation_forward(mlp.fc1(x), self.activation))  # the plain layer's ops, no more
         else:
             y = self._forward_moving(layer, mlp, x, moves)
         if self._offloads and y.requires_grad:
@@ -178,7 +181,9 @@ class OffloadEngine:
             h = mlp.fc1(x)
         self._save_point(3 * layer + 1)
         with self._saving(layer, "h", _identity(h), moves):
-            a = SavedInputActivation.apply(h, self.activation)
+            # the engine's activation (saves h only) where h or a moves; elsewhere autograd's, as without it
+            lean = "h" in moves or "a" in moves
+            a = SavedInputActivation.apply(h, self.activation) if lean else activation_forward(h, self.activation)
         if "h" not in moves:
             self._records[(layer, "h")] = weakref.ref(h)  # a recompute of a starts from it
         del h  # from here the saved record (or the autograd graph) owns it

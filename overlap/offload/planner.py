@@ -1,7 +1,7 @@
 """The offload planner: keep / offload / recompute per saved tensor of a stack of TP MLPs. Pure functions.
 
 `plan_offload(shape, rates, ...)` builds a path of plans, from the forced decisions (all else kept) one
-tensor at a time, with the step model of overlap/_offload_sim.py (measured copy bandwidth, k of the copies
+tensor at a time, with the step model of overlap/offload/sim.py (measured copy bandwidth, k of the copies
 and of the GEMMs, layer times, every device tensor of the step including the weight gradients):
 
 * the moves: offload the next layer's x, h or a (the lowest layer first: its copy has the whole rest of
@@ -33,13 +33,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from ._offload_sim import (SAVE_POINTS_PER_LAYER, LayerTimes, MLPShape, OffloadPlanError, Rates, SimResult,
-                           grad_bytes, layer_times, simulate, tensor_bytes)
-from .offload_config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
+from ._shapes import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
+from .config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
+from .sim import SimResult, calibrate, simulate
 
-__all__ = ["MLPShape", "Rates", "LayerTimes", "PlanRow", "OffloadPlan", "OffloadPlanError", "plan_offload",
-           "plan_sweep", "simulate", "layer_times", "tensor_bytes", "grad_bytes", "pacing_offset", "plan_for",
-           "AUTO_MAX_ADDED", "SAVE_POINTS_PER_LAYER", "EXHAUSTIVE_PLANS"]
+__all__ = ["MLPShape", "Rates", "OffloadPlanError", "plan_offload", "plan_sweep", "plan_for", "simulate",
+           "calibrate", "tensor_bytes", "pacing_offset"]
 
 AUTO_MAX_ADDED = DEFAULT_MAX_ADDED   # budget "auto": plans may add at most this fraction of the step
 EXHAUSTIVE_PLANS = 1024              # up to this many plans (per depth): try them all

@@ -1,19 +1,21 @@
 """The step model behind the offload planner: shapes, measured rates, and a simulation of one training step.
 
 A stack of L TP MLPs, forward 0..L-1 then backward L-1..0, on one compute stream with one device-to-host
-and one host-to-device copy queue (see overlap/offload_plan.py for how the planner uses it). Pure functions:
+and one host-to-device copy queue (see overlap/offload/planner.py for how the planner uses it). Pure functions:
 no torch, no device.
 
-Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth) run one after the
-other; a GEMM that runs while a copy queue is busy takes k_gemm times longer for the overlapping part (k
-below 1 is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
+Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth; times
+`Rates.compute_scale`, see `calibrate`) run one after the other; a GEMM that runs while a copy queue is
+busy takes k_gemm (k_gemm_h2d under a host-to-device copy) times longer for the overlapping part (k below 1
+is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
 is complete (the op that saves it has run: x after fc1, h after the activation, a after fc2) and its queue is
 free, and lasts bytes / bandwidth * k_copy. Its device memory is released at the first later save point the
 copy has landed by (plus a margin), else at the start of backward, which waits for it. Backward of layer p
 brings back the offloaded tensors of layers p..p-depth; a tensor's unpack waits for its copy.
 
 Memory: every device tensor the step allocates, in program order (the op sequence of
-`launch/_bench_mlp.BenchMLP` with the engine's activation, which is TPMLP's at W = 1): saved tensors while
+`launch/_bench_mlp.BenchMLP`, which is TPMLP's at W = 1; the engine's activation in layers that move h or
+a, autograd's in the others): saved tensors while
 resident, the layer output, the activation's temporary, the backward's da, dh, dx and its temporaries,
 prefetch buffers, and the weight gradients. `MLPShape.grads` says when the gradients exist:
 "step" (torch's `zero_grad(set_to_none=True)`: each layer's backward allocates them, held to the end of the
@@ -28,117 +30,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .host_pool import OffloadError
-from .offload_config import CANDIDATES
+from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
+                      layer_times, tensor_bytes)
+from .config import CANDIDATES
 
-__all__ = ["MLPShape", "Rates", "LayerTimes", "SimResult", "OffloadPlanError", "tensor_bytes", "grad_bytes",
-           "layer_times", "simulate", "SAVE_POINTS_PER_LAYER", "RELEASE_MARGIN", "GRADS"]
-
-SAVE_POINTS_PER_LAYER = 3  # x, h, a
-RELEASE_MARGIN = 0.10      # release a copy's device memory only once 10 % past its predicted landing
-GRADS = ("step", "resident")
-
-
-class OffloadPlanError(OffloadError):
-    """No plan meets the request (the message names the budget and the least peak any plan reaches)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class MLPShape:
-    """A stack of `num_layers` TP MLPs at M tokens on W ranks; dtype_bytes per element.
-    gathered_is_view: the column layer keeps a pool view of the gathered input (x costs no memory).
-    grads: "step" (weight grads allocated in backward, held to the end of the step) | "resident"."""
-    hidden: int
-    ffn_hidden: int
-    m: int
-    activation: str = "swiglu"
-    world_size: int = 1
-    dtype_bytes: int = 2
-    num_layers: int = 1
-    gathered_is_view: bool = False
-    grads: str = "step"
-
-    def __post_init__(self):
-        if self.grads not in GRADS:
-            raise OffloadPlanError(f"MLPShape.grads={self.grads!r}; allowed: {' | '.join(GRADS)}")
-        if self.activation not in ("swiglu", "gelu"):
-            raise OffloadPlanError(f"MLPShape.activation={self.activation!r}; allowed: swiglu | gelu")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rates:
-    """Measured numbers: copy bandwidth each way (GB/s, 1e9 bytes), the copy's slowdown under the step's
-    GEMMs (k_copy) and the GEMMs' under copies (k_gemm; both taken as at least 1), dense GEMM rate (TFLOP/s)
-    and memory bandwidth (GB/s) for derived layer times, or measured layer times (ms) that override them
-    (backward GEMMs: dgrad and wgrad each, default the forward GEMM's time), and `step_extra_ms` (optimizer
-    and anything else in the step outside the layers)."""
-    d2h_gbps: float
-    h2d_gbps: float
-    gemm_tflops: float = 700.0
-    hbm_gbps: float = 3500.0
-    k_copy: float = 1.0
-    k_gemm: float = 1.0
-    fc1_ms: float | None = None
-    fc2_ms: float | None = None
-    act_ms: float | None = None
-    act_bwd_ms: float | None = None
-    recompute_ms: float | None = None
-    act_bwd_plain_ms: float | None = None
-    fc1_bwd_ms: float | None = None
-    fc2_bwd_ms: float | None = None
-    step_extra_ms: float = 0.0
-
-    def __post_init__(self):
-        for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
-        for name in ("fc1_ms", "fc2_ms", "act_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms", "fc1_bwd_ms",
-                     "fc2_bwd_ms", "step_extra_ms"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise OffloadPlanError(f"Rates.{name} must be a number >= 0 or None, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LayerTimes:
-    fc1: float
-    act: float
-    fc2: float
-    act_bwd: float
-    recompute: float
-    fc1_bwd: float   # dgrad + wgrad
-    fc2_bwd: float
-
-
-def tensor_bytes(shape: MLPShape) -> dict[str, int]:
-    """Bytes of each candidate of one layer: x [M, H], h [M, width/W], a [M, F/W]."""
-    width = 2 * shape.ffn_hidden if shape.activation == "swiglu" else shape.ffn_hidden
-    s, w = shape.dtype_bytes, shape.world_size
-    return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s,
-            "a": shape.m * (shape.ffn_hidden // w) * s}
-
-
-def grad_bytes(shape: MLPShape) -> tuple[int, int]:
-    """Weight gradient bytes of one layer (fc1, fc2) per rank, in the weights' dtype."""
-    width = 2 * shape.ffn_hidden if shape.activation == "swiglu" else shape.ffn_hidden
-    s, w = shape.dtype_bytes, shape.world_size
-    return shape.hidden * (width // w) * s, (shape.ffn_hidden // w) * shape.hidden * s
-
-
-def layer_times(shape: MLPShape, rates: Rates) -> LayerTimes:
-    """Measured times where given, else GEMM FLOPs over the GEMM rate and activation bytes over HBM."""
-    b = tensor_bytes(shape)
-    flop_ms = 1e3 / (rates.gemm_tflops * 1e12)
-    fc1 = rates.fc1_ms if rates.fc1_ms is not None else 2 * shape.hidden * b["h"] / shape.dtype_bytes * flop_ms
-    fc2 = rates.fc2_ms if rates.fc2_ms is not None else 2 * shape.hidden * b["a"] / shape.dtype_bytes * flop_ms
-    byte_ms = 1e3 / (rates.hbm_gbps * 1e9)
-    act = rates.act_ms if rates.act_ms is not None else (b["h"] + b["a"]) * byte_ms
-    act_bwd = rates.act_bwd_ms if rates.act_bwd_ms is not None else (2 * b["h"] + b["a"]) * byte_ms
-    return LayerTimes(fc1, act, fc2, act_bwd, rates.recompute_ms if rates.recompute_ms is not None else act,
-                      rates.fc1_bwd_ms if rates.fc1_bwd_ms is not None else 2 * fc1,
-                      rates.fc2_bwd_ms if rates.fc2_bwd_ms is not None else 2 * fc2)
-
+__all__: list[str] = []  # the planner re-exports what others use
 
 @dataclass(frozen=True)
 class SimResult:
@@ -181,33 +77,40 @@ class _Queue:
 
 
 def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixed_bytes: int = 0,
-             pacing_offset: int = 0, plain: bool = False) -> SimResult:
+             pacing_offset: int = 0) -> SimResult:
     """One step under `decisions` {(layer, tensor): keep|offload|recompute} (missing: keep).
 
-    plain: the stack without the engine (`BenchMLP` / TPMLP as they are): autograd's swiglu also saves
-    silu(gate), its backward has its own temporaries and takes `act_bwd_plain_ms`; nothing is moved."""
-    if plain and any(d != "keep" for d in decisions.values()):
-        raise OffloadPlanError("plain=True simulates the stack without the engine: decisions must all be keep")
-    return _Step(shape, rates, decisions, depth, pacing_offset, plain).run(fixed_bytes)
+    A layer that moves neither h nor a runs autograd's activation, as the stack without the engine does
+    (swiglu also saves silu(gate); its backward has its own temporaries and takes `act_bwd_plain_ms`); a
+    layer that moves either runs the engine's, which saves h only. Keeping everything is the plain stack."""
+    return _Step(shape, rates, decisions, depth, pacing_offset).run(fixed_bytes)
+
+
+def calibrate(shape: MLPShape, rates: Rates, measured_step_ms: float) -> Rates:
+    """`rates` with compute_scale set so that the step without moves (the plain stack) comes out at
+    `measured_step_ms`, that step measured at the same point: every compute term scales, copies keep their
+    measured bandwidth."""
+    if not (isinstance(measured_step_ms, (int, float)) and measured_step_ms > 0):
+        raise OffloadPlanError(f"calibrate: measured_step_ms={measured_step_ms!r}; allowed: a positive number")
+    model_ms = simulate(shape, rates, {}, 1).step_ms
+    return dataclasses.replace(rates, compute_scale=rates.compute_scale * measured_step_ms / model_ms)
 
 
 class _Step:
-    def __init__(self, shape, rates, decisions, depth, pacing_offset, plain):
+    def __init__(self, shape, rates, decisions, depth, pacing_offset):
         self.L, self.t, self.b = shape.num_layers, layer_times(shape, rates), tensor_bytes(shape)
         if shape.gathered_is_view:
             self.b["x"] = 0
         self.swiglu, self.grads = shape.activation == "swiglu", shape.grads
-        self.plain = plain and self.swiglu  # gelu: autograd saves h only, as the engine's activation does
-        if self.plain and rates.act_bwd_plain_ms is not None:
-            self.t = dataclasses.replace(self.t, act_bwd=rates.act_bwd_plain_ms)
         self.out = shape.m * shape.hidden * shape.dtype_bytes // shape.world_size  # a layer's output, dx
         self.dw = grad_bytes(shape)
         self.dec = {k: v for k, v in decisions.items() if v != "keep"}
         self.depth, self.offset = depth, pacing_offset
-        self.kg, kc = max(1.0, rates.k_gemm), max(1.0, rates.k_copy)
+        kc = max(1.0, rates.k_copy)
+        self.kg = max(1.0, rates.k_gemm)
+        self.kg_h2d = max(1.0, rates.k_gemm_h2d if rates.k_gemm_h2d is not None else rates.k_gemm)
         self.d2h_ms = {n: self.b[n] / (rates.d2h_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
         self.h2d_ms = {n: self.b[n] / (rates.h2d_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
-        self.extra = rates.step_extra_ms
         self.d2h, self.h2d = _Queue(), _Queue()
         self.now = self.stall = 0.0
         self.run_step = self.run_res = self.peak_step = self.peak_res = 0
@@ -240,11 +143,16 @@ class _Step:
 
     def gemm(self, ms):
         end = self.now + ms
-        busy = min(ms, self.d2h.covered(self.now, end) + self.h2d.covered(self.now, end))
-        self.now = end + (self.kg - 1.0) * busy
+        out, back = self.d2h.covered(self.now, end), self.h2d.covered(self.now, end)
+        both = max(1.0, (out + back) / ms) if ms > 0 else 1.0  # both queues busy: one slowdown at a time
+        self.now = end + ((self.kg - 1.0) * out + (self.kg_h2d - 1.0) * back) / both
 
     def d(self, p, n):
         return self.dec.get((p, n), "keep")
+
+    def lean(self, p):
+        """Whether layer p runs the engine's activation (saves h only): it moves h or a (see the engine)."""
+        return self.d(p, "h") != "keep" or self.d(p, "a") != "keep"
 
     # ----- the step
     def run(self, fixed_bytes) -> SimResult:
@@ -259,7 +167,7 @@ class _Step:
         for p in reversed(range(self.L)):
             self.backward(p)
         self.free(self.out)  # the stack's output, held by the caller through backward
-        self.now += self.extra
+        self.now += self.t.extra
         return self.result(fixed_bytes)
 
     def save_point(self, k):
@@ -299,8 +207,8 @@ class _Step:
         if self.swiglu:                       # silu(gate), then silu(gate) * up
             self.alloc(b["a"])
             self.alloc(b["a"], (p, "a"))
-            if not self.plain:
-                self.free(b["a"])             # plain: autograd keeps silu(gate) for mul's backward
+            if self.lean(p):
+                self.free(b["a"])             # else autograd keeps silu(gate) for mul's backward
         else:
             self.alloc(b["a"], (p, "a"))
         self.now += t.act
@@ -369,7 +277,7 @@ class _Step:
         if p < L - 1:
             self.free(self.out)               # this layer's output grad: the next layer's dx
         self.grad_done(dw2)
-        if self.plain:
+        if self.swiglu and not self.lean(p):
             self.plain_act_backward(p)
         else:                                 # dh and one temporary [M, F] (swiglu), then h and da go
             self.need(p, "h")
@@ -377,7 +285,7 @@ class _Step:
             if self.swiglu:
                 self.alloc(b["a"])
                 self.free(b["a"])
-            self.now += t.act_bwd
+            self.now += t.act_bwd if self.lean(p) else t.act_bwd_plain  # gelu: h only either way
             self.free(b["h"], (p, "h"))
             self.free(b["a"])                 # da
         # fc1's backward: x, dx, dw1
@@ -405,7 +313,7 @@ class _Step:
         self.alloc(self.b["h"])               # dh = cat(d gate, d up)
         self.free(f)
         self.free(f)
-        self.now += self.t.act_bwd
+        self.now += self.t.act_bwd_plain
 
     def result(self, fixed_bytes) -> SimResult:
         step = self.grads == "step"

@@ -9,7 +9,7 @@ The saved activations of one TP MLP that offload may touch (the "candidates"):
        recomputed from h in backward (one elementwise pass)
 
 Per tensor the decision is keep | offload | recompute (recompute: `a` only). The planner
-(overlap/offload_plan.py) decides; `decisions` forces some of them by hand.
+(overlap/offload/planner.py) decides; `decisions` forces some of them by hand.
 
 YAML (every key optional; errors name the file, the key, the value and what is allowed):
 
@@ -27,10 +27,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .config.schema import ConfigError
+from ..config.schema import ConfigError
 
-__all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "CANDIDATES", "DECISIONS",
-           "PACING", "MAX_PREFETCH_DEPTH", "MAX_BUDGET_BYTES", "DEFAULT_MAX_ADDED", "MAX_ADDED"]
+__all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "DEFAULT_MAX_ADDED", "PACING"]
 
 CANDIDATES = ("x", "h", "a")
 DECISIONS = ("keep", "offload", "recompute")
