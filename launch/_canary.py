@@ -75,17 +75,17 @@ def run_canaries(kind: str, items: list[tuple[str, str]], deadline: float, *, de
 def _run_one(kind: str, name: str, layout: str, operands: dict) -> str:
     import torch
 
-    from overlap.gemm_blocks import GemmBlocks
+    from overlap.gemm import GemmBlocks
 
     blocks = GemmBlocks.parse(name)
     if kind == "fp8":
-        from overlap.fp8 import fp8_gemm
+        from overlap.gemm import fp8_gemm
         a8, a_scales, w8, w_scales, ref = operands["fp8"]
         out = torch.full_like(ref, float("nan"))
         fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks)
         tolerance = 5e-3
     else:
-        from overlap.triton_gemm import triton_mm
+        from overlap.gemm import triton_mm
         a, b, ref = operands[layout]
         out = torch.full_like(ref, float("nan"))
         triton_mm(a, b, out, blocks=blocks)
@@ -110,7 +110,7 @@ def _child(kind: str, arg: str, device: str, shape: str) -> int:
         a, b = make_operands(m, n, k, layout, dev, seed=1)
         operands[layout] = (a, b, torch.mm(a, b))
     if kind == "fp8":
-        from overlap.fp8 import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
+        from overlap.gemm import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
         a, b, _ = operands["nk"]
         a8, a_scales = quantize_activation(a)
         w8, w_scales = quantize_weight(b.t())

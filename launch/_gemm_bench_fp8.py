@@ -2,7 +2,7 @@
 (`torch._scaled_mm` with the same scale tensors) and bf16 cuBLAS, on the same shapes as the bf16 bench.
 
 Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are quantised once by
-overlap.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
+overlap.gemm.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
 our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch.gemm_tune.FP8_CANDIDATES, or
 `--configs`) -- are
 checked against `torch._scaled_mm`'s output on a NaN-poisoned output (relative error <= 5e-3 in norm and
@@ -20,12 +20,11 @@ import time
 
 import torch
 
-from overlap.fp8 import choose_fp8_blocks, fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference
-from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks
 from launch._cli import run_dir
 from launch.report import device_slug, format_table, write_results
 from launch.timing import bench_interleaved, progress
-from overlap.triton_gemm import gpu_name, num_sms
+from overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
+                          quantize_activation, quantize_weight, scaled_mm_reference)
 
 from .gemm_bench import bench_device, shape_points
 from .gemm_tune import FP8_CANDIDATES, operands, precompile, write_table

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm import GemmBlocks
 
 from ._cli import ArgumentParser, run_launcher
 
@@ -82,7 +82,7 @@ _GEMM_TYPES.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc", "
 
 
 def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
-    """The local-epilogue persistent GEMM as overlap.triton_mm launches it (aligned operands)."""
+    """The local-epilogue persistent GEMM as overlap.gemm.triton_mm launches it (aligned operands)."""
     from kernels.gemm import persistent_gemm_kernel
 
     types = dict(_GEMM_TYPES, a_ptr=f"*{dtype}:16", b_ptr=f"*{dtype}:16", c_ptr=f"*{dtype}:16")
@@ -101,7 +101,7 @@ def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtyp
 
 
 def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = False):
-    """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
+    """The FP8 block-scaled GEMM as overlap.gemm.fp8.fp8_gemm launches it (aligned operands)."""
     from kernels.gemm_fp8 import fp8_gemm_kernel
 
     types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "error_code_base", "timeout_ns")}
@@ -185,7 +185,7 @@ def parse_args(argv=None):
 
 def _jobs(args) -> set:
     from launch.gemm_tune import candidate_names, fp8_candidate_names
-    from overlap.gemm_blocks import LAYOUTS, block_table_path, load_block_table
+    from overlap.gemm import LAYOUTS, block_table_path, load_block_table
 
     jobs = set()
     names = [n for n in args.configs.split(",") if n]

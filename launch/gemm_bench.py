@@ -28,9 +28,8 @@ from launch._cli import ArgumentParser, UsageError, int_list, require, run_dir, 
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import ag_points, rs_points
 from launch.timing import bench_interleaved, progress
-from overlap.gemm_blocks import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, heuristic_blocks,
-                                 load_block_table)
-from overlap.triton_gemm import gpu_name, triton_mm
+from overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
+                          load_block_table, triton_mm)
 
 from ._canary import CANARY_SHAPE
 from .gemm_tune import DEFAULT_JOBS, operands, parse_shapes

@@ -108,12 +108,12 @@ def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
 
 def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
                 operand_bytes: int = 2) -> None:
-    """The YAML table (format: overlap/gemm_blocks.py), one flow-style entry per line, sorted."""
+    """The YAML table (format: overlap/gemm/blocks.py), one flow-style entry per line, sorted."""
     import yaml
 
     kind = "FP8 GEMM (kernels/gemm_fp8.py)" if operand_bytes == 1 else "GEMM (kernels/gemm.py)"
     lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
-             "# overlap/gemm_blocks.py). vs_cublas = reference time / Triton time, device time.",
+             "# overlap/gemm/blocks.py). vs_cublas = reference time / Triton time, device time.",
              f"gpu: {gpu}", f"num_sms: {num_sms_}"]
     if operand_bytes != 2:
         lines.append(f"operand_bytes: {operand_bytes}")
@@ -159,7 +159,7 @@ def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs
 
 def make_parser() -> ArgumentParser:
     from launch._canary import CANARY_SHAPE
-    from overlap.gemm_blocks import LAYOUTS
+    from overlap.gemm import LAYOUTS
 
     p = ArgumentParser("python -m launch.gemm_tune", description=__doc__)
     p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are tuned")
@@ -185,7 +185,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from overlap.gemm_blocks import LAYOUTS, GemmBlocks
+    from overlap.gemm import LAYOUTS, GemmBlocks
 
     args = make_parser().parse_args(argv)
     require(all(w >= 1 for w in args.tp), f"--tp: TP sizes must be >= 1, got {args.tp}")
@@ -217,8 +217,7 @@ def _run(args) -> int:
     from launch._cli import UsageError
     from launch.report import device_slug
     from launch.timing import progress
-    from overlap.gemm_blocks import BlockTable, load_block_table
-    from overlap.triton_gemm import gpu_name, num_sms
+    from overlap.gemm import BlockTable, gpu_name, load_block_table, num_sms
 
     started = time.monotonic()
     deadline = started + args.time_budget_s
@@ -270,7 +269,7 @@ def _resumed_state(out_table: str, out_json: str, entries: dict) -> tuple[list[d
 
     import yaml
 
-    from overlap.gemm_blocks import parse_block_table
+    from overlap.gemm import parse_block_table
 
     rows = json.loads(Path(out_json).read_text())["rows"] if Path(out_json).is_file() else []
     if Path(out_table).is_file():  # parsed here: load_block_table caches by path, and this file keeps changing
@@ -294,7 +293,7 @@ class _Sweep:
     def candidates(self, m, n, k, layout) -> tuple[str, ...]:
         """The point's class list (or --candidates), the hand heuristic and the current table's choices."""
         from launch._tune import gemm_candidates
-        from overlap.gemm_blocks import heuristic_blocks
+        from overlap.gemm import heuristic_blocks
 
         current = self.entries.get((layout, m, n, k))
         extra = [heuristic_blocks(m, n, k).name] + ([current.blocks.name, current.plain.name] if current else [])
@@ -305,7 +304,7 @@ class _Sweep:
     def run_point(self, m, n, k, names, layout, *, label: str) -> None:
         from launch._tune import point_seconds, shape_class
         from launch.timing import progress
-        from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
+        from overlap.gemm import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
 
         tried = [c for c in self.candidates(m, n, k, layout) if (c, layout) not in self.failed]
         point = {"layout": layout, "M": m, "N": n, "K": k}
@@ -343,8 +342,7 @@ class _Sweep:
         import torch
 
         from launch.timing import bench_interleaved, progress
-        from overlap.gemm_blocks import GemmBlocks
-        from overlap.triton_gemm import triton_mm
+        from overlap.gemm import GemmBlocks, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)

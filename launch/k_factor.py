@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from overlap.ag_gemm import AgGemm
 from overlap.gemm_rs import GemmRs
-from overlap.triton_gemm import choose_blocks, num_sms, sm_carveout, triton_mm
+from overlap.gemm import choose_blocks, num_sms, sm_carveout, triton_mm
 
 from ._comm_delay import inject_comm_delay
 from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms

@@ -75,7 +75,7 @@ def check_method_runs(name: str, config, device: torch.device) -> None:
     """Refuse, at construction, a config that cannot run on `device`: on CUDA every field against the GPU's
     SM count (ConfigError, as the preset loader reports it); on every device a Triton method needs the
     Triton runtime (a GPU, or the interpreter on CPU) and at least one GEMM program (num_sms - sm_margin)."""
-    from .triton_gemm import num_sms
+    from .gemm import num_sms
 
     sms = num_sms(device)
     if device.type == "cuda":

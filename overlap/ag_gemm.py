@@ -29,8 +29,8 @@ from ._ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from ._op import OpBase
 from ._validate import OpInputError, check_method_runs, check_tensor
 from .config import AgGemmConfig
+from .gemm import choose_blocks, num_sms, sm_carveout
 from .schedule import COMPUTE, Program
-from .triton_gemm import choose_blocks, num_sms, sm_carveout
 
 __all__ = ["AgGemm", "Chunk", "ConsumerGemm", "ag_gemm"]
 
@@ -66,7 +66,7 @@ class AgGemm(OpBase):
                                      num_device_flags=self.flags.num_device_flags, exclusive=True)
         self.scales = None
         if fp8:  # the gathered rows' scales: [max_m, cdiv(K, 128)] fp32, row-major, pulled with the rows
-            from .fp8 import Fp8WeightCache, scale_groups
+            from .gemm import Fp8WeightCache, scale_groups
             self.scales = pool.reserve(f"{name}.s", (max_m, scale_groups(k)), torch.float32, exclusive=True)
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
         self._gathered_ptr = self.gathered.data_ptr()
@@ -148,7 +148,7 @@ class AgGemm(OpBase):
         self._check_live()
         if not self.fp8:
             return self.gathered[:m]
-        from .fp8 import dequantize_activation
+        from .gemm import dequantize_activation
         return dequantize_activation(self.gathered[:m], self.scales[:m]).to(torch.bfloat16)
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,7 @@ class AgGemm(OpBase):
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
         slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
-            from ._fp8_launch import launch_quantize_activation
+            from .gemm import launch_quantize_activation
             slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
             program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx["a_shard"], slot, slot_scales))
         elif not zero_copy:
@@ -287,7 +287,7 @@ class AgGemm(OpBase):
         first = lo - self.rank * (m // self.world_size)
         gathered = self.gathered[lo:lo + count]
         if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
-            from .fp8 import fp8_gemm
+            from .gemm import fp8_gemm
             scales = self.scales[lo:lo + count]
 
             def mm_fp8(ctx) -> None:
@@ -302,7 +302,7 @@ class AgGemm(OpBase):
         return mm
 
     def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
-        from ._gemm_launch import ChunkWait, launch_gemm
+        from .gemm import ChunkWait, launch_gemm
         from kernels.gemm import ag_tile_row_offset
 
         rows = m // self.world_size
@@ -318,7 +318,7 @@ class AgGemm(OpBase):
             program.run(COMPUTE, lambda ctx: _with_carveout(config.sm_margin, ctx["lead"]))
         gathered = self.gathered[:m]
         if self.fp8:
-            from .fp8 import choose_fp8_blocks, fp8_gemm
+            from .gemm import choose_fp8_blocks, fp8_gemm
             blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 

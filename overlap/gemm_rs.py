@@ -35,12 +35,11 @@ import torch
 import torch.distributed as dist
 
 from . import protocol
-from ._gemm_launch import Scatter, launch_gemm, launch_reduce
 from ._op import OpBase
 from ._validate import OpInputError, check_method_runs, check_tensor
 from .config import GemmRsConfig
+from .gemm import Scatter, choose_blocks, launch_gemm, launch_reduce, num_sms, sm_carveout
 from .schedule import COMPUTE, Program
-from .triton_gemm import choose_blocks, num_sms, sm_carveout
 
 __all__ = ["GemmRs", "gemm_rs", "FLAG_BLOCK_M"]
 
@@ -80,7 +79,7 @@ class GemmRs(OpBase):
         methods = {cfg.method for cfg in self.configs()}
         self._check_methods(name, methods, dtype)
         if fp8:
-            from .fp8 import Fp8WeightCache
+            from .gemm import Fp8WeightCache
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         max_rows = max_m // self.world_size
@@ -166,7 +165,7 @@ class GemmRs(OpBase):
             ctx["g"], ctx["result"] = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
-            from .fp8 import quantize_activation
+            from .gemm import quantize_activation
             ctx["a_fp8"], ctx["w_fp8"] = quantize_activation(a), self._weights.get(w.t())
             addresses += tuple(t.data_ptr() for pair in (ctx["a_fp8"], ctx["w_fp8"]) for t in pair)
         key = (m, schedule, wgrad_of is not None, work is not None, check is not None)
@@ -340,7 +339,7 @@ class GemmRs(OpBase):
         """A GEMM step: dst(ctx) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
         the rows quantised at the call's start, bf16 out)."""
         if self.fp8:
-            from .fp8 import fp8_gemm
+            from .gemm import fp8_gemm
 
             def mm_fp8(ctx) -> None:
                 (a8, a_scales), (w8, w_scales) = ctx["a_fp8"], ctx["w_fp8"]

@@ -11,7 +11,7 @@ import pytest
 from launch import gemm_bench, gemm_tune
 from launch._tune import GEMM_CLASSES, M_ORDER, gemm_candidates, point_seconds, shape_class, tune_order
 from launch.shapes import ag_points, rs_points
-from overlap.gemm_blocks import PLAIN_BLOCK_M, GemmBlocks
+from overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMS = 132

@@ -1,5 +1,5 @@
 """CPU (Triton interpreter) tests of the local GEMM's tuning options: stream-K (kernels/gemm_mainloop.py),
-the two-half epilogue and the flattened loop, directly and through overlap.triton_mm."""
+the two-half epilogue and the flattened loop, directly and through overlap.gemm.triton_mm."""
 
 import os
 import subprocess
@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.gemm import EPILOGUE_LOCAL, persistent_gemm_kernel  # noqa: E402
-from overlap.gemm_blocks import GemmBlocks, stream_k_tiles  # noqa: E402
-from overlap.triton_gemm import triton_mm  # noqa: E402
+from overlap.gemm import GemmBlocks, triton_mm  # noqa: E402
+from overlap.gemm.blocks import stream_k_tiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -127,7 +127,7 @@ def test_late_contributor_recompute_is_right_on_repeated_calls_with_poisoned_out
 
 COMPILE_CHILD = """
 from launch.compile_check import compile_gemm
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm import GemmBlocks
 ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
 print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
 """

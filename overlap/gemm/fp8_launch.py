@@ -1,12 +1,12 @@
 """Private launchers of the FP8 kernels (kernels/quant_fp8.py, kernels/gemm_fp8.py): grids, allocator and
-argument order, nothing else. Shapes, dtypes and layouts are validated by overlap/fp8.py before these run."""
+argument order, nothing else. Shapes, dtypes and layouts are validated by overlap/gemm/fp8.py before these run."""
 
 from __future__ import annotations
 
 import torch
 
-from ._gemm_launch import ChunkWait
-from .gemm_blocks import GemmBlocks
+from .launch import ChunkWait
+from .blocks import GemmBlocks
 from .triton_gemm import descriptor_ok, ensure_allocator, num_sms
 
 __all__ = ["ChunkWait", "launch_quantize_activation", "launch_quantize_weight", "launch_fp8_gemm",

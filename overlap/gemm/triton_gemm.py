@@ -2,7 +2,7 @@
 
 `triton_mm(a, b, out, num_programs=...)` is the local-epilogue GEMM (the "GEMM alone" of the benchmarks
 and the compute of the fused ops with `num_sms - sm_margin` programs). Block choice: `choose_blocks`
-(overlap/gemm_blocks.py, the measured table of configs/gemm_blocks/; re-exported here).
+(overlap/gemm/blocks.py, the measured table of configs/gemm_blocks/; re-exported here).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .gemm_blocks import GemmBlocks, choose_blocks
+from .blocks import GemmBlocks, choose_blocks
 
 __all__ = ["GemmBlocks", "b_operand", "choose_blocks", "descriptor_ok", "ensure_allocator", "triton_mm", "num_sms",
            "sm_carveout", "gpu_name", "STREAM_K_TIMEOUT_NS"]
@@ -75,7 +75,7 @@ def gpu_name(device: torch.device) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_gpu_name(index: int) -> str:
-    from .presets import gpu_slug
+    from ..presets import gpu_slug
     return gpu_slug(torch.cuda.get_device_name(index))
 
 
@@ -117,7 +117,7 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     (b row-major, or the transpose view of a row-major [N, K]); valid on the current stream. Blocks from
     `choose_blocks` for the layout and GPU unless given. A stream-K configuration uses a workspace private
     to the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
-    from ._gemm_launch import launch_gemm
+    from .launch import launch_gemm
 
     m, k = a.shape
     n = b.shape[1]

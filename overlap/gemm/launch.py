@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .gemm_blocks import stream_k_tiles
+from .blocks import stream_k_tiles
 from .triton_gemm import STREAM_K_TIMEOUT_NS, GemmBlocks, _stream_k_buffers, b_operand, descriptor_ok, ensure_allocator
 
 __all__ = ["ChunkWait", "Scatter", "launch_gemm", "launch_reduce"]

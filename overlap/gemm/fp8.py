@@ -27,8 +27,8 @@ import weakref
 
 import torch
 
-from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
-from .gemm_blocks import GemmBlocks, load_block_table
+from .fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
+from .blocks import GemmBlocks, load_block_table
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "quantize_activation",
            "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
