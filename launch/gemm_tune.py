@@ -34,7 +34,6 @@ Progress lines go to stderr; the last lines give the median and minimum Triton/c
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import statistics
 import sys
@@ -43,8 +42,10 @@ from pathlib import Path
 
 from launch._cli import ArgumentParser, int_list, require, run_dir, run_launcher
 
+from ._canary import CANARY_SHAPE, operands, run_canaries
+
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
-           "operands", "write_table", "precompile", "main"]
+           "write_table", "precompile", "main"]
 
 # The union of the shape classes' lists (launch/_tune.py GEMM_CLASSES): what `--candidates all` means and
 # what launch.compile_check --candidates compiles.
@@ -132,23 +133,10 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     tmp.replace(path)
 
 
-def operands(m, n, k, layout, dev, seed):
-    """(a [M, K], b [K, N]) bf16 on `dev`, drawn there (a CPU draw of a 28672 x 8192 weight takes seconds):
-    b row-major (`kn`) or the transpose view of a row-major [N, K] (`nk`)."""
-    import torch
-
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, generator=gen, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
-    return a, (w.t() if layout == "nk" else w.t().contiguous())
-
-
 def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
                shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
     """launch/_canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
     each given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
-    from ._canary import run_canaries
-
     slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
     verdicts: dict[tuple[str, str], str] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(slices)) as pool:
@@ -158,7 +146,6 @@ def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs
 
 
 def make_parser() -> ArgumentParser:
-    from launch._canary import CANARY_SHAPE
     from overlap.gemm import LAYOUTS
 
     p = ArgumentParser("python -m launch.gemm_tune", description=__doc__)

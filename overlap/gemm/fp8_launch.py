@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .launch import ChunkWait
 from .blocks import GemmBlocks
-from .triton_gemm import descriptor_ok, ensure_allocator, num_sms
+from .launch import ChunkWait, descriptor_ok, ensure_allocator
+from .triton_gemm import num_sms
 
 __all__ = ["ChunkWait", "launch_quantize_activation", "launch_quantize_weight", "launch_fp8_gemm",
            "ACTIVATION_BLOCK_M"]

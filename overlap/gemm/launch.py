@@ -2,19 +2,74 @@
 
 `launch_gemm` is the only caller of `kernels.gemm.persistent_gemm_kernel` and `launch_reduce` the only
 caller of `kernels.rs_epilogue.reduce_partials_kernel`; the ops describe what they want (a local GEMM, a
-fused AllGather consumer waiting on chunk flags, a scatter to owners) with the small records below.
+fused AllGather consumer waiting on chunk flags, a scatter to owners) with the small records below. The
+helpers every launcher of this package shares live here too: the descriptor allocator, the B operand's
+layout, the TMA alignment check and the stream-K buffers.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 
-from .blocks import stream_k_tiles
-from .triton_gemm import STREAM_K_TIMEOUT_NS, GemmBlocks, _stream_k_buffers, b_operand, descriptor_ok, ensure_allocator
+from .blocks import GemmBlocks, stream_k_tiles
 
 __all__ = ["ChunkWait", "Scatter", "launch_gemm", "launch_reduce"]
+
+# A stream-K finisher waits this long for a contributor before computing its K range itself (only a
+# contributor that is not resident -- SMs held by another kernel -- is ever that late).
+STREAM_K_TIMEOUT_NS = 20_000_000
+
+_allocator_state = threading.local()
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Tensor descriptors need global scratch from an allocator. Triton keeps it per thread (a context
+    variable), and autograd runs backward on its own thread, so set it once per thread."""
+    if getattr(_allocator_state, "set", False):
+        return
+    import triton
+
+    triton.set_allocator(_descriptor_scratch)
+    _allocator_state.set = True
+
+
+_stream_k_state = {}
+
+
+def _stream_k_buffers(device: torch.device, programs: int, tile_elements: int):
+    """(fp32 workspace, int32 flags) of stream-K for the current stream: private per stream (two GEMMs
+    running at once must not share them), grown on demand, the flags zero (every launch leaves them so)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    workspace, flags = _stream_k_state.get(key, (None, None))
+    if workspace is None or workspace.numel() < programs * tile_elements or flags.numel() < programs:
+        workspace = torch.empty(programs * tile_elements, dtype=torch.float32, device=device)
+        flags = torch.zeros(programs, dtype=torch.int32, device=device)
+        _stream_k_state[key] = (workspace, flags)
+    return workspace, flags
+
+
+def b_operand(w: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(row-major tensor, its row stride, B_TRANSPOSED) for a [K, N] operand that is row-major or the
+    transpose view of a row-major [N, K] (the kernel then loads [N, K] tiles: no copy of the weight)."""
+    if w.is_contiguous():
+        return w, w.stride(0), False
+    wt = w.t()
+    if not wt.is_contiguous():
+        raise ValueError(f"b_operand: strides {w.stride()} are neither row-major nor a transposed row-major")
+    return wt, wt.stride(0), True
+
+
+def descriptor_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 class ChunkWait(NamedTuple):

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     from kernels.gemm import ag_tile_row_offset
     from launch.gemm_tune import FP8_CANDIDATES
     from overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
-    from overlap.gemm.triton_gemm import _stream_k_buffers
+    from overlap.gemm.launch import _stream_k_buffers
 
     dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = TINY if cpu else SHAPES
