@@ -233,7 +233,7 @@ class AgGemm(OpBase):
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
             from .gemm import launch_quantize_activation
             slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
-            program.run(COMPUTE, lambda ctx: launch_quantize_activation(ctx["a_shard"], slot, slot_scales))
+            program.run(COMPUTE, lambda ctx: launch_quantize_activation(x=ctx["a_shard"], q=slot, scales=slot_scales))
         elif not zero_copy:
             program.copy(COMPUTE, slot, lambda ctx: ctx["a_shard"])
         if fused:

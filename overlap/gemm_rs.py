@@ -34,6 +34,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
+
 from . import protocol
 from ._op import OpBase
 from ._validate import OpInputError, check_method_runs, check_tensor
@@ -219,8 +221,7 @@ class GemmRs(OpBase):
                        flag_ptrs=self.pool.ptr_table(self.flags.region, device_flags=True),
                        tile_counters=self._tile_counters, rows_per_rank=m // self.world_size, src_rank=self.rank,
                        flags_per_source=self.flags_per_source, error_words=self.pool.error_words(),
-                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s,
-                       flag_value=m)
+                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
     def _gemm_blocks(self, m: int, programs: int):
         return dataclasses.replace(choose_blocks(m, self.n, self.k_local, device_type=self.device.type,
@@ -238,7 +239,7 @@ class GemmRs(OpBase):
         offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
         own = self._slots(self.rank, rows)[0]
         program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx["a"], w=ctx["w"], out=own, num_programs=programs,
-                                                     blocks=blocks, epilogue=1, tile_row_offset=offset,
+                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER, tile_row_offset=offset,
                                                      scatter=scatter))
         if not self._cuda:
             program.await_device(REDUCE, self._used_row_flags(rows), value=m,
@@ -252,7 +253,7 @@ class GemmRs(OpBase):
         blocks, scatter = self._gemm_blocks(m, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
         program.run(COMPUTE, lambda ctx: launch_gemm(a=ctx["a"], w=ctx["w"], out=ctx["out"], num_programs=programs,
-                                                     blocks=blocks, epilogue=2, scatter=scatter))
+                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER_REDUCE, scatter=scatter))
         program.clear(COMPUTE, self.row_flags)
         self._give_free(program, COMPUTE)
 
@@ -263,7 +264,7 @@ class GemmRs(OpBase):
                       error_code_base=self.pool.device_error_code(self.flags.region, 0), rows_per_rank=rows,
                       world_size=self.world_size, flags_per_source=self.flags_per_source, gemm_block_m=FLAG_BLOCK_M,
                       owner_rank=self.rank, num_programs=max(1, config.num_comm_sms), wait=wait,
-                      timeout_s=self.timeout_s, flag_value=m)
+                      timeout_s=self.timeout_s)
 
     def _push(self, program: Program, owner: int, m: int, source) -> None:
         """Copy-engine push of this rank's partial of `owner`'s rows into owner's slot, then pushed[me] = M."""

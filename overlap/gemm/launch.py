@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.constants import EPILOGUE_LOCAL
+
 from .blocks import GemmBlocks, stream_k_tiles
 
 __all__ = ["ChunkWait", "Scatter", "launch_gemm", "launch_reduce"]
@@ -92,67 +94,80 @@ class Scatter(NamedTuple):
     flags_per_source: int
     error_words: torch.Tensor
     error_code_base: int         # code of the own flags' word 0 (EPILOGUE 2's waits)
-    timeout_s: float
-    flag_value: int = 1          # what the row-block flags carry: the call's M (overlap/protocol.py)
+    timeout_s: float             # the row-block flags carry the call's M (overlap/protocol.py)
 
 
 def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_programs: int, blocks: GemmBlocks,
-                epilogue: int = 0, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None,
-                scatter: Scatter | None = None) -> None:
+                epilogue: int = EPILOGUE_LOCAL, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None,
+                scatter: Scatter | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out = a [M, K] @ w [K, N] on the current stream with `num_programs` persistent programs.
 
-    w is row-major or the transpose view of a row-major [N, K]. epilogue 0 stores into `out`; 1 and 2 need
-    `scatter` (out is then only used for its dtype, or, for 2, is the owner's [M/W, N] output shard).
+    w is row-major or the transpose view of a row-major [N, K]. epilogue EPILOGUE_LOCAL (0) stores into `out`;
+    EPILOGUE_SCATTER (1) and EPILOGUE_SCATTER_REDUCE (2) need `scatter` (out is then only used for its dtype,
+    or, for 2, is the owner's [M/W, N] output shard). `scales` (a_scales, w_scales) makes it the FP8 GEMM
+    (kernels/gemm_fp8.py: e4m3 a and w = w8.t(), layouts of overlap/gemm/fp8.py).
     """
-    from kernels.gemm import persistent_gemm_kernel
+    from kernels.gemm import GemmConfig, persistent_gemm_kernel
 
     if a.is_cuda:
         ensure_allocator()
     m, k = a.shape
     n = w.shape[1]
     b, ldb, b_transposed = b_operand(w)
-    if (epilogue != 0) != (scatter is not None):
+    if (epilogue != EPILOGUE_LOCAL) != (scatter is not None):
         raise ValueError(f"launch_gemm: epilogue {epilogue} {'needs' if epilogue else 'takes no'} scatter=")
-    extra = {}
-    if chunk_wait is not None:
-        extra = dict(chunk_flags_ptr=chunk_wait.flags, chunks_per_rank=chunk_wait.chunks_per_rank,
-                     error_ptr=chunk_wait.error_words, error_code_base=chunk_wait.error_code_base,
-                     timeout_ns=int(chunk_wait.timeout_s * 1e9), WAIT_CHUNKS=True)
-        rows_per_rank = chunk_wait.rows_per_rank
-    if scatter is not None:
-        extra = dict(error_ptr=scatter.error_words, error_code_base=scatter.error_code_base,
-                     timeout_ns=int(scatter.timeout_s * 1e9), flag_value=scatter.flag_value)
-        rows_per_rank = scatter.rows_per_rank
-    elif chunk_wait is None:
-        rows_per_rank = m
-        # the local GEMM alone may split its last partial wave by K steps (stream-K) and flatten its loops
-        tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
-        split = stream_k_tiles(tiles, num_programs, blocks.stream_k) if epilogue == 0 else 0
-        if split:
-            workspace, flags = _stream_k_buffers(a.device, num_programs, blocks.block_m * blocks.block_n)
-            extra = dict(timeout_ns=STREAM_K_TIMEOUT_NS, stream_k_tiles=split, stream_k_workspace=workspace,
-                         stream_k_flags=flags, STREAM_K=True)
-        extra.update(FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile)
+    local = epilogue == EPILOGUE_LOCAL
+    # the local GEMM alone may split its last partial wave by K steps (stream-K) and flatten its loops
+    alone = local and chunk_wait is None
+    tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+    split = alone and scales is None and stream_k_tiles(tiles, num_programs, blocks.stream_k) > 0
+    rows_per_rank = chunk_wait.rows_per_rank if chunk_wait else scatter.rows_per_rank if scatter else m
+    config = GemmConfig(blocks.block_m, blocks.block_n, blocks.block_k, blocks.group_m, EPILOGUE=epilogue,
+                        USE_DESCRIPTORS=descriptor_ok(a, b, out) if local else descriptor_ok(a, b),
+                        B_TRANSPOSED=b_transposed, WARP_SPECIALIZE=blocks.warp_specialize and alone,
+                        FLATTEN=blocks.flatten and alone, EPILOGUE_SUBTILE=blocks.epilogue_subtile if local else 1,
+                        STREAM_K_WAVES=blocks.stream_k if split else 0)
     persistent_gemm_kernel[(num_programs,)](
-        a, b, out, m, n, k, a.stride(0), ldb, out.stride(0), tile_row_offset,
-        scatter.dst_ptrs if scatter else None, scatter.flag_ptrs if scatter else None,
-        scatter.tile_counters if scatter else None, rows_per_rank, scatter.src_rank if scatter else 0,
-        scatter.flags_per_source if scatter else 0,
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-        EPILOGUE=epilogue, USE_DESCRIPTORS=descriptor_ok(a, b, out) if epilogue == 0 else descriptor_ok(a, b),
-        B_TRANSPOSED=b_transposed,
-        WARP_SPECIALIZE=blocks.warp_specialize and epilogue == 0 and chunk_wait is None,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages, **extra)
+        a, b, out, m, n, k, (a.stride(0), ldb, out.stride(0)), tile_row_offset, rows_per_rank,
+        scatter.src_rank if scatter else 0, _scatter_args(scatter), _chunk_wait_args(chunk_wait),
+        _stream_k_args(a.device, num_programs, blocks) if split else None, _scales_args(scales),
+        CONFIG=config, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def _scatter_args(scatter: Scatter | None):
+    if scatter is None:
+        return None
+    return (scatter.dst_ptrs, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,
+            scatter.error_words, scatter.error_code_base, int(scatter.timeout_s * 1e9))
+
+
+def _chunk_wait_args(wait: ChunkWait | None):
+    if wait is None:
+        return None
+    return wait.flags, wait.chunks_per_rank, wait.error_words, wait.error_code_base, int(wait.timeout_s * 1e9)
+
+
+def _stream_k_args(device: torch.device, programs: int, blocks: GemmBlocks):
+    workspace, flags = _stream_k_buffers(device, programs, blocks.block_m * blocks.block_n)
+    return workspace, flags, STREAM_K_TIMEOUT_NS
+
+
+def _scales_args(scales):
+    if scales is None:
+        return None
+    a_scales, w_scales = scales
+    return a_scales, w_scales, a_scales.stride(0), a_scales.stride(1), w_scales.stride(0), w_scales.stride(1)
 
 
 def launch_reduce(*, partials: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, error_words: torch.Tensor,
                   error_code_base: int, rows_per_rank: int, world_size: int, flags_per_source: int, gemm_block_m: int,
-                  owner_rank: int, num_programs: int, wait: bool, timeout_s: float, flag_value: int = 1) -> None:
+                  owner_rank: int, num_programs: int, wait: bool, timeout_s: float) -> None:
     """out [rows, N] = sum over sources of partials [W, rows, N] (fp32 accumulation), on the current stream.
 
     wait=True: each tile first waits (bounded, in the kernel) until the row-block device flags of every
-    source (the scatter epilogue's) hold `flag_value`; wait=False: the caller ordered the partials before the launch. On CPU
-    the host driver has already waited, and torch sums the same way (the kernel has interpreter tests).
+    source (the scatter epilogue's) hold the call's M (rows_per_rank * world_size); wait=False: the caller
+    ordered the partials before the launch. On CPU the host driver has already waited, and torch sums the
+    same way (the kernel has interpreter tests).
     """
     if not out.is_cuda:  # CPU ranks: the same sum (fp32, in source order) without the Triton interpreter
         total = partials[0].float()
@@ -162,8 +177,7 @@ def launch_reduce(*, partials: torch.Tensor, out: torch.Tensor, flags: torch.Ten
         return
     from kernels.rs_epilogue import reduce_partials_kernel
 
-    n = out.shape[1]
+    waits = (flags, flags_per_source, error_words, error_code_base, int(timeout_s * 1e9)) if wait else None
     reduce_partials_kernel[(max(1, num_programs),)](
-        partials, out, flags, error_words, rows_per_rank, n, out.stride(0), world_size, flags_per_source,
-        gemm_block_m, owner_rank, int(timeout_s * 1e9), error_code_base, flag_value,
-        WAIT=wait, BLOCK_M=32, BLOCK_N=256 if out.is_cuda else 16, num_warps=4)
+        partials, out, rows_per_rank, out.shape[1], out.stride(0), world_size, owner_rank, waits,
+        BLOCK_M=32, BLOCK_N=256, GEMM_BLOCK_M=gemm_block_m, num_warps=4)
