@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .flags import SET_FLAG, await_flag, wait_for_count
 
-__all__ = ["WIDEN_DOT_OPERANDS", "COMPILED", "grouped_tile", "tile_coordinates", "wait_for_chunks", "k_loop", "store_tile",
-           "stream_k_part"]
+__all__ = ["WIDEN_DOT_OPERANDS", "COMPILED", "grouped_tile", "tile_coordinates", "wait_for_chunks", "k_loop",
+           "store_tile", "stream_k_part"]
 
 # Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; under the
 # interpreter only, operands are widened to fp32 first. Compiled kernels never see this branch.

@@ -17,8 +17,8 @@ row block overlapping the tile's rows, the device flag is SET (acquire, scope sy
 The awaited value is the call's M (``rows_per_rank * world_size``, what the scatter epilogue stores). It
 never resets the flags (several tiles read one): the launcher does, after the kernel. An expired wait (or a
 flag at another nonzero value) stores ``error_code_base + src * flags_per_source + flag`` into the control
-page ``error``, and that tile is skipped; ``out`` is then incomplete and the host raises. Compile and warm both kernels on every rank before
-the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
+page ``error``, and that tile is skipped; ``out`` is then incomplete and the host raises. Compile and warm
+both kernels on every rank before the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
 """
 
 import triton

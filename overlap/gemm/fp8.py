@@ -192,8 +192,8 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
         raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl, got {blocks.name}")
     if m and n:
-        launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks, num_programs=num_programs,
-                        tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
+        launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
+                        num_programs=num_programs, tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
 
 
