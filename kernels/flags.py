@@ -22,11 +22,12 @@ import triton.language as tl
 # %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER of the kernels.
 TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 
-SET = 1                    # the value a writer stores (Python side)
-SET_FLAG = tl.constexpr(1)  # the same, for @triton.jit code (kernels read only constexpr globals)
+from .constants import CLEAR, SET  # the flag values (kernels/constants.py)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "SET_FLAG", "MISMATCH_BIT", "read_globaltimer", "wait_for_flag", "wait_for_value",
-           "wait_for_count", "record_error", "record_mismatch"]
+SET_FLAG = tl.constexpr(SET)  # the same, for @triton.jit code (kernels read only constexpr globals)
+
+__all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "POLL_NS", "read_globaltimer",
+           "wait_for_flag", "wait_for_value", "wait_for_count", "await_flag", "record_error", "record_mismatch"]
 
 MISMATCH_BIT = tl.constexpr(1 << 30)  # symm_mem/_layout.py: the flag held another nonzero value
 
@@ -39,22 +40,43 @@ def read_globaltimer():
 
 POLL_NS = tl.constexpr(250)  # the assumed cost of one poll: the bound in polls is timeout_ns // POLL_NS
 
+# What a poll loop waits for (the UNTIL argument of `_poll_until`).
+UNTIL_EQUAL = tl.constexpr(0)      # the flag equals `target`
+UNTIL_NONZERO = tl.constexpr(1)    # the flag is nonzero (the caller compares the value)
+UNTIL_AT_LEAST = tl.constexpr(2)   # the flag is >= `target` (a count raised by programs of the same launch)
+
 
 @triton.jit
-def _poll_until(flag_ptr, error_ptr, timeout_ns, ANY_NONZERO: tl.constexpr):
-    """The one bounded poll loop. Every value that decides when the loop ends comes from a scalar atomic,
-    which one thread performs and every thread receives, so all threads leave at the same poll: a per-thread
-    clock (%globaltimer) lets warps leave at different polls near the bound and take different branches
-    after it, and their barriers fall out of step. The bound is a count of polls (timeout_ns / POLL_NS)."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    max_polls = timeout_ns // POLL_NS
-    abort = seen * 0
-    polls = seen * 0
-    while ((seen == 0) if ANY_NONZERO else (seen != 1)) & (polls < max_polls) & (abort == 0):
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        polls += 1
-        if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
-            abort = _uniform_load(error_ptr + 2)
+def _waiting(seen, target, UNTIL: tl.constexpr):
+    if UNTIL == UNTIL_EQUAL:
+        pending = seen != target
+    elif UNTIL == UNTIL_NONZERO:
+        pending = seen == 0
+    else:
+        pending = seen < target
+    return pending
+
+
+@triton.jit
+def _poll_until(flag_ptr, target, error_ptr, timeout_ns, UNTIL: tl.constexpr, SCOPE: tl.constexpr,
+                USE_TIMER: tl.constexpr):
+    """The one bounded poll loop; returns the last value seen. Every value that decides when the loop ends
+    comes from a scalar atomic, which one thread performs and every thread receives, so all threads leave at
+    the same poll: a per-thread clock (%globaltimer) lets warps leave at different polls near the bound and
+    take different branches after it, and their barriers fall out of step. The bound is a count of polls
+    (timeout_ns / POLL_NS). With an `error_ptr` (a peer is involved) the loop also ends when the pool's abort
+    word is set. Without USE_TIMER (the interpreter) it polls once."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+    if USE_TIMER:
+        max_polls = timeout_ns // POLL_NS
+        abort = seen * 0
+        polls = seen * 0
+        while _waiting(seen, target, UNTIL) & (polls < max_polls) & (abort == 0):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+            polls += 1
+            if error_ptr is not None:
+                if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
+                    abort = _uniform_load(error_ptr + 2)
     return seen
 
 
@@ -69,43 +91,36 @@ def _uniform_load(ptr):
 
 @triton.jit
 def wait_for_flag(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
-    """Acquire-polls ``*flag_ptr`` (scope sys) until it is SET; returns whether it got there.
-
-    USE_TIMER: for at most about ``timeout_ns`` (counted in polls), or until the abort word ``error_ptr[2]``
-    is nonzero. Otherwise (the interpreter) one poll.
-    """
-    if USE_TIMER:
-        seen = _poll_until(flag_ptr, error_ptr, timeout_ns, False)
-    else:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    return seen == 1
+    """Acquire-polls ``*flag_ptr`` (scope sys) until it is SET; returns whether it got there. Bounded as
+    `_poll_until`: about ``timeout_ns``, or until the abort word ``error_ptr[2]`` is nonzero."""
+    return _poll_until(flag_ptr, SET_FLAG, error_ptr, timeout_ns, UNTIL_EQUAL, "sys", USE_TIMER) == SET_FLAG
 
 
 @triton.jit
 def wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
     """Acquire-polls ``*flag_ptr`` (scope sys) until it is nonzero; returns the value seen (0: the wait
-    expired, or the group aborted). The caller compares it with the value it awaits (a call's M: another
-    nonzero value is a peer that called with another M). Bounds as in `wait_for_flag`."""
-    if USE_TIMER:
-        seen = _poll_until(flag_ptr, error_ptr, timeout_ns, True)
-    else:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    return seen
+    expired, or the group aborted). Bounds as in `wait_for_flag`."""
+    return _poll_until(flag_ptr, 0, error_ptr, timeout_ns, UNTIL_NONZERO, "sys", USE_TIMER)
 
 
 @triton.jit
 def wait_for_count(flag_ptr, value, timeout_ns, USE_TIMER: tl.constexpr):
-    """Acquire-polls a flag that programs of the SAME launch raise, until it is >= value (at most about
-    timeout_ns, counted in polls as in `_poll_until`; one poll without USE_TIMER). No peer is involved, so no
-    abort word is read."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    if USE_TIMER:
-        max_polls = timeout_ns // POLL_NS
-        polls = seen * 0
-        while (seen < value) & (polls < max_polls):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            polls += 1
-    return seen >= value
+    """Acquire-polls (scope gpu) a flag that programs of the SAME launch raise, until it is >= value (at most
+    about timeout_ns). No peer is involved, so no abort word is read."""
+    return _poll_until(flag_ptr, value, None, timeout_ns, UNTIL_AT_LEAST, "gpu", USE_TIMER) >= value
+
+
+@triton.jit
+def await_flag(flag_ptr, expected, error_ptr, code, timeout_ns, USE_TIMER: tl.constexpr):
+    """The wait of every flag a peer writes: until the flag is nonzero (bounded, as `wait_for_value`), then
+    records an expired wait (`code`) or a disagreement (another nonzero value: `code` with MISMATCH_BIT) in the
+    control page. Returns whether the flag holds `expected`."""
+    seen = wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER)
+    if seen == 0:
+        record_error(error_ptr, code)
+    elif seen != expected:
+        record_mismatch(error_ptr, code, expected, seen)
+    return seen == expected
 
 
 @triton.jit

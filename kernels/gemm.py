@@ -8,23 +8,29 @@ output in C's dtype).
 
     grid = (num_programs,)            # num_sms - sm_margin; each program walks tiles pid, pid + num_programs, ...
     persistent_gemm_kernel[grid](
-        a, b, c, M, N, K, lda, ldb, ldc, tile_row_offset,
-        dst_ptrs, flag_ptrs, tile_counters, rows_per_rank, src_rank, flags_per_source,
-        BLOCK_M=..., BLOCK_N=..., BLOCK_K=..., GROUP_M=..., EPILOGUE=0, 1 or 2,
-        USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-        # optional, only read with WAIT_CHUNKS=True (the AllGather consumer, below):
-        chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
-        WAIT_CHUNKS=False, USE_TIMER=<not under the interpreter>,
-        # optional, EPILOGUE 0 without WAIT_CHUNKS only (tuning options of the local GEMM, below):
-        stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K=False, FLATTEN=False,
-        EPILOGUE_SUBTILE=1, num_warps=..., num_stages=...)
+        a, b, c, M, N, K, (lda, ldb, ldc), tile_row_offset, rows_per_rank, src_rank,
+        scatter,      # EPILOGUE_SCATTER(_REDUCE): (dst_ptrs, flag_ptrs, tile_counters, flags_per_source,
+                      #                              error_ptr, error_code_base, timeout_ns); else None
+        chunk_wait,   # the AllGather consumer: (chunk_flags_ptr, chunks_per_rank, error_ptr, error_code_base,
+                      #                          timeout_ns); else None
+        stream_k,     # STREAM_K_WAVES > 0: (workspace, flags, timeout_ns); else None
+        scales,       # the FP8 GEMM (kernels/gemm_fp8.py): (a_scales, b_scales, a_scale_stride_m,
+                      #     a_scale_stride_k, b_scale_stride_n, b_scale_stride_k); else None
+        CONFIG=GemmConfig(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=True,
+                          B_TRANSPOSED=False, WARP_SPECIALIZE=False, FLATTEN=False, EPILOGUE_SUBTILE=1,
+                          STREAM_K_WAVES=0, USE_TIMER=<not under the interpreter>),
+        num_warps=..., num_stages=...)
+
+Each tuple groups what one feature reads. Triton specialises the ints inside tuples (a value of 1 becomes a
+constant), so only values fixed for an op live there; M and the rank-dependent ints are separate arguments,
+excluded from specialisation so that they never recompile. Below, ``WAIT_CHUNKS`` means ``chunk_wait`` is
+given, ``STREAM_K`` that ``STREAM_K_WAVES > 0``, EPILOGUE 0/1/2 the constants EPILOGUE_LOCAL, EPILOGUE_SCATTER
+and EPILOGUE_SCATTER_REDUCE.
 
 * A is [M, K] with row stride ``lda``; B is [K, N] with row stride ``ldb`` or, with ``B_TRANSPOSED``,
   [N, K] with row stride ``ldb`` (an ``nn.Linear`` weight, no copy needed). Last strides must be 1.
-* M, N, K, strides, ``tile_row_offset``, ``rows_per_rank``, ``src_rank`` are runtime ints (M and the
-  rank-dependent ints are excluded from specialisation, so they never recompile).
 * Flags are toggles (overlap/ops/protocol.py): a writer stores a nonzero value (SET for the chunk flags,
-  ``flag_value`` -- the call's M -- for the scatter epilogues' row-block flags), a waiter waits until it
+  the call's M for the scatter epilogues' row-block flags), a waiter waits until it
   reads it; the launcher resets them with stream memory operations after the kernel. ``error_ptr`` is the
   pool's control page [code, value, abort, seen]: an expired wait stores ``error_code_base + <flag index>``,
   a row-block flag at another nonzero value (a peer with another M) the same code with MISMATCH_BIT and the
@@ -76,7 +82,7 @@ Completion protocol (toggle flags, last-tile detection, robust to M changing bet
   release fence finds the stores already landed; EPILOGUE 2 counts before any of its own waits;
   the program that completes the row block's last column tile resets the word to 0 (so it is zero
   again for the next launch, which is stream-ordered after this one) and, for every owner o whose
-  rows the row block covers, writes ``flag_value`` with ``atomic_xchg(sem="release", scope="sys")`` into
+  rows the row block covers, writes M (the call's M) with ``atomic_xchg(sem="release", scope="sys")`` into
   ``flag_ptrs[o]`` (an int32 array [world_size, flags_per_source] on owner o) at
   ``[src_rank, row_block - (o * rows_per_rank) // BLOCK_M]``.
 * ``flags_per_source >= scatter_flags_per_source(rows_per_rank, BLOCK_M)``; the owner resets its flags to 0
@@ -139,23 +145,40 @@ The reduction kernel of EPILOGUE 1 (``reduce_partials_kernel``) and the epilogue
 ``kernels/rs_epilogue.py``.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
-from .flags import TIMER_AVAILABLE, record_error, wait_for_flag
-from .gemm_mainloop import k_loop, store_tile, stream_k_part
-from .gemm_mainloop import tile_coordinates as _tile_coordinates
+from .constants import EPILOGUE_LOCAL, EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
+from .flags import TIMER_AVAILABLE
+from .gemm_fp8 import SCALE_BLOCK_K, scaled_k_loop
+from .gemm_mainloop import k_loop, store_tile, stream_k_part, tile_coordinates, wait_for_chunks
 from .rs_epilogue import owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel, scatter_stores
 
-EPILOGUE_LOCAL = 0
-EPILOGUE_SCATTER = 1
-EPILOGUE_SCATTER_REDUCE = 2
-
-__all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "persistent_gemm_kernel",
+__all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "GemmConfig", "persistent_gemm_kernel",
            "reduce_partials_kernel", "cdiv", "num_output_tiles", "scatter_flags_per_source", "ag_rows_per_chunk",
            "ag_chunk_index", "ag_chunk_rows", "ag_tile_row_offset", "TIMER_AVAILABLE"]
 
-_COMPILED = tl.constexpr(TIMER_AVAILABLE)
+_LOCAL = tl.constexpr(EPILOGUE_LOCAL)  # the same, for @triton.jit code
+_SCATTER = tl.constexpr(EPILOGUE_SCATTER)
+_SCATTER_REDUCE = tl.constexpr(EPILOGUE_SCATTER_REDUCE)
+
+
+class GemmConfig(NamedTuple):
+    """The compile-time configuration of ``persistent_gemm_kernel`` (its CONFIG argument)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    EPILOGUE: int = 0               # EPILOGUE_LOCAL, EPILOGUE_SCATTER or EPILOGUE_SCATTER_REDUCE
+    USE_DESCRIPTORS: bool = True
+    B_TRANSPOSED: bool = False
+    WARP_SPECIALIZE: bool = False
+    FLATTEN: bool = False
+    EPILOGUE_SUBTILE: int = 1
+    STREAM_K_WAVES: int = 0         # > 0: the last partial wave plus STREAM_K_WAVES - 1 full ones split by K steps
+    USE_TIMER: bool = TIMER_AVAILABLE
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -196,59 +219,43 @@ def ag_tile_row_offset(rank: int, rows_per_rank: int, block_m: int) -> int:
     return cdiv(rank * rows_per_rank, block_m)
 
 
-@triton.jit
-def _wait_for_chunks(chunk_flags_ptr, error_ptr, error_code_base, first_row, last_row, rows_per_rank,
-                     chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER: tl.constexpr):
-    """True when every chunk holding rows [first_row, last_row] is SET (bounded waits)."""
-    first_chunk = (first_row // rows_per_rank) * chunks_per_rank + (first_row % rows_per_rank) // rows_per_chunk
-    last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
-    ready = first_row >= 0
-    for chunk in range(first_chunk, last_chunk + 1):
-        # An owner's trailing chunks can be empty (e.g. 9 rows in 4 chunks of 3); nobody needs to signal those.
-        if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
-            arrived = wait_for_flag(chunk_flags_ptr + chunk, error_ptr, timeout_ns, USE_TIMER)
-            if not arrived:
-                record_error(error_ptr, error_code_base + chunk)
-            ready = arrived
-    # The acquire above ran on one thread: order every thread's A loads after it, then (compiled code only)
-    # order this thread's generic-proxy view before its async-proxy (TMA) loads of A.
-    tl.debug_barrier()
-    if _COMPILED:
-        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    return ready
-
-
-@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "timeout_ns",
-                               "error_code_base", "stream_k_tiles", "flag_value"])
-def persistent_gemm_kernel(
-    a_ptr, b_ptr, c_ptr,
-    M, N, K,
-    lda, ldb, ldc,
-    tile_row_offset,
-    dst_ptrs, flag_ptrs, tile_counters_ptr,
-    rows_per_rank, src_rank, flags_per_source,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    chunk_flags_ptr=None, chunks_per_rank=1, error_ptr=None, error_code_base=0, timeout_ns=0,
-    WAIT_CHUNKS: tl.constexpr = False, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
-    stream_k_tiles=0, stream_k_workspace=None, stream_k_flags=None, STREAM_K: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False, EPILOGUE_SUBTILE: tl.constexpr = 1, flag_value=1,
-):
+@triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank"])
+def persistent_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, strides, tile_row_offset, rows_per_rank, src_rank,
+                           scatter, chunk_wait, stream_k, scales, CONFIG: tl.constexpr):
+    BLOCK_M: tl.constexpr = CONFIG.BLOCK_M
+    BLOCK_N: tl.constexpr = CONFIG.BLOCK_N
+    BLOCK_K: tl.constexpr = CONFIG.BLOCK_K
+    GROUP_M: tl.constexpr = CONFIG.GROUP_M
+    EPILOGUE: tl.constexpr = CONFIG.EPILOGUE
+    USE_DESCRIPTORS: tl.constexpr = CONFIG.USE_DESCRIPTORS
+    B_TRANSPOSED: tl.constexpr = CONFIG.B_TRANSPOSED
+    WARP_SPECIALIZE: tl.constexpr = CONFIG.WARP_SPECIALIZE
+    FLATTEN: tl.constexpr = CONFIG.FLATTEN
+    EPILOGUE_SUBTILE: tl.constexpr = CONFIG.EPILOGUE_SUBTILE
+    STREAM_K: tl.constexpr = CONFIG.STREAM_K_WAVES > 0
+    USE_TIMER: tl.constexpr = CONFIG.USE_TIMER
+    WAIT_CHUNKS: tl.constexpr = chunk_wait is not None
+    lda, ldb, ldc = strides
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     # the scatter epilogues carry a pending tile across iterations and barrier inside a branch: not run
     # under warp specialisation
-    if EPILOGUE != 0:
+    if EPILOGUE != _LOCAL:
         tl.static_assert(not WARP_SPECIALIZE, "scatter epilogues need WARP_SPECIALIZE=False")
+        tl.static_assert(scatter is not None, "scatter epilogues need scatter=(...)")
     # stream-K and the flattened loop nest change which program computes what, and when: local store only,
     # and no chunk waits (a flattened loop would hoist the next tile's loads above its wait)
     if STREAM_K or FLATTEN:
-        tl.static_assert((EPILOGUE == 0) and not WAIT_CHUNKS, "STREAM_K / FLATTEN need EPILOGUE=0, no WAIT_CHUNKS")
+        tl.static_assert((EPILOGUE == _LOCAL) and not WAIT_CHUNKS,
+                         "STREAM_K / FLATTEN need EPILOGUE_LOCAL, no chunk waits")
+    if STREAM_K:
+        tl.static_assert((stream_k is not None) and (scales is None), "STREAM_K needs stream_k=(...), no scales")
+    if scales is not None:
+        tl.static_assert((BLOCK_K == SCALE_BLOCK_K) and B_TRANSPOSED, "FP8: BLOCK_K is the scale group, B is [N, K]")
+        tl.static_assert((BLOCK_N <= 128) or (BLOCK_N % 128 == 0), "FP8: BLOCK_N <= 128 or a multiple of 128")
     tl.static_assert((EPILOGUE_SUBTILE == 1) or (EPILOGUE_SUBTILE == 2), "EPILOGUE_SUBTILE is 1 or 2")
     if WAIT_CHUNKS:
-        tl.static_assert(not WARP_SPECIALIZE, "WAIT_CHUNKS needs WARP_SPECIALIZE=False")
-        rows_per_chunk = tl.cdiv(rows_per_rank, chunks_per_rank)
+        tl.static_assert(not WARP_SPECIALIZE, "chunk waits need WARP_SPECIALIZE=False")
+        rows_per_chunk = tl.cdiv(rows_per_rank, chunk_wait[1])
     program_id = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_row_blocks = tl.cdiv(M, BLOCK_M)
@@ -256,7 +263,10 @@ def persistent_gemm_kernel(
     num_tiles = num_row_blocks * num_col_blocks
     num_k_steps = tl.cdiv(K, BLOCK_K)
     if STREAM_K:
-        num_walk_tiles = num_tiles - stream_k_tiles  # whole tiles; the rest is split by K steps afterwards
+        # whole tiles first; the last partial wave plus STREAM_K_WAVES - 1 full ones are split by K steps
+        partial_wave = num_tiles % num_programs
+        split_tiles = tl.minimum(num_tiles, partial_wave + (CONFIG.STREAM_K_WAVES - 1) * num_programs)
+        num_walk_tiles = num_tiles - tl.where(partial_wave == 0, 0, split_tiles)
     else:
         num_walk_tiles = num_tiles
 
@@ -268,7 +278,7 @@ def persistent_gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[ldb, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-        if EPILOGUE == 0:
+        if EPILOGUE == _LOCAL:
             c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[ldc, 1],
                                                block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
         else:
@@ -278,7 +288,7 @@ def persistent_gemm_kernel(
         b_desc = None
         c_desc = None
 
-    if EPILOGUE == 2:
+    if EPILOGUE == _SCATTER_REDUCE:
         own_first_row_block = (src_rank * rows_per_rank) // BLOCK_M
         own_row_blocks = rows_per_rank // BLOCK_M
     else:
@@ -296,12 +306,12 @@ def persistent_gemm_kernel(
     store_tile_id = program_id
     for tile_id in tl.range(program_id, num_walk_tiles, num_programs, flatten=FLATTEN,
                             warp_specialize=WARP_SPECIALIZE):
-        if EPILOGUE == 2:
+        if EPILOGUE == _SCATTER_REDUCE:
             row_block, col_block = owner_last_tile(tile_id, num_row_blocks, num_col_blocks, own_first_row_block,
                                                    own_row_blocks, GROUP_M)
         else:
-            row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
-                                                     GROUP_M)
+            row_block, col_block = tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
+                                                    GROUP_M)
         first_row = row_block * BLOCK_M
         first_col = col_block * BLOCK_N
         rows = first_row + tl.arange(0, BLOCK_M)
@@ -309,50 +319,52 @@ def persistent_gemm_kernel(
 
         if WAIT_CHUNKS:
             # Whole-tile wait on every gathered chunk the tile's rows come from (AllGather consumer).
-            tile_ready = (not failed) & _wait_for_chunks(
-                chunk_flags_ptr, error_ptr, error_code_base, first_row, tl.minimum(first_row + BLOCK_M, M) - 1,
-                rows_per_rank, chunks_per_rank, rows_per_chunk, timeout_ns, USE_TIMER)
+            tile_ready = (not failed) & wait_for_chunks(chunk_wait, first_row, tl.minimum(first_row + BLOCK_M, M) - 1,
+                                                        rows_per_rank, rows_per_chunk, USE_TIMER)
             failed = not tile_ready
         else:
             tile_ready: tl.constexpr = True
         if tile_ready:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = k_loop(acc, a_desc, b_desc, a_ptr, b_ptr, first_row, first_col, M, N, K, lda, ldb, 0, num_k_steps,
-                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DESCRIPTORS, B_TRANSPOSED)
+            if scales is None:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = k_loop(acc, a_desc, b_desc, a_ptr, b_ptr, first_row, first_col, M, N, K, lda, ldb, 0,
+                             num_k_steps, BLOCK_M, BLOCK_N, BLOCK_K, USE_DESCRIPTORS, B_TRANSPOSED)
+            else:
+                acc = scaled_k_loop(a_desc, b_desc, a_ptr, b_ptr, scales, first_row, first_col, M, N, K, lda, ldb,
+                                    BLOCK_M, BLOCK_N, USE_DESCRIPTORS)
 
             result = acc.to(out_dtype)
-            if EPILOGUE != 0:
-                # before any wait of an own tile (EPILOGUE 2): counting never depends on a peer
+            if EPILOGUE != _LOCAL:
+                # before any wait of an own tile (EPILOGUE_SCATTER_REDUCE): counting never depends on a peer
                 if pending_row_block >= 0:
-                    publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                                      num_col_blocks, flags_per_source, flag_value, BLOCK_M)
+                    publish_row_block(pending_row_block, M, rows_per_rank, src_rank, scatter, num_col_blocks,
+                                      BLOCK_M)
                 pending_row_block = program_id * 0 - 1
-            if EPILOGUE == 0:
+            if EPILOGUE == _LOCAL:
                 if FLATTEN:
-                    store_row_block, store_col_block = _tile_coordinates(store_tile_id, num_row_blocks,
-                                                                         num_col_blocks, tile_row_offset, GROUP_M)
+                    store_row_block, store_col_block = tile_coordinates(store_tile_id, num_row_blocks,
+                                                                        num_col_blocks, tile_row_offset, GROUP_M)
                     store_tile_id += num_programs
                     store_tile(c_desc, c_ptr, result, store_row_block * BLOCK_M, store_col_block * BLOCK_N, M, N,
                                ldc, BLOCK_M, BLOCK_N, USE_DESCRIPTORS, EPILOGUE_SUBTILE)
                 else:
                     store_tile(c_desc, c_ptr, result, first_row, first_col, M, N, ldc, BLOCK_M, BLOCK_N,
                                USE_DESCRIPTORS, EPILOGUE_SUBTILE)
-            elif EPILOGUE == 1:
-                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
+            elif EPILOGUE == _SCATTER:
+                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, scatter[0], BLOCK_M)
                 pending_row_block = row_block
             elif (row_block >= own_first_row_block) & (row_block < own_first_row_block + own_row_blocks):
                 arrived = reduce_own_tile(acc, rows, cols, row_block - own_first_row_block, M, N, ldc, c_ptr,
-                                          dst_ptrs, flag_ptrs, error_ptr, error_code_base, rows_per_rank, src_rank,
-                                          flags_per_source, timeout_ns, failed, flag_value, USE_TIMER)
+                                          scatter, rows_per_rank, src_rank, failed, USE_TIMER)
                 failed = not arrived
             else:
-                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, dst_ptrs, BLOCK_M)
+                scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank, scatter[0], BLOCK_M)
                 pending_row_block = row_block
     if STREAM_K:
+        workspace, flags, timeout_ns = stream_k
         stream_k_part(a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb, ldc, tile_row_offset,
-                      num_walk_tiles, stream_k_tiles, stream_k_workspace, stream_k_flags, timeout_ns, BLOCK_M, BLOCK_N,
+                      num_walk_tiles, num_tiles - num_walk_tiles, workspace, flags, timeout_ns, BLOCK_M, BLOCK_N,
                       BLOCK_K, GROUP_M, USE_DESCRIPTORS, B_TRANSPOSED, EPILOGUE_SUBTILE, USE_TIMER)
-    if EPILOGUE != 0:
+    if EPILOGUE != _LOCAL:
         if pending_row_block >= 0:
-            publish_row_block(pending_row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr,
-                              num_col_blocks, flags_per_source, flag_value, BLOCK_M)
+            publish_row_block(pending_row_block, M, rows_per_rank, src_rank, scatter, num_col_blocks, BLOCK_M)

@@ -24,7 +24,7 @@ finisher's poll is an acquire at GPU scope by one thread whose result every thre
 barrier, so each thread's loads of the partial come after it. The decision to stop waiting must be the
 same in every thread of the finisher: its branches hold warpgroup-wide MMAs and CTA barriers. The poll's
 value is broadcast (one thread polls, all read it), so the wait is bounded by a count of polls
-(``_contributor_polls``), never by a clock that each thread reads for itself: with per-thread
+(``kernels.flags.wait_for_count``), never by a clock that each thread reads for itself: with per-thread
 ``%globaltimer`` reads, warps crossed the bound at different polls, took different branches and
 desynchronised their barriers (the wrong tiles of the late-contributor check on the GPU).
 """
@@ -32,13 +32,26 @@ desynchronised their barriers (the wrong tiles of the late-contributor check on 
 import triton
 import triton.language as tl
 
-from .rs_epilogue import grouped_tile
+from .flags import SET_FLAG, await_flag, wait_for_count
 
-__all__ = ["WIDEN_DOT_OPERANDS", "tile_coordinates", "k_loop", "store_tile", "stream_k_part"]
+__all__ = ["WIDEN_DOT_OPERANDS", "COMPILED", "grouped_tile", "tile_coordinates", "wait_for_chunks", "k_loop",
+           "store_tile", "stream_k_part"]
 
 # Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits in tl.dot; under the
 # interpreter only, operands are widened to fp32 first. Compiled kernels never see this branch.
 WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
+COMPILED = tl.constexpr(not triton.knobs.runtime.interpret)  # inline PTX (the proxy fence) needs a compiled kernel
+
+
+@triton.jit
+def grouped_tile(local_tile, num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
+    """(row block, column block) of tile ``local_tile`` in a GROUP_M-swizzled walk of ``num_row_blocks``
+    rows: column-major inside each group of GROUP_M row blocks, the groups in order."""
+    tiles_per_group = GROUP_M * num_col_blocks
+    first_row_block = (local_tile // tiles_per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_row_blocks - first_row_block, GROUP_M)
+    index_in_group = local_tile % tiles_per_group
+    return first_row_block + index_in_group % rows_in_group, index_in_group // rows_in_group
 
 
 @triton.jit
@@ -48,6 +61,29 @@ def tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, G
     swizzled_row_block, col_block = grouped_tile(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
     row_block = (swizzled_row_block + tile_row_offset) % num_row_blocks
     return row_block, col_block
+
+
+@triton.jit
+def wait_for_chunks(chunk_wait, first_row, last_row, rows_per_rank, rows_per_chunk, USE_TIMER: tl.constexpr):
+    """True when every gathered chunk holding rows [first_row, last_row] is SET (bounded waits; an expired or
+    disagreeing one is recorded as ``error_code_base + chunk``). ``chunk_wait`` is (chunk_flags_ptr,
+    chunks_per_rank, error_ptr, error_code_base, timeout_ns); the flags are owner-major."""
+    chunk_flags_ptr, chunks_per_rank, error_ptr, error_code_base, timeout_ns = chunk_wait
+    first_chunk = (first_row // rows_per_rank) * chunks_per_rank + (first_row % rows_per_rank) // rows_per_chunk
+    last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
+    ready = first_row >= 0
+    for chunk in range(first_chunk, last_chunk + 1):
+        # An owner's trailing chunks can be empty (e.g. 9 rows in 4 chunks of 3); nobody needs to signal those.
+        if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
+            ready = await_flag(chunk_flags_ptr + chunk, SET_FLAG, error_ptr, error_code_base + chunk, timeout_ns,
+                               USE_TIMER)
+    # The acquire above ran on one thread: order every thread's A loads after it, then (compiled code only)
+    # order this thread's generic-proxy view before its async-proxy (TMA) loads of A.
+    tl.debug_barrier()
+    if COMPILED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    return ready
 
 
 @triton.jit
@@ -125,25 +161,6 @@ def _add_partial(acc, partial_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
     return tl.reshape(tl.permute(parts, (0, 2, 3, 1)), (BLOCK_M, BLOCK_N))
 
 
-# A poll (one acquire load, two CTA barriers) takes well over this long, so timeout_ns // POLL_NS polls
-# wait at least timeout_ns.
-POLL_NS = tl.constexpr(250)
-
-
-@triton.jit
-def _contributor_polls(flag_ptr, timeout_ns, USE_TIMER: tl.constexpr):
-    """Whether a contributor's flag reached 1 within ``timeout_ns // POLL_NS`` acquire polls (one poll
-    without USE_TIMER: the interpreter). Every thread leaves the loop at the same poll (module docstring)."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    if USE_TIMER:
-        max_polls = timeout_ns // POLL_NS
-        polls = max_polls * 0
-        while (seen < 1) & (polls < max_polls):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            polls += 1
-    return seen >= 1
-
-
 @triton.jit
 def _share(program, num_programs, total_steps):
     """First K step (of the stream-K region) of `program`'s equal share."""
@@ -189,7 +206,7 @@ def stream_k_part(a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, M, N, K, lda, ldb
                 start = tl.maximum(_share(contributor, num_programs, total_steps), tile_start)
                 end = _share(contributor + 1, num_programs, total_steps)
                 if end > start:  # programs with an empty share (fewer steps than programs) hold nothing
-                    arrived = _contributor_polls(flags_ptr + contributor, timeout_ns, USE_TIMER)
+                    arrived = wait_for_count(flags_ptr + contributor, 1, timeout_ns, USE_TIMER)
                     # the acquire ran on one thread: order every thread's workspace loads after it
                     tl.debug_barrier()
                     if arrived:

@@ -3,7 +3,7 @@
 128x128 on 132 SMs) and long K.
 
 Only ``@triton.jit`` code and tiny pure helpers live here; workspaces, descriptors and the grid belong to the
-launcher (overlap/_gemm_splitk.py).
+launcher (overlap/gemm/splitk.py).
 
     split_k_gemm_kernel[(programs,)](
         a, b, c, workspace, counters, M, N, K, lda, ldb, ldc, tile_row_offset,

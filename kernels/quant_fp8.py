@@ -21,14 +21,14 @@ scale_stride_n + kb * scale_stride_k`` (row-major [cdiv(N, 128), cdiv(K, 128)]: 
 import triton
 import triton.language as tl
 
-__all__ = ["E4M3_MAX", "AMAX_FLOOR", "GROUP", "round_to_e4m3", "quantize_activation_kernel",
+from .constants import SCALE_GROUP
+
+__all__ = ["E4M3_MAX", "AMAX_FLOOR", "SCALE_GROUP", "round_to_e4m3", "quantize_activation_kernel",
            "quantize_weight_kernel"]
 
 E4M3_MAX = 448.0      # largest finite float8_e4m3fn
 AMAX_FLOOR = 2.0 ** -64   # groups below this are quantised as if their amax were this (all-zero: q = 0)
-GROUP = 128
-
-_GROUP = tl.constexpr(GROUP)
+_GROUP = tl.constexpr(SCALE_GROUP)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _MIN_NORMAL = tl.constexpr(2.0 ** -6)        # smallest normal e4m3; below it the grid step is 2**-9

@@ -5,35 +5,27 @@ owner and release a flag per finished row block; EPILOGUE 2: the same for the ot
 own rows reduced in the epilogue); this module holds their device code so that the GEMM file stays one kernel.
 
 ``reduce_partials_kernel`` runs on owner o (a small persistent grid, e.g. 16 programs, so it leaves SMs
-to the GEMM). For each owner-local tile it waits (``WAIT=True``) until, for every source and every GEMM
+to the GEMM). For each owner-local tile it waits (``waits`` given) until, for every source and every GEMM
 row block overlapping the tile's rows, the device flag is SET (acquire, scope sys); then it sums the
 ``world_size`` partials in fp32 and stores into ``out`` [rows_per_rank, N] (row stride ``ld_out``)::
 
     reduce_partials_kernel[(programs,)](
-        partials, out, flags, error, rows_per_rank, N, ld_out, world_size, flags_per_source, gemm_block_m,
-        owner_rank, timeout_ns, error_code_base, WAIT=True, BLOCK_M=..., BLOCK_N=..., USE_TIMER=True)
+        partials, out, rows_per_rank, N, ld_out, world_size, owner_rank,
+        (flags, flags_per_source, error, error_code_base, timeout_ns),   # or None: no waits
+        BLOCK_M=..., BLOCK_N=..., GEMM_BLOCK_M=..., USE_TIMER=True)
 
-It never resets the flags (several tiles read one): the launcher does, after the kernel. An expired wait
-stores ``error_code_base + src * flags_per_source + flag`` into the control page ``error``, and that tile is
-skipped; ``out`` is then incomplete and the host raises. Compile and warm both kernels on every rank before
-the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
+The awaited value is the call's M (``rows_per_rank * world_size``, what the scatter epilogue stores). It
+never resets the flags (several tiles read one): the launcher does, after the kernel. An expired wait (or a
+flag at another nonzero value) stores ``error_code_base + src * flags_per_source + flag`` into the control
+page ``error``, and that tile is skipped; ``out`` is then incomplete and the host raises. Compile and warm
+both kernels on every rank before the first cross-rank wait, so that JIT time does not eat into ``timeout_ns``.
 """
 
 import triton
 import triton.language as tl
 
-from .flags import TIMER_AVAILABLE, record_error, record_mismatch, wait_for_value
-
-
-@triton.jit
-def grouped_tile(local_tile, num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
-    """(row block, column block) of tile ``local_tile`` in a GROUP_M-swizzled walk of ``num_row_blocks``
-    rows: column-major inside each group of GROUP_M row blocks, the groups in order."""
-    tiles_per_group = GROUP_M * num_col_blocks
-    first_row_block = (local_tile // tiles_per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_row_blocks - first_row_block, GROUP_M)
-    index_in_group = local_tile % tiles_per_group
-    return first_row_block + index_in_group % rows_in_group, index_in_group // rows_in_group
+from .flags import TIMER_AVAILABLE, await_flag
+from .gemm_mainloop import grouped_tile
 
 
 @triton.jit
@@ -71,10 +63,10 @@ def scatter_stores(result, rows, cols, first_row, M, N, rows_per_rank, src_rank,
 
 
 @triton.jit
-def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_counters_ptr, num_col_blocks,
-                      flags_per_source, flag_value, BLOCK_M: tl.constexpr):
+def publish_row_block(row_block, M, rows_per_rank, src_rank, scatter, num_col_blocks, BLOCK_M: tl.constexpr):
     """Count one tile of `row_block` whose stores this program issued earlier; the row block's last tile
-    releases the flags of every owner its rows belong to, with `flag_value` (the call's M)."""
+    releases the flags of every owner its rows belong to, with the call's M."""
+    _, flag_ptrs, tile_counters_ptr, flags_per_source, _, _, _ = scatter
     # Every thread's stores must precede the single-thread release below.
     tl.debug_barrier()
     counter = tile_counters_ptr + row_block
@@ -88,15 +80,16 @@ def publish_row_block(row_block, M, rows_per_rank, src_rank, flag_ptrs, tile_cou
         for flag_owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
             owner_flags = tl.load(flag_ptrs + flag_owner).to(tl.pointer_type(tl.int32))
             flag_index = src_rank * flags_per_source + row_block - (flag_owner * rows_per_rank) // BLOCK_M
-            tl.atomic_xchg(owner_flags + flag_index, flag_value, sem="release", scope="sys")
+            tl.atomic_xchg(owner_flags + flag_index, M, sem="release", scope="sys")
 
 
 @triton.jit
-def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs, flag_ptrs, error_ptr,
-                    error_code_base, rows_per_rank, src_rank, flags_per_source, timeout_ns, failed, flag_value,
+def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, scatter, rows_per_rank, src_rank, failed,
                     USE_TIMER: tl.constexpr):
-    """EPILOGUE 2, own rows: wait for every other source's partial of this row block, add them to the fp32
-    accumulator, store the sum into C (the output shard). Returns False (nothing stored) if a wait expired."""
+    """EPILOGUE 2, own rows: wait for every other source's partial of this row block (its flag holds the
+    call's M), add them to the fp32 accumulator, store the sum into C (the output shard). Returns False
+    (nothing stored) if a wait expired."""
+    dst_ptrs, flag_ptrs, _, flags_per_source, error_ptr, error_code_base, timeout_ns = scatter
     out_dtype: tl.constexpr = c_ptr.dtype.element_ty
     world_size = M // rows_per_rank
     own_flags = tl.load(flag_ptrs + src_rank).to(tl.pointer_type(tl.int32))
@@ -104,8 +97,8 @@ def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs
     for src in range(world_size):
         if arrived & (src != src_rank):
             flag_index = src * flags_per_source + local_row_block
-            arrived = _arrived(own_flags + flag_index, error_ptr, error_code_base + flag_index, flag_value,
-                               timeout_ns, USE_TIMER)
+            arrived = await_flag(own_flags + flag_index, M, error_ptr, error_code_base + flag_index, timeout_ns,
+                                 USE_TIMER)
     # Order the other threads' partial loads after the single-thread acquire.
     tl.debug_barrier()
     if arrived:
@@ -121,24 +114,11 @@ def reduce_own_tile(acc, rows, cols, local_row_block, M, N, ldc, c_ptr, dst_ptrs
     return arrived
 
 
-@triton.jit
-def _arrived(flag_ptr, error_ptr, code, flag_value, timeout_ns, USE_TIMER: tl.constexpr):
-    """Wait for a row-block flag to hold `flag_value`; record an expired wait or a disagreement (another
-    nonzero value: the source called with another M)."""
-    seen = wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER)
-    if seen == 0:
-        record_error(error_ptr, code)
-    elif seen != flag_value:
-        record_mismatch(error_ptr, code, flag_value, seen)
-    return seen == flag_value
-
-
-@triton.jit(do_not_specialize=["rows_per_rank", "owner_rank", "timeout_ns", "error_code_base", "flag_value"])
+@triton.jit(do_not_specialize=["rows_per_rank", "owner_rank"])
 def reduce_partials_kernel(
-    partials_ptr, out_ptr, flags_ptr, error_ptr,
-    rows_per_rank, N, ld_out, world_size, flags_per_source, gemm_block_m, owner_rank, timeout_ns,
-    error_code_base, flag_value,
-    WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
+    partials_ptr, out_ptr, rows_per_rank, N, ld_out, world_size, owner_rank, waits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GEMM_BLOCK_M: tl.constexpr,
+    USE_TIMER: tl.constexpr = TIMER_AVAILABLE,
 ):
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     num_row_blocks = tl.cdiv(rows_per_rank, BLOCK_M)
@@ -146,7 +126,7 @@ def reduce_partials_kernel(
     num_tiles = num_row_blocks * num_col_blocks
     source_stride = rows_per_rank.to(tl.int64) * N
     owner_first_row = owner_rank * rows_per_rank
-    owner_first_gemm_block = owner_first_row // gemm_block_m
+    owner_first_gemm_block = owner_first_row // GEMM_BLOCK_M
 
     for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         row_block = tile_id // num_col_blocks
@@ -156,17 +136,18 @@ def reduce_partials_kernel(
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
 
         all_arrived = tile_id >= 0
-        if WAIT:
+        if waits is not None:
+            flags_ptr, flags_per_source, error_ptr, error_code_base, timeout_ns = waits
             # The GEMM flags whole GEMM row blocks; this tile may overlap two of them.
             last_row = tl.minimum(first_row + BLOCK_M, rows_per_rank) - 1
-            first_flag = (owner_first_row + first_row) // gemm_block_m - owner_first_gemm_block
-            last_flag = (owner_first_row + last_row) // gemm_block_m - owner_first_gemm_block
+            first_flag = (owner_first_row + first_row) // GEMM_BLOCK_M - owner_first_gemm_block
+            last_flag = (owner_first_row + last_row) // GEMM_BLOCK_M - owner_first_gemm_block
             for src in range(world_size):
                 for flag_index in range(first_flag, last_flag + 1):
                     if all_arrived:
                         word = src * flags_per_source + flag_index
-                        all_arrived = _arrived(flags_ptr + word, error_ptr, error_code_base + word, flag_value,
-                                               timeout_ns, USE_TIMER)
+                        all_arrived = await_flag(flags_ptr + word, rows_per_rank * world_size, error_ptr,
+                                                 error_code_base + word, timeout_ns, USE_TIMER)
             # Order the other threads' partial loads after the single-thread acquire.
             tl.debug_barrier()
 

@@ -13,6 +13,7 @@ child that dies or stays silent past STEP_TIMEOUT_S is restarted without the ite
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import subprocess
@@ -20,10 +21,19 @@ import sys
 import threading
 import time
 
-__all__ = ["run_canaries", "STEP_TIMEOUT_S", "CANARY_SHAPE"]
-
 STEP_TIMEOUT_S = 90.0             # compile + run of one configuration; longer counts as a hang
 CANARY_SHAPE = (1024, 3072, 512)  # M, N, K: 96 tiles of 128x256 (a partial wave), K short
+
+
+def operands(m, n, k, layout, dev, seed):
+    """(a [M, K], b [K, N]) bf16 on `dev`, drawn there (a CPU draw of a 28672 x 8192 weight takes seconds):
+    b row-major (`kn`) or the transpose view of a row-major [N, K] (`nk`)."""
+    import torch
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
+    return a, (w.t() if layout == "nk" else w.t().contiguous())
 
 
 def _pump(stream, lines: queue.Queue) -> None:
@@ -72,21 +82,21 @@ def run_canaries(kind: str, items: list[tuple[str, str]], deadline: float, *, de
     return results
 
 
-def _run_one(kind: str, name: str, layout: str, operands: dict) -> str:
+def _run_one(kind: str, name: str, layout: str, tensors: dict) -> str:
     import torch
 
-    from overlap.gemm_blocks import GemmBlocks
+    from overlap.gemm import GemmBlocks
 
     blocks = GemmBlocks.parse(name)
     if kind == "fp8":
-        from overlap.fp8 import fp8_gemm
-        a8, a_scales, w8, w_scales, ref = operands["fp8"]
+        from overlap.gemm import fp8_gemm
+        a8, a_scales, w8, w_scales, ref = tensors["fp8"]
         out = torch.full_like(ref, float("nan"))
         fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks)
         tolerance = 5e-3
     else:
-        from overlap.triton_gemm import triton_mm
-        a, b, ref = operands[layout]
+        from overlap.gemm import triton_mm
+        a, b, ref = tensors[layout]
         out = torch.full_like(ref, float("nan"))
         triton_mm(a, b, out, blocks=blocks)
         tolerance = 1e-2
@@ -101,27 +111,25 @@ def _child(kind: str, arg: str, device: str, shape: str) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the child of a CPU test: before Triton is imported
     import torch
 
-    from launch.gemm_tune import operands as make_operands
-
     dev = torch.device("cuda", torch.cuda.current_device()) if device != "cpu" else torch.device("cpu")
     m, n, k = (int(v) for v in shape.split("x"))
-    operands = {}
+    tensors = {}
     for layout in ("kn", "nk"):
-        a, b = make_operands(m, n, k, layout, dev, seed=1)
-        operands[layout] = (a, b, torch.mm(a, b))
+        a, b = operands(m, n, k, layout, dev, seed=1)
+        tensors[layout] = (a, b, torch.mm(a, b))
     if kind == "fp8":
-        from overlap.fp8 import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
-        a, b, _ = operands["nk"]
+        from overlap.gemm import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
+        a, b, _ = tensors["nk"]
         a8, a_scales = quantize_activation(a)
         w8, w_scales = quantize_weight(b.t())
         ref = (dequantize_activation(a8, a_scales) @ dequantize_weight(w8, w_scales).T).bfloat16()
-        operands["fp8"] = (a8, a_scales, w8, w_scales, ref)
+        tensors["fp8"] = (a8, a_scales, w8, w_scales, ref)
     for item in arg.split(","):
         name, layout = item.split("/", 1)
         print(f"try {item}", flush=True)
         start = time.perf_counter()
         try:
-            reason = _run_one(kind, name, layout, operands)
+            reason = _run_one(kind, name, layout, tensors)
         except Exception as exc:  # a compile error or OutOfResources: this configuration only
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
         reason = reason.replace("\n", " ")

@@ -2,7 +2,7 @@
 (`torch._scaled_mm` with the same scale tensors) and bf16 cuBLAS, on the same shapes as the bf16 bench.
 
 Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are quantised once by
-overlap.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
+overlap.gemm.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
 our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch.gemm_tune.FP8_CANDIDATES, or
 `--configs`) -- are
 checked against `torch._scaled_mm`'s output on a NaN-poisoned output (relative error <= 5e-3 in norm and
@@ -20,31 +20,27 @@ import time
 
 import torch
 
-from overlap.fp8 import choose_fp8_blocks, fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference
-from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks
 from launch._cli import run_dir
 from launch.report import device_slug, format_table, write_results
 from launch.timing import bench_interleaved, progress
-from overlap.triton_gemm import gpu_name, num_sms
+from overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
+                          quantize_activation, quantize_weight, scaled_mm_reference)
 
-from .gemm_bench import bench_device, shape_points
-from .gemm_tune import FP8_CANDIDATES, operands, precompile, write_table
-
-__all__ = ["run_fp8"]
+from ._canary import operands
+from .gemm_tune import FP8_CANDIDATES, precompile, write_table
 
 FP8_REL_TOLERANCE = 5e-3       # Frobenius norm of the difference over the reference's
 FP8_MAX_REL_TOLERANCE = 1e-2   # the worst element's difference over the reference's largest magnitude
 PER_CALL_OVERHEAD_S = 6e-4
 
 
-def run_fp8(args) -> int:
+def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str, str, int, int, int, int]]) -> int:
+    """The FP8 sweep over `points` ((layer, op, tp, m, n, k), launch.gemm_bench.shape_points) on `dev`."""
     started = time.monotonic()
-    dev, device_name = bench_device(args.device)
     out = args.out or str(run_dir("gemm_bench") / f"gemm_fp8_{device_slug(device_name)}.json")
     candidates = {name: GemmBlocks.parse(name) for name in (args.configs or FP8_CANDIDATES)}
     failed: dict[str, str] = {}
     rows, skipped, entries = [], [], {}
-    points = shape_points(args.tp, args.m, args.layers, args.shapes)
     # every configuration once in a child process first (launch/_canary.py): a crash or hang drops it
     names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
                                       for _, _, _, m, n, k in points})

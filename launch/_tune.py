@@ -95,7 +95,7 @@ def gate_failures(rows: list[dict], max_k: float, best: dict | None = None) -> l
 
 # M values in the order the tuner measures them: the two ends first (wave quantisation at 1024, throughput
 # at 16384), then the middle, then the rest. The table answers an unmeasured M with the entry nearest in
-# log2(M) (overlap/gemm_blocks.py), so a run cut short after the first passes still covers every M.
+# log2(M) (overlap/gemm/blocks.py), so a run cut short after the first passes still covers every M.
 M_ORDER = (1024, 16384, 4096, 2048, 8192)
 
 # Candidates per shape class (Hopper: TMA descriptors; 128x256x64 tiles with 8 warps or two consumer

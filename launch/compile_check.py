@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm import GemmBlocks
 
 from ._cli import ArgumentParser, run_launcher
 
@@ -34,8 +34,9 @@ PROG = "launch.compile_check"
 
 def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
     """triton.compile of `fn` for sm_<arch>: `types` maps runtime arguments to Triton types ('*bf16', 'i32',
-    ...; a trailing ':16' marks the value as divisible by 16, as the launcher's specialisation would),
-    `constexprs` the compile-time ones (None for absent optional pointers)."""
+    ...; a trailing ':16' marks the value as divisible by 16, as the launcher's specialisation would; a tuple
+    argument gets a tuple of them, where an int is an element Triton specialises to that constant),
+    `constexprs` the compile-time ones (None for absent optional arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,16 +46,29 @@ def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num
         if name in constexprs:
             signature[name] = "constexpr"
             constants[(index,)] = constexprs[name]
+        elif name in types and isinstance(types[name], tuple):
+            elements = []
+            for position, element in enumerate(types[name]):
+                if isinstance(element, int):
+                    elements.append("constexpr")
+                    constants[(index, position)] = element
+                else:
+                    elements.append(_typed(element, (index, position), attrs))
+            signature[name] = tuple(elements)
         elif name in types:
-            kind, _, divisible = types[name].partition(":")
-            signature[name] = kind
-            if divisible:
-                attrs[(index,)] = [["tt.divisibility", 16]]
+            signature[name] = _typed(types[name], (index,), attrs)
         else:
             raise KeyError(f"{fn.__name__}: no type or value for argument {name!r}")
     source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _typed(kind: str, path: tuple, attrs: dict) -> str:
+    kind, _, divisible = kind.partition(":")
+    if divisible:
+        attrs[path] = [["tt.divisibility", 16]]
+    return kind
 
 
 def resource_usage(compiled) -> dict:
@@ -78,32 +92,37 @@ def resource_usage(compiled) -> dict:
             "shared": compiled.metadata.shared, "wgmma_waits": ",".join(waits)}
 
 
-_GEMM_TYPES = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "src_rank", "error_code_base",
-                                        "timeout_ns", "stream_k_tiles", "flag_value")}
-_GEMM_TYPES.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc", "flags_per_source")})
+_GEMM_TYPES = {"M": "i32", "N": "i32:16", "K": "i32:16", "strides": ("i32:16", "i32:16", "i32:16"),
+               "tile_row_offset": "i32", "rows_per_rank": "i32", "src_rank": "i32"}
+_CHUNK_WAIT = ("*i32:16", "i32", "*i32:16", "i32", "i32")   # chunk flags, chunks_per_rank, error words, code, timeout
+
+
+def _gemm_config(blocks: GemmBlocks, **overrides):
+    from kernels.gemm import GemmConfig
+
+    fields = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
+                  WARP_SPECIALIZE=blocks.warp_specialize, FLATTEN=blocks.flatten,
+                  EPILOGUE_SUBTILE=blocks.epilogue_subtile, STREAM_K_WAVES=blocks.stream_k, USE_TIMER=True)
+    return GemmConfig(**(fields | overrides))
 
 
 def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
-    """The local-epilogue persistent GEMM as overlap.triton_mm launches it (aligned operands)."""
+    """The local-epilogue persistent GEMM as overlap.gemm.triton_mm launches it (aligned operands)."""
     from kernels.gemm import persistent_gemm_kernel
 
     types = dict(_GEMM_TYPES, a_ptr=f"*{dtype}:16", b_ptr=f"*{dtype}:16", c_ptr=f"*{dtype}:16")
-    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-                      EPILOGUE=0, USE_DESCRIPTORS=True, B_TRANSPOSED=b_transposed,
-                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=False, USE_TIMER=True,
-                      STREAM_K=bool(blocks.stream_k), FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile,
-                      dst_ptrs=None, flag_ptrs=None, tile_counters_ptr=None, chunk_flags_ptr=None, chunks_per_rank=1,
-                      error_ptr=None)
+    constexprs = dict(CONFIG=_gemm_config(blocks, B_TRANSPOSED=b_transposed), scatter=None, chunk_wait=None,
+                      scales=None)
     if blocks.stream_k:
-        types.update(stream_k_workspace="*fp32:16", stream_k_flags="*i32:16")
+        types.update(stream_k=("*fp32:16", "*i32:16", "i32:16"))
     else:
-        constexprs.update(stream_k_workspace=None, stream_k_flags=None)
+        constexprs.update(stream_k=None)
     return compile_for_target(persistent_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
                               num_stages=blocks.num_stages, arch=arch)
 
 
 def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
-    """The split-K GEMM (a name with `sp<S>`) as overlap/_gemm_splitk.py launches it: host-side TMA
+    """The split-K GEMM (a name with `sp<S>`) as overlap/gemm/splitk.py launches it: host-side TMA
     descriptors for aligned operands."""
     from kernels.gemm_splitk import reduce_rows, split_k_gemm_kernel
 
@@ -119,32 +138,29 @@ def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 
 
 
 def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = False):
-    """The FP8 block-scaled GEMM as overlap.fp8.fp8_gemm launches it (aligned operands)."""
-    from kernels.gemm_fp8 import fp8_gemm_kernel
+    """The FP8 block-scaled GEMM as overlap.gemm.fp8.fp8_gemm launches it (aligned operands)."""
+    from kernels.gemm import persistent_gemm_kernel
 
     if blocks.gluon:
         return compile_fp8_gluon_gemm(blocks, arch=arch)
 
-    types = {name: "i32" for name in ("M", "tile_row_offset", "rows_per_rank", "error_code_base", "timeout_ns")}
-    types.update({name: "i32:16" for name in ("N", "K", "lda", "ldb", "ldc")})
-    types.update(a_ptr="*fp8e4nv:16", b_ptr="*fp8e4nv:16", c_ptr="*bf16:16", a_scales_ptr="*fp32:16",
-                 b_scales_ptr="*fp32:16", a_scale_stride_m="i32", a_scale_stride_k="i32:16",
-                 b_scale_stride_n="i32:16", b_scale_stride_k="i32")
-    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, GROUP_M=blocks.group_m, USE_DESCRIPTORS=True,
-                      WARP_SPECIALIZE=blocks.warp_specialize, WAIT_CHUNKS=wait_chunks, USE_TIMER=True,
-                      FLATTEN=blocks.flatten, EPILOGUE_SUBTILE=blocks.epilogue_subtile, a_scale_stride_m=1,
-                      b_scale_stride_k=1)
-    del types["a_scale_stride_m"], types["b_scale_stride_k"]
+    # scales: a [M, K/128] view with strides (1, M), w [N/128, K/128] row-major (stride 1 is a constant)
+    types = dict(_GEMM_TYPES, a_ptr="*fp8e4nv:16", b_ptr="*fp8e4nv:16", c_ptr="*bf16:16",
+                 scales=("*fp32:16", "*fp32:16", 1, "i32:16", "i32:16", 1))
+    constexprs = dict(CONFIG=_gemm_config(blocks, B_TRANSPOSED=True, STREAM_K_WAVES=0, WARP_SPECIALIZE=
+                                          blocks.warp_specialize and not wait_chunks,
+                                          FLATTEN=blocks.flatten and not wait_chunks),
+                      scatter=None, stream_k=None)
     if wait_chunks:
-        types.update(chunk_flags_ptr="*i32:16", error_ptr="*i32:16", chunks_per_rank="i32")
+        types.update(chunk_wait=_CHUNK_WAIT)
     else:
-        constexprs.update(chunk_flags_ptr=None, error_ptr=None, chunks_per_rank=1)
-    return compile_for_target(fp8_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
+        constexprs.update(chunk_wait=None)
+    return compile_for_target(persistent_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
                               num_stages=blocks.num_stages, arch=arch)
 
 
 def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90):
-    """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/_fp8_gluon_launch.py launches it: host
+    """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3 and C [64, BLOCK_N] bf16, unit scale strides."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -239,7 +255,7 @@ def parse_args(argv=None):
 
 def _jobs(args) -> set:
     from launch.gemm_tune import candidate_names, fp8_candidate_names
-    from overlap.gemm_blocks import LAYOUTS, block_table_path, load_block_table
+    from overlap.gemm import LAYOUTS, block_table_path, load_block_table
 
     jobs = set()
     names = [n for n in args.configs.split(",") if n]
@@ -298,28 +314,27 @@ def compile_overlap_kernels(arch: int = 90) -> dict:
     from kernels.rs_epilogue import reduce_partials_kernel
 
     out = {}
-    base = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, USE_DESCRIPTORS=True, B_TRANSPOSED=True,
-                WARP_SPECIALIZE=False, USE_TIMER=True, STREAM_K=False, FLATTEN=False, EPILOGUE_SUBTILE=1,
-                stream_k_workspace=None, stream_k_flags=None)
+    blocks = GemmBlocks.parse("128x128x64w8s3")
     for epilogue, wait in ((0, True), (1, False), (2, False), (1, True)):
-        types = dict(_GEMM_TYPES, a_ptr="*bf16:16", b_ptr="*bf16:16", c_ptr="*bf16:16", error_ptr="*i32")
-        constexprs = dict(base, EPILOGUE=epilogue, WAIT_CHUNKS=wait)
-        if epilogue:
-            types.update(dst_ptrs="*i64", flag_ptrs="*i64", tile_counters_ptr="*i32")
+        types = dict(_GEMM_TYPES, a_ptr="*bf16:16", b_ptr="*bf16:16", c_ptr="*bf16:16")
+        constexprs = dict(CONFIG=_gemm_config(blocks, EPILOGUE=epilogue, B_TRANSPOSED=True), stream_k=None,
+                          scales=None)
+        if epilogue:  # dst and flag pointer tables, tile counters, flags_per_source, error words, code, timeout
+            types.update(scatter=("*i64", "*i64", "*i32", "i32:16", "*i32", "i32", "i32"))
         else:
-            constexprs.update(dst_ptrs=None, flag_ptrs=None, tile_counters_ptr=None)
+            constexprs.update(scatter=None)
         if wait:
-            types.update(chunk_flags_ptr="*i32", chunks_per_rank="i32")
+            types.update(chunk_wait=("*i32", "i32", "*i32", "i32", "i32"))
         else:
-            constexprs.update(chunk_flags_ptr=None, chunks_per_rank=1)
+            constexprs.update(chunk_wait=None)
         out[f"gemm epilogue {epilogue}{' + chunk waits' if wait else ''}"] = compile_for_target(
             persistent_gemm_kernel, types, constexprs, num_warps=8, num_stages=3, arch=arch)
-    types = {"partials_ptr": "*bf16:16", "out_ptr": "*bf16:16", "flags_ptr": "*i32", "error_ptr": "*i32",
-             **{name: "i32" for name in ("rows_per_rank", "N", "ld_out", "world_size", "flags_per_source",
-                                         "gemm_block_m", "owner_rank", "error_code_base", "flag_value")},
-             "timeout_ns": "i64"}
+    types = {"partials_ptr": "*bf16:16", "out_ptr": "*bf16:16",
+             **{name: "i32" for name in ("rows_per_rank", "N", "ld_out", "world_size", "owner_rank")}}
     for wait in (False, True):
+        waits = {"waits": ("*i32", "i32", "*i32", "i32", "i64")} if wait else {}
         out[f"reduce{' (waits)' if wait else ''}"] = compile_for_target(
-            reduce_partials_kernel, types, dict(WAIT=wait, BLOCK_M=32, BLOCK_N=256, USE_TIMER=True), num_warps=4,
-            num_stages=2, arch=arch)
+            reduce_partials_kernel, types | waits,
+            dict(BLOCK_M=32, BLOCK_N=256, GEMM_BLOCK_M=128, USE_TIMER=True) | ({} if wait else {"waits": None}),
+            num_warps=4, num_stages=2, arch=arch)
     return out

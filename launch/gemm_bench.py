@@ -28,12 +28,12 @@ from launch._cli import ArgumentParser, UsageError, int_list, require, run_dir, 
 from launch.report import device_slug, format_table, write_results
 from launch.shapes import ag_points, rs_points
 from launch.timing import bench_interleaved, progress
-from overlap.gemm_blocks import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, heuristic_blocks,
-                                 load_block_table)
-from overlap.triton_gemm import gpu_name, triton_mm
+from overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
+                          load_block_table, triton_mm)
 
-from ._canary import CANARY_SHAPE
-from .gemm_tune import DEFAULT_JOBS, operands, parse_shapes
+from ._canary import CANARY_SHAPE, operands
+from ._gemm_bench_fp8 import run_fp8
+from .gemm_tune import DEFAULT_JOBS, parse_shapes
 
 __all__ = ["main", "shape_points", "summarize", "bench_device"]
 
@@ -139,8 +139,9 @@ def _run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (or --device cpu with the Triton interpreter)")
     if args.fp8:
-        from ._gemm_bench_fp8 import run_fp8
-        return run_fp8(args)
+        dev, device_name = bench_device(args.device)
+        return run_fp8(args, dev=dev, device_name=device_name,
+                       points=shape_points(args.tp, args.m, args.layers, args.shapes))
     return _run_bf16(args)
 
 
@@ -154,7 +155,7 @@ def bench_device(name: str) -> tuple[torch.device, str]:
 
 
 def _run_bf16(args) -> int:
-    from overlap.triton_gemm import release_split_k_workspaces
+    from overlap.gemm import release_split_k_workspaces
 
     started = time.monotonic()
     dev, device_name = bench_device(args.device)

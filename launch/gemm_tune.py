@@ -34,7 +34,6 @@ Progress lines go to stderr; the last lines give the median and minimum Triton/c
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import statistics
 import sys
@@ -43,8 +42,10 @@ from pathlib import Path
 
 from launch._cli import ArgumentParser, int_list, require, run_dir, run_launcher
 
+from ._canary import CANARY_SHAPE, operands, run_canaries
+
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
-           "operands", "write_table", "precompile", "main"]
+           "write_table", "precompile", "main"]
 
 # The union of the shape classes' lists and the split-K candidates (launch/_tune.py): what `--candidates all`
 # means and what launch.compile_check --candidates compiles.
@@ -110,12 +111,12 @@ def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
 
 def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
                 operand_bytes: int = 2) -> None:
-    """The YAML table (format: overlap/gemm_blocks.py), one flow-style entry per line, sorted."""
+    """The YAML table (format: overlap/gemm/blocks.py), one flow-style entry per line, sorted."""
     import yaml
 
     kind = "FP8 GEMM (kernels/gemm_fp8.py)" if operand_bytes == 1 else "GEMM (kernels/gemm.py)"
     lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
-             "# overlap/gemm_blocks.py). vs_cublas = reference time / Triton time, device time.",
+             "# overlap/gemm/blocks.py). vs_cublas = reference time / Triton time, device time.",
              f"gpu: {gpu}", f"num_sms: {num_sms_}"]
     if operand_bytes != 2:
         lines.append(f"operand_bytes: {operand_bytes}")
@@ -134,23 +135,10 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     tmp.replace(path)
 
 
-def operands(m, n, k, layout, dev, seed):
-    """(a [M, K], b [K, N]) bf16 on `dev`, drawn there (a CPU draw of a 28672 x 8192 weight takes seconds):
-    b row-major (`kn`) or the transpose view of a row-major [N, K] (`nk`)."""
-    import torch
-
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, generator=gen, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
-    return a, (w.t() if layout == "nk" else w.t().contiguous())
-
-
 def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
                shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
     """launch/_canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
     each given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
-    from ._canary import run_canaries
-
     slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
     verdicts: dict[tuple[str, str], str] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(slices)) as pool:
@@ -160,8 +148,7 @@ def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs
 
 
 def make_parser() -> ArgumentParser:
-    from launch._canary import CANARY_SHAPE
-    from overlap.gemm_blocks import LAYOUTS
+    from overlap.gemm import LAYOUTS
 
     p = ArgumentParser("python -m launch.gemm_tune", description=__doc__)
     p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are tuned")
@@ -187,7 +174,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from overlap.gemm_blocks import LAYOUTS, GemmBlocks
+    from overlap.gemm import LAYOUTS, GemmBlocks
 
     args = make_parser().parse_args(argv)
     require(all(w >= 1 for w in args.tp), f"--tp: TP sizes must be >= 1, got {args.tp}")
@@ -219,8 +206,7 @@ def _run(args) -> int:
     from launch._cli import UsageError
     from launch.report import device_slug
     from launch.timing import progress
-    from overlap.gemm_blocks import BlockTable, load_block_table
-    from overlap.triton_gemm import gpu_name, num_sms
+    from overlap.gemm import BlockTable, gpu_name, load_block_table, num_sms
 
     started = time.monotonic()
     deadline = started + args.time_budget_s
@@ -272,7 +258,7 @@ def _resumed_state(out_table: str, out_json: str, entries: dict) -> tuple[list[d
 
     import yaml
 
-    from overlap.gemm_blocks import parse_block_table
+    from overlap.gemm import parse_block_table
 
     rows = json.loads(Path(out_json).read_text())["rows"] if Path(out_json).is_file() else []
     if Path(out_table).is_file():  # parsed here: load_block_table caches by path, and this file keeps changing
@@ -296,7 +282,7 @@ class _Sweep:
     def candidates(self, m, n, k, layout) -> tuple[str, ...]:
         """The point's class list (or --candidates), the hand heuristic and the current table's choices."""
         from launch._tune import gemm_candidates
-        from overlap.gemm_blocks import heuristic_blocks
+        from overlap.gemm import heuristic_blocks
 
         current = self.entries.get((layout, m, n, k))
         extra = [heuristic_blocks(m, n, k).name] + ([current.blocks.name, current.plain.name] if current else [])
@@ -307,7 +293,7 @@ class _Sweep:
     def run_point(self, m, n, k, names, layout, *, label: str) -> None:
         from launch._tune import point_seconds, shape_class
         from launch.timing import progress
-        from overlap.gemm_blocks import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
+        from overlap.gemm import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
 
         tried = [c for c in self.candidates(m, n, k, layout) if (c, layout) not in self.failed]
         point = {"layout": layout, "M": m, "N": n, "K": k}
@@ -345,8 +331,7 @@ class _Sweep:
         import torch
 
         from launch.timing import bench_interleaved, progress
-        from overlap.gemm_blocks import GemmBlocks
-        from overlap.triton_gemm import release_split_k_workspaces, triton_mm
+        from overlap.gemm import GemmBlocks, release_split_k_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)

@@ -55,7 +55,7 @@ def _run(args) -> int:
     require(torch.cuda.is_available(), "needs a CUDA GPU (it times kernel launches on one GPU); run it on a GPU "
                                        "machine")
     from kernels.flags import launch_signal, launch_signal_range, launch_wait
-    from overlap.triton_gemm import GemmBlocks, triton_mm
+    from overlap.gemm import GemmBlocks, triton_mm
 
     dev = torch.device("cuda", 0)
     flags = torch.zeros(64, dtype=torch.int32, device=dev)

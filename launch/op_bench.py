@@ -100,7 +100,7 @@ def _baseline_columns(stats, t_ours_ms: float, t_gemm: float, t_comm: float) -> 
 def _gemm_variants(ctx, a, w, out_cublas, out_triton) -> dict:
     variants = {"gemm_cublas": lambda: torch.mm(a, w, out=out_cublas)}
     if ctx.device.type == "cuda":
-        from overlap.triton_gemm import triton_mm
+        from overlap.gemm import triton_mm
         variants["gemm_triton"] = lambda: triton_mm(a, w, out_triton)
     return variants
 

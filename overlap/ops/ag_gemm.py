@@ -29,14 +29,14 @@ import torch.distributed as dist
 
 from symm_mem.regions import RegionSpec
 
+from ..gemm import (ChunkWait, Fp8WeightCache, choose_blocks, choose_fp8_blocks, dequantize_activation, fp8_gemm,
+                    launch_gemm, launch_quantize_activation, num_sms, scale_groups, sm_carveout)
 from . import protocol
 from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .base import OpBase
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import AgGemmConfig
 from .schedule import COMPUTE, Program
-from ..fp8 import Fp8WeightCache, scale_groups
-from ..triton_gemm import choose_blocks, num_sms, sm_carveout
 
 __all__ = ["AgGemm", "AgCall", "Chunk", "ConsumerGemm", "ag_gemm"]
 
@@ -180,7 +180,6 @@ class AgGemm(OpBase):
         self._check_live()
         if not self.fp8:
             return self.gathered[:m]
-        from ..fp8 import dequantize_activation
         return dequantize_activation(self.gathered[:m], self.scales[:m]).to(torch.bfloat16)
 
     def all_gather(self, a_shard: torch.Tensor) -> torch.Tensor:
@@ -288,9 +287,8 @@ class AgGemm(OpBase):
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
         slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
-            from .._fp8_launch import launch_quantize_activation
             slot_scales = self.scales[self.rank * rows:(self.rank + 1) * rows]
-            program.run(COMPUTE, lambda call: launch_quantize_activation(call.a_shard, slot, slot_scales))
+            program.run(COMPUTE, lambda call: launch_quantize_activation(x=call.a_shard, q=slot, scales=slot_scales))
         elif not zero_copy:
             program.copy(COMPUTE, slot, lambda call: call.a_shard)
         if fused:
@@ -347,7 +345,6 @@ class AgGemm(OpBase):
         first = lo - self.rank * (m // self.world_size)
         gathered = self.gathered[lo:lo + count]
         if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
-            from ..fp8 import fp8_gemm
             scales = self.scales[lo:lo + count]
 
             def mm_fp8(call) -> None:
@@ -362,7 +359,6 @@ class AgGemm(OpBase):
         return mm
 
     def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
-        from .._gemm_launch import ChunkWait, launch_gemm
         from kernels.gemm import ag_tile_row_offset
 
         rows = m // self.world_size
@@ -378,7 +374,6 @@ class AgGemm(OpBase):
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
         gathered = self.gathered[:m]
         if self.fp8:
-            from ..fp8 import choose_fp8_blocks, fp8_gemm
             blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 

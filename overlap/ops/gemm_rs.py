@@ -36,15 +36,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
 from symm_mem.regions import RegionSpec
 
+from ..gemm import (Fp8WeightCache, Scatter, choose_blocks, fp8_gemm, launch_gemm, launch_reduce, num_sms,
+                    quantize_activation, sm_carveout)
 from . import protocol
-from .._gemm_launch import Scatter, launch_gemm, launch_reduce
 from .base import OpBase
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .schedule import COMPUTE, Program
-from ..triton_gemm import choose_blocks, num_sms, sm_carveout
 
 __all__ = ["GemmRs", "RsCall", "gemm_rs", "FLAG_BLOCK_M"]
 
@@ -100,7 +101,6 @@ class GemmRs(OpBase):
         methods = {cfg.method for cfg in self.configs()}
         self._check_methods(name, methods, dtype)
         if fp8:
-            from ..fp8 import Fp8WeightCache
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
         max_rows = max_m // self.world_size
@@ -202,7 +202,6 @@ class GemmRs(OpBase):
             call.g, call.result = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
-            from ..fp8 import quantize_activation
             call.a_fp8, call.w_fp8 = quantize_activation(a), self._weights.get(w.t())
             addresses += tuple(t.data_ptr() for pair in (call.a_fp8, call.w_fp8) for t in pair)
         key = (m, schedule, wgrad_of is not None, work is not None, check is not None)
@@ -257,8 +256,7 @@ class GemmRs(OpBase):
                        flag_ptrs=self.pool.ptr_table(self.flags.region, device_flags=True),
                        tile_counters=self._tile_counters, rows_per_rank=m // self.world_size, src_rank=self.rank,
                        flags_per_source=self.flags_per_source, error_words=self.pool.error_words(),
-                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s,
-                       flag_value=m)
+                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
     def _gemm_blocks(self, m: int, programs: int):
         return dataclasses.replace(choose_blocks(m, self.n, self.k_local, device_type=self.device.type,
@@ -276,7 +274,7 @@ class GemmRs(OpBase):
         offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
         own = self._slots(self.rank, rows)[0]
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs,
-                                                     blocks=blocks, epilogue=1, tile_row_offset=offset,
+                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER, tile_row_offset=offset,
                                                      scatter=scatter))
         if not self._cuda:
             program.await_device(REDUCE, self._used_row_flags(rows), value=m,
@@ -290,7 +288,7 @@ class GemmRs(OpBase):
         blocks, scatter = self._gemm_blocks(m, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
-                                                     blocks=blocks, epilogue=2, scatter=scatter))
+                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER_REDUCE, scatter=scatter))
         program.clear(COMPUTE, self.row_flags)
         self._give_free(program, COMPUTE)
 
@@ -301,7 +299,7 @@ class GemmRs(OpBase):
                       error_code_base=self.pool.device_error_code(self.flags.region, 0), rows_per_rank=rows,
                       world_size=self.world_size, flags_per_source=self.flags_per_source, gemm_block_m=FLAG_BLOCK_M,
                       owner_rank=self.rank, num_programs=max(1, config.num_comm_sms), wait=wait,
-                      timeout_s=self.timeout_s, flag_value=m)
+                      timeout_s=self.timeout_s)
 
     def _push(self, program: Program, owner: int, m: int, source) -> None:
         """Copy-engine push of this rank's partial of `owner`'s rows into owner's slot, then pushed[me] = M."""
@@ -390,7 +388,6 @@ class GemmRs(OpBase):
         """A GEMM step: dst(call) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
         the rows quantised at the call's start, bf16 out)."""
         if self.fp8:
-            from ..fp8 import fp8_gemm
 
             def mm_fp8(call) -> None:
                 (a8, a_scales), (w8, w_scales) = call.a_fp8, call.w_fp8

@@ -43,10 +43,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kernels.constants import CLEAR, SET  # one home: the kernels and these host-side steps read the same values
 
 __all__ = ["SET", "CLEAR", "Flag", "AgFlags", "RsFlags", "initialise"]
-
-SET, CLEAR = 1, 0
 
 
 class Flag(NamedTuple):

@@ -10,6 +10,8 @@ import torch
 
 from ipc.errors import OverlapError
 
+from ..gemm import num_sms
+
 __all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
            "check_weight", "check_method_runs", "check_same_group"]
 
@@ -77,7 +79,6 @@ def check_method_runs(name: str, config, device: torch.device) -> None:
     """Refuse, at construction, a config that cannot run on `device`: on CUDA every field against the GPU's
     SM count (ConfigError, as the preset loader reports it); on every device a Triton method needs the
     Triton runtime (a GPU, or the interpreter on CPU) and at least one GEMM program (num_sms - sm_margin)."""
-    from ..triton_gemm import num_sms
 
     sms = num_sms(device)
     if device.type == "cuda":

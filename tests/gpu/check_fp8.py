@@ -67,9 +67,8 @@ def main(argv=None) -> int:
         return 1
     from kernels.gemm import ag_tile_row_offset
     from launch.gemm_tune import FP8_CANDIDATES
-    from overlap import fp8
-    from overlap.gemm_blocks import GemmBlocks
-    from overlap.triton_gemm import _stream_k_buffers, num_sms, triton_mm
+    from overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
+    from overlap.gemm.launch import _stream_k_buffers
 
     dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = TINY if cpu else SHAPES

@@ -62,7 +62,7 @@ def _correctness_case(name, m, n, k, gen, dev) -> dict:
     import torch
 
     from overlap import fp8
-    from overlap.gemm_blocks import GemmBlocks
+    from overlap.gemm.blocks import GemmBlocks
 
     x8, xs = fp8.quantize_activation(_grouped(m, k, 1, gen, dev))
     w8, ws = fp8.quantize_weight(_grouped(n, k, 128, gen, dev) * 0.05)
@@ -99,7 +99,7 @@ def _timed_case(layer, m, n, k, gen, dev, reps) -> dict:
 
     from launch.timing import bench_interleaved
     from overlap import fp8
-    from overlap.gemm_blocks import GemmBlocks
+    from overlap.gemm.blocks import GemmBlocks
 
     a = torch.randn(m, k, generator=gen, device=dev).bfloat16()
     w = (torch.randn(n, k, generator=gen, device=dev) * 0.05).bfloat16()

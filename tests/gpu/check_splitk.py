@@ -61,8 +61,8 @@ def main(argv=None) -> int:
         print("FAIL no CUDA device (use --cpu for the interpreter)")
         return 1
     from launch._tune import SPLIT_K_CANDIDATES
-    from overlap.gemm_blocks import GemmBlocks
-    from overlap.triton_gemm import split_k_workspace, triton_mm
+    from overlap.gemm.blocks import GemmBlocks
+    from overlap.gemm import split_k_workspace, triton_mm
 
     dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = TINY if cpu else SHAPES

@@ -22,7 +22,7 @@ from tests.gpu.smoke_refusals import refusals
 from tests.multiproc import run_ranks
 
 TOL = 1e-2
-FP8_TOL = 6e-2       # e4m3 with 1x128 / 128x128 scales: ~3.7e-2 per GEMM on Gaussian data (overlap/fp8.py)
+FP8_TOL = 6e-2       # e4m3 with 1x128 / 128x128 scales: ~3.7e-2 per GEMM on Gaussian data (overlap/gemm/fp8.py)
 FP8_MLP_TOL = 0.15   # up to three quantised GEMMs chained per gradient (tests/mp/test_fp8_ops.py)
 
 
@@ -76,7 +76,7 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
             out, gathered = op(a_shard, w, return_gathered=True)
         full = torch.cat(_gather(a_shard))
         if fp8:  # the gathered e4m3 rows and scales are those of quantising the full input
-            from overlap.fp8 import quantize_activation
+            from overlap.gemm import quantize_activation
             q8, qs = quantize_activation(full.to(dev))
             if not (torch.equal(gathered[0].view(torch.uint8), q8.view(torch.uint8))
                     and torch.equal(gathered[1], qs)):

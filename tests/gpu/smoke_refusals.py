@@ -30,7 +30,7 @@ def refusals(c, dev) -> str:
     from overlap.ops.ag_gemm import AgGemm
     from overlap.config.schema import AgGemmConfig, ConfigError, GemmRsConfig
     from overlap.ops.gemm_rs import GemmRs
-    from overlap.triton_gemm import num_sms
+    from overlap.gemm import num_sms
     from symm_mem import SymmetricPool
     group, world, rank = dist.group.WORLD, c.world, c.rank
     sms = num_sms(dev)

@@ -19,7 +19,7 @@ from overlap.ops.gemm_rs import GemmRs  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 
 # one e4m3 rounding is <= 2**-4 relative per element; over a GEMM with 1x128 / 128x128 scales the relative
-# Frobenius error measured ~3.7e-2 on Gaussian data (overlap/fp8.py): 6e-2 per GEMM, 0.15 for an MLP step
+# Frobenius error measured ~3.7e-2 on Gaussian data (overlap/gemm/fp8.py): 6e-2 per GEMM, 0.15 for an MLP step
 # (up to three quantised GEMMs chained per gradient)
 FP8_GEMM_TOLERANCE = 6e-2
 FP8_MLP_TOLERANCE = 0.15
@@ -30,7 +30,7 @@ def _rel(a, b):
 
 
 def _ops(rank, world):
-    from overlap.fp8 import quantize_activation
+    from overlap.gemm import quantize_activation
     from symm_mem import SymmetricPool
     group = dist.group.WORLD
     out = {}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from overlap.ops.ag_gemm import AgGemm
 from overlap.config.schema import AgGemmConfig, GemmRsConfig
 from overlap.ops.gemm_rs import GemmRs
-from overlap.triton_gemm import GemmBlocks, triton_mm
+from overlap.gemm import GemmBlocks, triton_mm
 from symm_mem import SymmetricPool
 from tests.multiproc import run_ranks
 

@@ -8,7 +8,7 @@ import torch
 
 from launch.gemm_tune import FP8_CANDIDATES
 from overlap import fp8
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm.blocks import GemmBlocks
 
 
 def test_the_gl_suffix_round_trips_and_is_not_plain():

@@ -1,4 +1,4 @@
-"""FP8 quantisation (kernels/quant_fp8.py through overlap/fp8.py) on CPU (Triton interpreter): the exact
+"""FP8 quantisation (kernels/quant_fp8.py through overlap/gemm/fp8.py) on CPU (Triton interpreter): the exact
 e4m3 bytes and scales of a torch reference quantiser, the cuBLAS scale layouts, tails and all-zero groups,
 and the weight cache's invalidation."""
 
@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from overlap.fp8 import FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight  # noqa: E402
-from overlap.fp8 import quantize_activation, quantize_activation_reference as reference_activation  # noqa: E402
-from overlap.fp8 import quantize_weight, quantize_weight_reference as reference_weight  # noqa: E402
+from overlap.gemm import FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight  # noqa: E402
+from overlap.gemm.fp8 import quantize_activation, quantize_activation_reference as reference_activation  # noqa: E402
+from overlap.gemm.fp8 import quantize_weight, quantize_weight_reference as reference_weight  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 from launch import gemm_bench, gemm_tune  # noqa: E402
 from launch._canary import run_canaries  # noqa: E402
-from overlap.gemm_blocks import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
+from overlap.gemm import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
               pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke runs; on a GPU run the launchers")]

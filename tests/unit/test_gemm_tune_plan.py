@@ -12,7 +12,7 @@ from launch import gemm_bench, gemm_tune
 from launch._tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, gemm_candidates, point_seconds, shape_class,
                           splits_k, tune_order)
 from launch.shapes import ag_points, rs_points
-from overlap.gemm_blocks import PLAIN_BLOCK_M, GemmBlocks
+from overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMS = 132

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from overlap.gemm_blocks import SHARED_MEMORY_LIMIT
+from overlap.gemm.blocks import SHARED_MEMORY_LIMIT
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ CHILD = """
 import json
 from launch.compile_check import (compile_fp8_gemm, compile_gemm, compile_overlap_kernels, compile_quantizers,
                                   resource_usage)
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm import GemmBlocks
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
 out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s6gl")))

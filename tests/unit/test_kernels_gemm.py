@@ -22,7 +22,7 @@ from kernels.gemm import (  # noqa: E402
     EPILOGUE_LOCAL,
     EPILOGUE_SCATTER,
     TIMER_AVAILABLE,
-    _tile_coordinates,
+    GemmConfig,
     ag_chunk_index,
     ag_chunk_rows,
     ag_rows_per_chunk,
@@ -32,12 +32,17 @@ from kernels.gemm import (  # noqa: E402
     reduce_partials_kernel,
     scatter_flags_per_source,
 )
+from kernels.gemm_mainloop import tile_coordinates  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy >= 1.25 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GEMM_BLOCKS = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+
+
+def gemm_config(**options):
+    return GemmConfig(**GEMM_BLOCKS, **options)
 GEMM_REL_TOLERANCE = 1e-2
 # Bound of every flag wait on the GPU (USE_TIMER, the default there); the interpreter polls once.
 TIMEOUT_NS = 2_000_000_000
@@ -58,10 +63,8 @@ def launch_local_gemm(a, b, c, num_programs, tile_row_offset, use_descriptors=Tr
     m, k = a.shape
     n = c.shape[1]
     persistent_gemm_kernel[(num_programs,)](
-        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), tile_row_offset,
-        None, None, None, 0, 0, 0,
-        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
-        WARP_SPECIALIZE=False, **GEMM_BLOCKS)
+        a, b, c, m, n, k, (a.stride(0), b.stride(0), c.stride(0)), tile_row_offset, m, 0, None, None, None, None,
+        CONFIG=gemm_config(EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed))
 
 
 @pytest.mark.parametrize("num_programs,tile_row_offset", [(1, 0), (3, 2), (3, 5)])
@@ -115,16 +118,15 @@ class ScatterWorld:
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=DEVICE)
 
 
-def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, num_programs, use_descriptors=True,
-                     **chunk_wait_args):
+def run_scatter_gemm(world, a, b, src_rank, rows_per_rank, num_programs, use_descriptors=True, chunk_wait=None):
     m, k = a.shape
     n = b.shape[1]
+    scatter = (world.dst_ptrs, world.flag_ptrs, world.tile_counters[src_rank], world.flags[0].shape[1],
+               control_page(), CODE_BASE, TIMEOUT_NS)
     persistent_gemm_kernel[(num_programs,)](
-        a, b, world.partials[src_rank], m, n, k, a.stride(0), b.stride(0), n, src_rank * 3,
-        world.dst_ptrs, world.flag_ptrs, world.tile_counters[src_rank],
-        rows_per_rank, src_rank, world.flags[0].shape[1],
-        EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-        **GEMM_BLOCKS, **chunk_wait_args)
+        a, b, world.partials[src_rank], m, n, k, (a.stride(0), b.stride(0), n), src_rank * 3, rows_per_rank, src_rank,
+        scatter, chunk_wait, None, None,
+        CONFIG=gemm_config(EPILOGUE=EPILOGUE_SCATTER, USE_DESCRIPTORS=use_descriptors))
 
 
 def expected_flag_indices(owner, rows_per_rank, block_m):
@@ -165,7 +167,7 @@ def test_scatter_epilogue_stores_rows_at_owners_and_sets_their_flags(world_size,
                 expected = products[src][owner * rows_per_rank:(owner + 1) * rows_per_rank]
                 assert relative_error(owner_view[src], expected) <= GEMM_REL_TOLERANCE, (owner, src)
             used = expected_flag_indices(owner, rows_per_rank, block_m)
-            assert (world.flags[owner][:, :used] == 1).all(), world.flags[owner]
+            assert (world.flags[owner][:, :used] == m).all(), world.flags[owner]  # the call's M
             assert (world.flags[owner][:, used:] == 0).all(), "a flag outside the owner's rows was set"
         for counters in world.tile_counters:
             assert (counters == 0).all(), "tile counters must return to zero for the next launch"
@@ -185,7 +187,7 @@ def test_scatter_epilogue_pointer_fallback():
         expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
         assert relative_error(world.partials[owner][1], expected) <= GEMM_REL_TOLERANCE
         used = expected_flag_indices(owner, rows_per_rank, 32)
-        assert (world.flags[owner][1, :used] == 1).all() and (world.flags[owner][0] == 0).all()
+        assert (world.flags[owner][1, :used] == len(a)).all() and (world.flags[owner][0] == 0).all()
 
 
 CODE_BASE = 100  # the error code of flag 0 (the pool passes its device word's code)
@@ -193,9 +195,15 @@ CODE_BASE = 100  # the error code of flag 0 (the pool passes its device word's c
 
 def run_reduction(partials, out, flags, error, wait, timeout_ns=TIMEOUT_NS, owner_rank=1, gemm_block_m=32):
     world_size, rows_per_rank, n = partials.shape
-    reduce_partials_kernel[(3,)](
-        partials, out, flags, error, rows_per_rank, n, out.stride(0), world_size, flags.shape[1],
-        gemm_block_m, owner_rank, timeout_ns, CODE_BASE, 1, WAIT=wait, BLOCK_M=16, BLOCK_N=16)  # flags hold 1
+    waits = (flags, flags.shape[1], error, CODE_BASE, timeout_ns) if wait else None
+    reduce_partials_kernel[(3,)](partials, out, rows_per_rank, n, out.stride(0), world_size, owner_rank, waits,
+                                 BLOCK_M=16, BLOCK_N=16, GEMM_BLOCK_M=gemm_block_m)
+
+
+def arrived_flags(world_size, rows_per_rank):
+    """Row-block flags of every source as the scatter epilogue leaves them: the call's M."""
+    return torch.full((world_size, scatter_flags_per_source(rows_per_rank, 32)), world_size * rows_per_rank,
+                      dtype=torch.int32, device=DEVICE)
 
 
 def sequential_fp32_sum(partials):
@@ -215,12 +223,12 @@ def test_reduction_sums_partials_in_fp32(world_size, wait):
     rows_per_rank, n = 37, 40
     partials = torch.randn(world_size, rows_per_rank, n, generator=generator).to(torch.bfloat16).to(DEVICE)
     out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
+    flags = arrived_flags(world_size, rows_per_rank)
     error = control_page()
     run_reduction(partials, out, flags, error, wait)
     assert error.tolist() == [0, 0, 0, 0]
     torch.testing.assert_close(out, sequential_fp32_sum(partials).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
-    assert (flags == 1).all(), "the reduction must not reset flags: the launcher does, after the kernel"
+    assert (flags == world_size * rows_per_rank).all(), "the reduction must not reset flags: the launcher does"
 
 
 @pytest.mark.parametrize("stale_value", [0, 2])
@@ -230,7 +238,7 @@ def test_reduction_wait_times_out_with_error_code_of_the_missing_flag(stale_valu
     world_size, rows_per_rank, n = 3, 37, 40
     partials = torch.randn(world_size, rows_per_rank, n).to(torch.bfloat16).to(DEVICE)
     out = torch.full((rows_per_rank, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    flags = torch.ones((world_size, scatter_flags_per_source(rows_per_rank, 32)), dtype=torch.int32, device=DEVICE)
+    flags = arrived_flags(world_size, rows_per_rank)
     flags[1, 1] = stale_value  # source 1 has not finished one row block (or wrote another call's M)
     error = control_page()
     run_reduction(partials, out, flags, error, wait=True, timeout_ns=100_000)
@@ -238,7 +246,7 @@ def test_reduction_wait_times_out_with_error_code_of_the_missing_flag(stale_valu
     if stale_value == 0:
         assert error[0].item() == code and error[1].item() == 1
     else:
-        assert error.tolist() == [code | MISMATCH_BIT, 1, 0, stale_value]
+        assert error.tolist() == [code | MISMATCH_BIT, world_size * rows_per_rank, 0, stale_value]
 
 
 def test_timer_is_used_exactly_when_not_interpreting():
@@ -268,7 +276,7 @@ def test_chunk_geometry_helpers_partition_the_rows_owner_major():
 def _record_tile_order_kernel(out_ptr, num_tiles, num_row_blocks, num_col_blocks, tile_row_offset,
                               GROUP_M: tl.constexpr):
     for tile_id in range(num_tiles):
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M)
+        row_block, col_block = tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M)
         tl.store(out_ptr + 2 * tile_id, row_block)
         tl.store(out_ptr + 2 * tile_id + 1, col_block)
 
@@ -293,12 +301,10 @@ def launch_ag_gemm(a, b, c, chunk_flags, error, *, rows_per_rank, chunks_per_ran
     m, k = a.shape
     n = c.shape[1]
     persistent_gemm_kernel[(num_programs,)](
-        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0),
-        ag_tile_row_offset(rank, rows_per_rank, GEMM_BLOCKS["BLOCK_M"]),
-        None, None, None, rows_per_rank, 0, 0,
-        EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-        chunk_flags_ptr=chunk_flags, chunks_per_rank=chunks_per_rank, error_ptr=error, error_code_base=CODE_BASE,
-        timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True, **GEMM_BLOCKS)
+        a, b, c, m, n, k, (a.stride(0), b.stride(0), c.stride(0)),
+        ag_tile_row_offset(rank, rows_per_rank, GEMM_BLOCKS["BLOCK_M"]), rows_per_rank, 0,
+        None, (chunk_flags, chunks_per_rank, error, CODE_BASE, TIMEOUT_NS), None, None,
+        CONFIG=gemm_config(EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=use_descriptors))
 
 
 def ag_inputs(world_size, rows_per_rank, n, k, seed):
@@ -398,12 +404,11 @@ def test_chunk_waits_also_work_with_the_scatter_epilogue():
     chunk_flags = torch.ones(world_size * 2, dtype=torch.int32, device=DEVICE)
     error = control_page()
     run_scatter_gemm(world, a, b, src_rank=2, rows_per_rank=rows_per_rank, num_programs=2,
-                     chunk_flags_ptr=chunk_flags, chunks_per_rank=2, error_ptr=error, error_code_base=CODE_BASE,
-                     timeout_ns=TIMEOUT_NS, WAIT_CHUNKS=True)
+                     chunk_wait=(chunk_flags, 2, error, CODE_BASE, TIMEOUT_NS))
     assert error.tolist() == [0, 0, 0, 0]
     product = a.float() @ b.float()
     for owner in range(world_size):
         expected = product[owner * rows_per_rank:(owner + 1) * rows_per_rank]
         assert relative_error(world.partials[owner][2], expected) <= GEMM_REL_TOLERANCE
         used = expected_flag_indices(owner, rows_per_rank, 32)
-        assert (world.flags[owner][2, :used] == 1).all()
+        assert (world.flags[owner][2, :used] == len(a)).all()

@@ -1,4 +1,4 @@
-"""The FP8 block-scaled GEMM (kernels/gemm_fp8.py through overlap.fp8.fp8_gemm) on CPU (Triton interpreter):
+"""The FP8 block-scaled GEMM (kernels/gemm_fp8.py through overlap.gemm.fp8.fp8_gemm) on CPU (Triton interpreter):
 against the fp32 product of the dequantised operands, with M/N/K tails (K = 1280 and 1344), padding past K
 and past the last scale group poisoned, both block-N scale paths, the AllGather chunk waits and bad input.
 
@@ -18,9 +18,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.gemm import ag_tile_row_offset  # noqa: E402
-from overlap.fp8 import (FP8_DTYPE, ChunkWait, dequantize_activation, dequantize_weight, fp8_gemm,  # noqa: E402
-                         quantize_activation, quantize_weight, scaled_mm_reference)
-from overlap.gemm_blocks import GemmBlocks  # noqa: E402
+from overlap.gemm import (FP8_DTYPE, ChunkWait, GemmBlocks, dequantize_activation, dequantize_weight,  # noqa: E402
+                          fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -106,7 +105,7 @@ def test_fp8_gemm_agrees_with_the_reference_product_and_the_bf16_one():
     reference = scaled_mm_reference(a8=x8, a_scales=x_scales, w8=w8, w_scales=w_scales)
     assert ours.dtype == reference.dtype == torch.bfloat16
     assert relative_error(ours, reference.float().cpu()) <= FP8_TOLERANCE
-    # what e4m3 costs against the unquantised bf16 product (documented in overlap/fp8.py)
+    # what e4m3 costs against the unquantised bf16 product (documented in overlap/gemm/fp8.py)
     assert relative_error(ours, (x.float() @ w.float().T).cpu()) <= 6e-2
 
 

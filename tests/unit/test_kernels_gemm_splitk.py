@@ -1,5 +1,5 @@
 """CPU (Triton interpreter) tests of the split-K GEMM (kernels/gemm_splitk.py, launched by
-overlap/_gemm_splitk.py and overlap.triton_mm for a `sp<S>` configuration): K, M and N tails, both weight
+overlap/gemm/splitk.py and overlap.triton_mm for a `sp<S>` configuration): K, M and N tails, both weight
 layouts, descriptors and the masked pointer path, NaN-poisoned outputs and workspaces, repeated calls
 (counters back at zero), an fp64 reference and torch.mm; the order of the sum does not depend on which split
 arrives last; and the kernel compiles for sm_90 without spills."""
@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.gemm_splitk import split_k_gemm_kernel, split_k_ranges  # noqa: E402
-from overlap.gemm_blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
-from overlap.triton_gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
+from overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
+from overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -152,7 +152,7 @@ def test_names_and_problems_of_split_k_configurations():
 COMPILE_CHILD = """
 import json
 from launch.compile_check import compile_split_k_gemm, resource_usage
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm.blocks import GemmBlocks
 out = {}
 for name, transposed in (("128x128x64w4s3sp4", True), ("64x64x64w4s4sp8", False)):
     compiled = compile_split_k_gemm(GemmBlocks.parse(name), b_transposed=transposed)

@@ -1,5 +1,5 @@
 """CPU (Triton interpreter) tests of the local GEMM's tuning options: stream-K (kernels/gemm_mainloop.py),
-the two-half epilogue and the flattened loop, directly and through overlap.triton_mm."""
+the two-half epilogue and the flattened loop, directly and through overlap.gemm.triton_mm."""
 
 import os
 import subprocess
@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.gemm import EPILOGUE_LOCAL, persistent_gemm_kernel  # noqa: E402
-from overlap.gemm_blocks import GemmBlocks, stream_k_tiles  # noqa: E402
-from overlap.triton_gemm import triton_mm  # noqa: E402
+from kernels.gemm import EPILOGUE_LOCAL, GemmConfig, persistent_gemm_kernel  # noqa: E402
+from overlap.gemm import GemmBlocks, triton_mm  # noqa: E402
+from overlap.gemm.blocks import stream_k_tiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -38,16 +38,17 @@ def operands(m, n, k, b_transposed, seed):
     return a, b, expected
 
 
-def launch(a, b, c, *, programs, split_tiles, workspace, flags, b_transposed=False, descriptors=True,
+def launch(a, b, c, *, programs, waves, workspace, flags, b_transposed=False, descriptors=True,
            subtile=1, flatten=False, block_n=BLOCK, timeout_ns=1_000_000):
+    """The local GEMM; `waves` > 0 splits the last partial wave plus waves - 1 full ones by K steps."""
     m, k = a.shape
     n = c.shape[1]
+    stream_k = (workspace, flags, timeout_ns) if waves else None
     persistent_gemm_kernel[(programs,)](
-        a, b, c, m, n, k, a.stride(0), b.stride(0), c.stride(0), 1, None, None, None, 0, 0, 0,
-        BLOCK_M=BLOCK, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=2, EPILOGUE=EPILOGUE_LOCAL,
-        USE_DESCRIPTORS=descriptors, B_TRANSPOSED=b_transposed, WARP_SPECIALIZE=False, timeout_ns=timeout_ns,
-        stream_k_tiles=split_tiles, stream_k_workspace=workspace, stream_k_flags=flags, STREAM_K=split_tiles > 0,
-        FLATTEN=flatten, EPILOGUE_SUBTILE=subtile)
+        a, b, c, m, n, k, (a.stride(0), b.stride(0), c.stride(0)), 1, m, 0, None, None, stream_k, None,
+        CONFIG=GemmConfig(BLOCK, block_n, BLOCK, 2, EPILOGUE=EPILOGUE_LOCAL, USE_DESCRIPTORS=descriptors,
+                          B_TRANSPOSED=b_transposed, FLATTEN=flatten, EPILOGUE_SUBTILE=subtile,
+                          STREAM_K_WAVES=waves))
 
 
 # m, n, k (tails in every dimension for 16-wide blocks), programs, stream-K waves (-1: every tile split)
@@ -65,12 +66,14 @@ CASES = [
 def test_stream_k_matches_fp32_reference_and_leaves_flags_at_zero(m, n, k, programs, waves, b_transposed):
     a, b, expected = operands(m, n, k, b_transposed, seed=m + n + k + programs)
     tiles = -(-m // BLOCK) * -(-n // BLOCK)
-    split = tiles if waves < 0 else stream_k_tiles(tiles, programs, waves)
-    assert split > 0
+    if waves < 0:  # enough waves to split every tile
+        waves = -(-tiles // programs)
+        assert stream_k_tiles(tiles, programs, waves) == tiles
+    assert stream_k_tiles(tiles, programs, waves) > 0
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     workspace = torch.full((programs * BLOCK * BLOCK,), float("nan"), device=DEVICE)  # stale partials show
     flags = torch.zeros(programs, dtype=torch.int32, device=DEVICE)
-    launch(a, b, c, programs=programs, split_tiles=split, workspace=workspace, flags=flags,
+    launch(a, b, c, programs=programs, waves=waves, workspace=workspace, flags=flags,
            b_transposed=b_transposed, descriptors=(k % 8 == 0 and n % 8 == 0))
     assert relative_error(c, expected) <= TOLERANCE
     assert (flags == 0).all(), flags
@@ -84,7 +87,7 @@ def test_a_contributor_that_is_late_is_recomputed_by_the_finisher():
     c = torch.full((40, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     workspace = torch.full((programs * BLOCK * BLOCK,), float("nan"), device=DEVICE)
     flags = torch.tensor([-100, 0, -100, 0], dtype=torch.int32, device=DEVICE)
-    launch(a, b, c, programs=programs, split_tiles=5, workspace=workspace, flags=flags)
+    launch(a, b, c, programs=programs, waves=2, workspace=workspace, flags=flags)  # 9 tiles: the last 5 split
     assert relative_error(c, expected) <= TOLERANCE
     assert flags.tolist() == [-100, 0, -100, 0]
 
@@ -94,7 +97,7 @@ def test_two_half_epilogue_and_flattened_loop(subtile, flatten):
     a, b, expected = operands(50, 72, 48, True, seed=subtile + 2 * flatten)
     c_storage = torch.full((50, 80), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     c = c_storage[:, :72]
-    launch(a, b, c, programs=3, split_tiles=0, workspace=None, flags=None, b_transposed=True, subtile=subtile,
+    launch(a, b, c, programs=3, waves=0, workspace=None, flags=None, b_transposed=True, subtile=subtile,
            flatten=flatten, block_n=32)
     assert relative_error(c, expected) <= TOLERANCE
     assert torch.isnan(c_storage[:, 72:]).all(), "a store went past N"
@@ -120,14 +123,14 @@ def test_late_contributor_recompute_is_right_on_repeated_calls_with_poisoned_out
         flags[late] = -7
         before = flags.clone()
         c = torch.full((40, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        launch(a, b, c, programs=programs, split_tiles=5, workspace=workspace, flags=flags, b_transposed=True)
+        launch(a, b, c, programs=programs, waves=2, workspace=workspace, flags=flags, b_transposed=True)
         assert relative_error(c, expected) <= TOLERANCE, late
         assert torch.equal(flags, before), (late, flags)
 
 
 COMPILE_CHILD = """
 from launch.compile_check import compile_gemm
-from overlap.gemm_blocks import GemmBlocks
+from overlap.gemm import GemmBlocks
 ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
 print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
 """

@@ -1,5 +1,5 @@
 """EPILOGUE 2 of the persistent GEMM (scatter the other owners' rows, reduce the own rows in the epilogue)
-under the Triton interpreter: the tile walk, the sums and the bounded waits (flags are toggles: SET = 1)."""
+under the Triton interpreter: the tile walk, the sums and the bounded waits (the row-block flags carry the call's M)."""
 
 import os
 
@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.gemm import EPILOGUE_SCATTER_REDUCE, persistent_gemm_kernel, scatter_flags_per_source  # noqa: E402
+from kernels.gemm import (EPILOGUE_SCATTER_REDUCE, GemmConfig, persistent_gemm_kernel,  # noqa: E402
+                          scatter_flags_per_source)
 from kernels.rs_epilogue import owner_last_tile  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -69,11 +70,10 @@ class World:
 
     def run(self, src, num_programs=3):
         m, k = self.a[src].shape
+        scatter = (self.dst_ptrs, self.flag_ptrs, self.counters[src], self.fps, self.errors[src], CODE_BASE, 10**9)
         persistent_gemm_kernel[(num_programs,)](
-            self.a[src], self.b[src], self.out[src], m, self.n, k, k, self.n, self.n, 0,
-            self.dst_ptrs, self.flag_ptrs, self.counters[src], self.rows, src, self.fps,
-            EPILOGUE=EPILOGUE_SCATTER_REDUCE, USE_DESCRIPTORS=True, B_TRANSPOSED=False, WARP_SPECIALIZE=False,
-            error_ptr=self.errors[src], error_code_base=CODE_BASE, timeout_ns=10**9, **BLOCKS)
+            self.a[src], self.b[src], self.out[src], m, self.n, k, (k, self.n, self.n), 0, self.rows, src,
+            scatter, None, None, None, CONFIG=GemmConfig(**BLOCKS, EPILOGUE=EPILOGUE_SCATTER_REDUCE))
 
     def expected(self, owner):
         rows = slice(owner * self.rows, (owner + 1) * self.rows)
@@ -107,6 +107,7 @@ def test_own_rows_are_the_sum_of_every_source_and_a_missing_partial_is_an_error(
             assert world.errors[owner].tolist() == [0, 0, 0]
             err = _rel(world.out[owner], world.expected(owner))
             assert err < 1e-2, (round_, owner, err)
-            assert (world.flags[owner][[s for s in range(world_size) if s != owner]][:, :2] == 1).all()
+            others = [s for s in range(world_size) if s != owner]
+            assert (world.flags[owner][others][:, :2] == world_size * world.rows).all()  # the call's M
         for counters in world.counters:
             assert (counters == 0).all()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_blocks import GemmBlocks
+from .blocks import GemmBlocks
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 

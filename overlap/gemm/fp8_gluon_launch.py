@@ -1,5 +1,5 @@
 """Private launcher of the Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py): host tensor descriptors, grid and
-argument order. Operands are validated by overlap/fp8.py; what only this kernel needs (TMA alignment, its
+argument order. Operands are validated by overlap/gemm/fp8.py; what only this kernel needs (TMA alignment, its
 tile shapes) is checked here."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _descriptor(t: torch.Tensor, block: tuple[int, int]):
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                           out: torch.Tensor, block_n: int = 128, num_stages: int = 4,
                           num_programs: int | None = None) -> None:
-    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/fp8.py)."""
+    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py)."""
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     problems = gluon_operand_problems(a8=a8, w8=w8, out=out) + gluon_block_problems(

@@ -27,16 +27,17 @@ import weakref
 
 import torch
 
-from ._fp8_gluon_launch import gluon_block_problems, launch_fp8_gluon_gemm
-from ._fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
-from .gemm_blocks import GemmBlocks, load_block_table
+from kernels.constants import SCALE_GROUP
+
+from .blocks import GemmBlocks, load_block_table
+from .fp8_gluon_launch import gluon_block_problems, launch_fp8_gluon_gemm
+from .fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "quantize_activation",
            "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
            "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
-SCALE_GROUP = 128
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,7 +66,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(scale_groups(k), m, dtype=torch.float32, device=x.device).t()
     if m and k:
-        launch_quantize_activation(x, q, scales)
+        launch_quantize_activation(x=x, q=q, scales=scales)
     return q, scales
 
 
@@ -77,7 +78,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
     scales = torch.empty(scale_groups(n), scale_groups(k), dtype=torch.float32, device=w.device)
     if n and k:
-        launch_quantize_weight(w, q, scales)
+        launch_quantize_weight(w=w, q=q, scales=scales)
     return q, scales
 
 
@@ -194,8 +195,8 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     if blocks.gluon:
         _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset)
     elif m and n:
-        launch_fp8_gemm(a8, a_scales, w8, w_scales, out, blocks=blocks, num_programs=num_programs,
-                        tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
+        launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
+                        num_programs=num_programs, tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
 
 

@@ -1,0 +1,20 @@
+"""The values the kernels and their launchers agree on, importable without Triton (the ops read them at
+import time; the kernels read their `tl.constexpr` twins).
+
+* Flag values: a writer stores SET ("done") -- the row-block flags of the scatter epilogues carry the call's
+  M instead -- and the launcher stores CLEAR after the reader has seen it (overlap/protocol.py).
+* SCALE_GROUP: the FP8 scale group -- one fp32 scale per 128 K columns of an activation row, per 128x128
+  block of a weight; the FP8 GEMM's BLOCK_K (kernels/quant_fp8.py, kernels/gemm_fp8.py).
+* The epilogues of `persistent_gemm_kernel` (kernels/gemm.py).
+"""
+
+SET = 1
+CLEAR = 0
+
+SCALE_GROUP = 128
+
+EPILOGUE_LOCAL = 0           # store the tile into C
+EPILOGUE_SCATTER = 1         # store it into its owner's partials buffer and release the row block's flag
+EPILOGUE_SCATTER_REDUCE = 2  # the same for the other owners' rows, then reduce the own rows into C
+
+__all__ = ["SET", "CLEAR", "SCALE_GROUP", "EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE"]

@@ -1,0 +1,80 @@
+"""The local GEMM and the device facts its callers need: SM count, GPU name, cuBLAS's SM carve-out.
+
+`triton_mm(a, b, out, num_programs=...)` is the local-epilogue GEMM (the "GEMM alone" of the benchmarks
+and the compute of the fused ops with `num_sms - sm_margin` programs), launched by overlap/gemm/launch.py.
+Block choice: `choose_blocks` (overlap/gemm/blocks.py, the measured table of configs/gemm_blocks/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from .blocks import GemmBlocks, choose_blocks
+from .launch import b_operand, launch_gemm
+from .splitk import launch_split_k
+
+__all__ = ["triton_mm", "num_sms", "sm_carveout", "gpu_name"]
+
+
+@contextlib.contextmanager
+def sm_carveout(sm_margin: int):
+    """cuBLAS calls inside use num_sms - sm_margin SMs (a process-wide setting: restored on exit)."""
+    if not sm_margin:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sm_margin)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs are enough to exercise the persistent loop
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    # get_device_properties costs ~10 us of host time per call, paid on every triton_mm launch otherwise
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """The block-table name of a CUDA device ('h200' for an NVIDIA H200); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _cuda_gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_gpu_name(index: int) -> str:
+    from ..config.presets import gpu_slug
+    return gpu_slug(torch.cuda.get_device_name(index))
+
+
+def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_programs: int | None = None,
+              blocks: GemmBlocks | None = None, tile_row_offset: int = 0) -> torch.Tensor:
+    """out[M, N] = a[M, K] @ b[K, N] on the current stream with `num_programs` persistent programs
+    (b row-major, or the transpose view of a row-major [N, K]); valid on the current stream. Blocks from
+    `choose_blocks` for the layout and GPU unless given. A stream-K configuration uses a workspace private
+    to the current stream (allocated on its first use there: warm up before a CUDA-graph capture); so does a
+    split-K one (`split_k > 1`: overlap/gemm/splitk.py, at most `num_programs` programs when given)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if out.shape != (m, n) or b.shape[0] != k:
+        raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
+    b_transposed = b_operand(b)[2]
+    blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
+                                     sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    if blocks.split_k > 1:
+        launch_split_k(a=a, w=b, out=out, blocks=blocks, num_programs=num_programs, tile_row_offset=tile_row_offset)
+        return out
+    programs = num_programs or num_sms(a.device) * blocks.programs_per_sm
+    launch_gemm(a=a, w=b, out=out, num_programs=programs, blocks=blocks, tile_row_offset=tile_row_offset)
+    return out
