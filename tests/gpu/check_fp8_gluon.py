@@ -61,7 +61,7 @@ def _grouped(rows, cols, block_rows, gen, dev):
 def _correctness_case(name, m, n, k, gen, dev) -> dict:
     import torch
 
-    from overlap import fp8
+    from overlap.gemm import fp8
     from overlap.gemm.blocks import GemmBlocks
 
     x8, xs = fp8.quantize_activation(_grouped(m, k, 1, gen, dev))
@@ -98,7 +98,7 @@ def _timed_case(layer, m, n, k, gen, dev, reps) -> dict:
     import torch
 
     from launch.timing import bench_interleaved
-    from overlap import fp8
+    from overlap.gemm import fp8
     from overlap.gemm.blocks import GemmBlocks
 
     a = torch.randn(m, k, generator=gen, device=dev).bfloat16()

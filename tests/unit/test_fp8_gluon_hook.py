@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launch.gemm_tune import FP8_CANDIDATES
-from overlap import fp8
+from overlap.gemm import fp8
 from overlap.gemm.blocks import GemmBlocks
 
 
