@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 -m launch.bench --op ag_gemm [--tokens 1024,4096] [--methods fused]
     torchrun --standalone --nproc-per-node 2 -m launch.bench --op gemm_rs [--sm-margins 0,8,16]
 
-ag_gemm / gemm_rs run every point of the shape table (launch/shapes.py) at the job's TP size (or --shape MxKxN):
+ag_gemm / gemm_rs run every point of the shape table (launch/measure/shapes.py) at the job's TP size (or --shape MxKxN):
 ours (each method; gemm_rs fused also per sm_margin), NCCL-then-GEMM ("seq"), PyTorch async-TP
 ("torch"), GEMM alone (cuBLAS and Triton) and communication alone, with E and speedup columns. On CPU
 (gloo + the host pool; a functional check, labelled so) the default shapes are tiny: M = 256, 512 with
@@ -21,14 +21,14 @@ import sys
 
 from overlap.config.schema import METHODS
 from overlap.config.presets import load_config, load_preset
-from launch.report import device_slug, format_table, run_labels, write_results
-from launch.timing import progress
-from launch.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
+from launch.output.report import device_slug, format_table, run_labels, write_results
+from launch.measure.timing import progress
+from launch.measure.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 
-from . import _dist
-from ._cli import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,
+from .cli import dist
+from .cli.common import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,
                    run_launcher)
-from ._limits import require_fits
+from .cli.limits import require_fits
 
 PROG = "launch.bench"
 OPS = ("pool_bw", "ag_gemm", "gemm_rs")
@@ -96,7 +96,7 @@ def _points(args, op: str, world: int, cuda: bool) -> list[ShapePoint]:
 
 
 def _op_bytes(p: ShapePoint, num_configs: int) -> int:
-    """Lower bound of one point's bytes per rank (launch/op_bench.py): the pool's regions, one per config, and
+    """Lower bound of one point's bytes per rank (launch/measure/op_bench.py): the pool's regions, one per config, and
     the operands, the gathered input and two outputs (bf16)."""
     if p.op == "ag_gemm":
         return num_configs * 2 * p.m * p.k * 2 + (p.m * p.k * 2 + p.k * p.n + 2 * p.m * p.n) * 2
@@ -174,11 +174,11 @@ def _run(args) -> int:
         progress(line, rank=where.rank)
     with _dist.job(PROG, where=where) as ctx:
         if args.op == "pool_bw":
-            from . import pool_bw
+            from .measure import pool_bw
             rows = pool_bw.run(ctx, sizes_mb=args.sizes_mb, backend=args.backend, warmup=args.warmup,
                                reps=args.reps)
         else:
-            from . import op_bench
+            from .measure import op_bench
             rows = op_bench.run(ctx, args.op, points, configs, warmup=args.warmup, reps=args.reps,
                                 cuda_graphs=args.cuda_graphs)
         rows = [{"run_kind": labels.kind} | row for row in rows]

@@ -23,7 +23,7 @@ import time
 
 from overlap.gemm import GemmBlocks
 
-from ._cli import ArgumentParser, run_launcher
+from .cli.common import ArgumentParser, run_launcher
 
 __all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_split_k_gemm", "compile_fp8_gemm",
            "compile_fp8_gluon_gemm",

@@ -4,7 +4,7 @@ ops can reach.
 
     python -m launch.gemm_bench [--tp 2,4,8] [--m 1024,...,16384] [--layouts kn,nk] [--table PATH]
         [--configs NAME,...] [--time-budget-s 600] [--out FILE (default runs/gemm_bench-<time>/...)]
-    python -m launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/_gemm_bench_fp8.py)
+    python -m launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/measure/gemm_bench_fp8.py)
 
 Single process, one GPU. Per (shape, layout) -- `kn`: B row-major [K, N]; `nk`: B = w.t() of a row-major
 [N, K] (nn.Linear) -- it times, interleaved: cuBLAS (`torch.mm` on the same operands and layout), the
@@ -24,15 +24,15 @@ import time
 
 import torch
 
-from launch._cli import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
-from launch.report import device_slug, format_table, write_results
-from launch.shapes import ag_points, rs_points
-from launch.timing import bench_interleaved, progress
+from launch.cli.common import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
+from launch.output.report import device_slug, format_table, write_results
+from launch.measure.shapes import ag_points, rs_points
+from launch.measure.timing import bench_interleaved, progress
 from overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
                           load_block_table, triton_mm)
 
-from ._canary import CANARY_SHAPE, operands
-from ._gemm_bench_fp8 import run_fp8
+from .measure.canary import CANARY_SHAPE, operands
+from .measure.gemm_bench_fp8 import run_fp8
 from .gemm_tune import DEFAULT_JOBS, parse_shapes
 
 __all__ = ["main", "shape_points", "summarize", "bench_device"]
@@ -97,7 +97,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from launch.shapes import AG_LAYERS, RS_LAYERS
+    from launch.measure.shapes import AG_LAYERS, RS_LAYERS
 
     args = make_parser().parse_args(argv)
     layers = set(AG_LAYERS) | set(RS_LAYERS)

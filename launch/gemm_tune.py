@@ -7,7 +7,7 @@ Points: every local GEMM of docs/ARCHITECTURE.md's shape table (AG: K = H, N = N
 K_total / W, N = H) at the given TP sizes and M, in both layouts of B (`kn`: row-major [K, N]; `nk`:
 `w.t()` of a row-major [N, K], the nn.Linear layout), or the `--shapes` given.
 
-Candidates: a short list per shape class (launch/_tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
+Candidates: a short list per shape class (launch/measure/tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
 CTAs per SM, stream-K; short K -> flattened loops, warp specialisation, split epilogue; large -> 128x256
 tiles and their variants), split-K where few 128x128 tiles meet a long K (SPLIT_K_CANDIDATES), the
 current table's choice and the hand heuristic; `--candidates` replaces the classes' lists.
@@ -15,10 +15,10 @@ current table's choice and the hand heuristic; `--candidates` replaces the class
 Phases, all inside the wall-time bound `--time-budget-s`:
 
 1. Compile: every (candidate, layout) runs once on a small shape in `--jobs` child processes at a time
-   (launch/_canary.py; at most half the budget): compilation, not timing, dominates the run, and the
+   (launch/measure/canary.py; at most half the budget): compilation, not timing, dominates the run, and the
    compiled kernels land in Triton's cache, shared by every shape (all dimensions are multiples of 16, so
    they specialise alike). One that fails to compile, computes wrong numbers, crashes or hangs is dropped.
-2. Sweep: points in launch/_tune.py's `tune_order` -- M = 1024 for every shape and layout, then 16384,
+2. Sweep: points in launch/measure/tune.py's `tune_order` -- M = 1024 for every shape and layout, then 16384,
    4096, 2048, 8192 -- so that a run cut short has measured both ends of every shape first (the table
    answers an unmeasured M with the entry nearest in log2 M). Per point each candidate is checked against
    cuBLAS (`torch.mm`, same operands and layout; NaN-poisoned output, relative error <= 1e-2), then timed
@@ -40,17 +40,17 @@ import sys
 import time
 from pathlib import Path
 
-from launch._cli import ArgumentParser, int_list, require, run_dir, run_launcher
+from launch.cli.common import ArgumentParser, int_list, require, run_dir, run_launcher
 
-from ._canary import CANARY_SHAPE, operands, run_canaries
+from .measure.canary import CANARY_SHAPE, operands, run_canaries
 
 __all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
            "write_table", "precompile", "main"]
 
-# The union of the shape classes' lists and the split-K candidates (launch/_tune.py): what `--candidates all`
+# The union of the shape classes' lists and the split-K candidates (launch/measure/tune.py): what `--candidates all`
 # means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:
-    from launch._tune import GEMM_CLASSES, SPLIT_K_CANDIDATES
+    from launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES
     return tuple(dict.fromkeys(name for names in (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES) for name in names))
 
 
@@ -96,9 +96,9 @@ def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
 
 def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
     """Unique (m, n, k) over the AG and RS tables at each TP size (or the given `shapes`), in measuring
-    order (launch/_tune.py tune_order), with their layer names."""
-    from launch._tune import tune_order
-    from launch.shapes import ag_points, rs_points
+    order (launch/measure/tune.py tune_order), with their layer names."""
+    from launch.measure.tune import tune_order
+    from launch.measure.shapes import ag_points, rs_points
 
     layers: dict[tuple[int, int, int], list[str]] = {}
     for m, n, k in shapes:
@@ -137,7 +137,7 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
 
 def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
                shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
-    """launch/_canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
+    """launch/measure/canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
     each given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
     slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
     verdicts: dict[tuple[str, str], str] = {}
@@ -156,7 +156,7 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--layouts", type=lambda s: tuple(s.split(",")), default=LAYOUTS, help="B layouts, of kn,nk")
     p.add_argument("--candidates", type=lambda s: tuple(s.split(",")), default=None,
                    help="block configurations tried at every point (default: the shape class's list, "
-                   "launch/_tune.py GEMM_CLASSES)")
+                   "launch/measure/tune.py GEMM_CLASSES)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per variant and point (median)")
     p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
     p.add_argument("--time-budget-s", type=float, default=240.0, help="wall-clock bound of the whole run")
@@ -203,9 +203,9 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     import torch
 
-    from launch._cli import UsageError
-    from launch.report import device_slug
-    from launch.timing import progress
+    from launch.cli.common import UsageError
+    from launch.output.report import device_slug
+    from launch.measure.timing import progress
     from overlap.gemm import BlockTable, gpu_name, load_block_table, num_sms
 
     started = time.monotonic()
@@ -281,7 +281,7 @@ class _Sweep:
 
     def candidates(self, m, n, k, layout) -> tuple[str, ...]:
         """The point's class list (or --candidates), the hand heuristic and the current table's choices."""
-        from launch._tune import gemm_candidates
+        from launch.measure.tune import gemm_candidates
         from overlap.gemm import heuristic_blocks
 
         current = self.entries.get((layout, m, n, k))
@@ -291,8 +291,8 @@ class _Sweep:
         return gemm_candidates(m, n, k, self.sms, extra)
 
     def run_point(self, m, n, k, names, layout, *, label: str) -> None:
-        from launch._tune import point_seconds, shape_class
-        from launch.timing import progress
+        from launch.measure.tune import point_seconds, shape_class
+        from launch.measure.timing import progress
         from overlap.gemm import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
 
         tried = [c for c in self.candidates(m, n, k, layout) if (c, layout) not in self.failed]
@@ -330,7 +330,7 @@ class _Sweep:
         """Median times (ms) of cuBLAS and of every candidate that computes the right numbers."""
         import torch
 
-        from launch.timing import bench_interleaved, progress
+        from launch.measure.timing import bench_interleaved, progress
         from overlap.gemm import GemmBlocks, release_split_k_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
@@ -367,7 +367,7 @@ class _Sweep:
         return {name: s.median_ms for name, s in stats.items()}
 
     def write(self) -> None:
-        from launch.report import write_results
+        from launch.output.report import write_results
 
         write_table(self.out_table, self.entries, gpu=self.gpu, num_sms_=self.sms, source=self.source)
         ratios = [r["best_over_cublas"] for r in self.rows]

@@ -31,14 +31,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from launch.report import format_table, write_results
-from launch.timing import progress
+from launch.output.report import format_table, write_results
+from launch.measure.timing import progress
 
 from symm_mem import BACKENDS
 
-from . import _dist
-from ._cli import ArgumentParser, output_file, require, run_dir, run_launcher
-from ._limits import require_fits
+from .cli import dist
+from .cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
+from .cli.limits import require_fits
 
 PROG = "launch.host_cost"
 HOLD_CYCLES = 40_000_000  # ~20 ms: the device stays busy through the timed call

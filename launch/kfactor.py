@@ -6,7 +6,7 @@
         [--max-k 1.15] [--gate all|best] [--write-config tuned.yaml] [--out-dir DIR]
 
 Ops: `ag_gemm` and `gemm_rs` are swept over the grid (one row per shape x config, definitions of solo and
-overlapped in launch/k_factor.py); `regimes` puts the AllGather next to the two kinds of work it may overlap
+overlapped in launch/measure/k_factor.py); `regimes` puts the AllGather next to the two kinds of work it may overlap
 with, on the AG shapes: our copy-engine AllGather ("ce") and the collective ("nccl", gloo on CPU) each
 next to the shape's GEMM ("gemm", compute-bound) and next to an RMSNorm over the gathered [M, H] repeated
 to last about as long as the CE gather ("membound").
@@ -15,7 +15,7 @@ to last about as long as the CE gather ("membound").
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
-chunks_per_rank is not used. Shapes: the table of launch/shapes.py at the job's TP size on GPUs, tiny ones on CPU
+chunks_per_rank is not used. Shapes: the table of launch/measure/shapes.py at the job's TP size on GPUs, tiny ones on CPU
 (M = 256, 512; K = N = 64; with --layers, the table's), or --shapes MxKxN (K, N local to a rank; applies to
 every op).
 
@@ -50,19 +50,19 @@ from overlap.ops.ag_gemm import AgGemm
 from overlap.config.schema import OverlapConfig
 from overlap.config.presets import dump_config, load_config, to_dict
 from overlap.ops.gemm_rs import GemmRs
-from launch.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
+from launch.measure.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
                              trace_op)
-from launch._timeline import step_timeline
+from launch.measure.timeline import step_timeline
 from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
-from launch.report import device_slug, format_table, run_labels, write_results
-from launch.shapes import ShapePoint
-from launch.timing import bench_interleaved, progress
+from launch.output.report import device_slug, format_table, run_labels, write_results
+from launch.measure.shapes import ShapePoint
+from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from . import _dist, _kfactor_args as _args
-from ._cli import ArgumentParser, run_dir, run_launcher
-from ._kfactor_args import GPU_MAX_K, PROG, configs_for, parse_sweep, points_for  # noqa: F401 (the API)
-from ._tune import best_configs, config_row, gate_failures, tuned_config
+from .cli import dist, kfactor_args as _args
+from .cli.common import ArgumentParser, run_dir, run_launcher
+from .cli.kfactor_args import GPU_MAX_K, PROG, configs_for, parse_sweep, points_for  # noqa: F401 (the API)
+from .measure.tune import best_configs, config_row, gate_failures, tuned_config
 
 MAX_MEMBOUND_PASSES = 256
 COLUMNS = ["run_kind", "op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "comm", "comp",
@@ -195,7 +195,7 @@ def regimes_point(ctx, point: ShapePoint, base_cfg: OverlapConfig, env: dict) ->
 def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: Path, num_sms, labels) -> None:
     files = {}
     if not args.no_plots:
-        from . import _plots
+        from .output import plots
         files["plot"] = str(_plots.plot_sweep([r for r in rows if r["op"] != "ag_regime"], stem.with_suffix(".png"),
                                               max_k=args.max_k, title=stem.name))
         files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines],

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from launch._cli import ArgumentParser, output_file, require, run_dir, run_launcher
-from launch.report import device_slug, format_table, write_results
+from launch.cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
+from launch.output.report import device_slug, format_table, write_results
 
 PROG = "launch.launch_overhead"
 N = 2000

@@ -7,11 +7,11 @@ with its budget sweep (the Pareto curve of peak memory against step time).
 
 For every point (model:layers:M; without --points every model x --layers x --tokens), cheapest first, that
 fits the device and the time budget (what is skipped is noted with the reason): a stack of MLPs
-(launch/_bench_mlp.py: TPMLP's saved tensors at W = 1; bf16), the copy bandwidth each way into the pinned
+(launch/measure/bench_mlp.py: TPMLP's saved tensors at W = 1; bf16), the copy bandwidth each way into the pinned
 host pool and the k of the copy and of the GEMM beside the step's fc1 GEMM, the layer's measured times and
 the optimizer step's, the plain step's (the step model's compute times are scaled to it: pieces measured
 alone add up to more than the step), the planner's table, then training steps (forward, backward, SGD) of
-every variant, interleaved (launch.timing: CUDA events, median of --reps, spread):
+every variant, interleaved (launch.measure.timing: CUDA events, median of --reps, spread):
 
     none         the plain stack (autograd's activation, which also saves silu(gate))
     none_again   the same, timed again: the noise floor of the time columns
@@ -28,7 +28,7 @@ it, i.e. weights, grads, inputs, optimizer state), both next to the prediction o
 (none too, as the plain stack), the fixed bytes (what exists at the step's start, plus all grads), the step
 time measured and predicted, gradients bitwise equal to `none`. Per point: D2H/H2D GB/s, k, the planner's
 table and predicted front, and the targets (TARGETS). The JSON (device, commit, command, rows, points,
-notes) and the plot (launch/_offload_plot.py, next to it) are rewritten after every point; no new point
+notes) and the plot (launch/output/offload_plot.py, next to it) are rewritten after every point; no new point
 starts past --time-budget-s. Without --out the JSON goes into runs/offload_bench-<UTC time>/. On CPU it is a
 functional check (labelled so): copies are memcpys, GEMMs torch.mm, peaks counted by LiveBytes.
 """
@@ -50,13 +50,13 @@ from overlap.config.schema import MODELS
 from overlap.offload.config import DEFAULT_MAX_ADDED, PACING
 from overlap.offload.host_pool import HostPool, OffloadError
 from overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
-from launch.report import device_slug, format_table, run_labels, write_results
-from launch.timing import progress
+from launch.output.report import device_slug, format_table, run_labels, write_results
+from launch.measure.timing import progress
 
-from . import _cli, _dist
-from ._cli import ArgumentParser, distinct, output_file, run_dir, run_launcher
-from ._limits import available_host_bytes
-from ._offload_point import OutOfTime, run_point
+from .cli import common, dist
+from .cli.common import ArgumentParser, distinct, output_file, run_dir, run_launcher
+from .cli.limits import available_host_bytes
+from .measure.offload_point import OutOfTime, run_point
 
 PROG = "launch.offload_bench"
 COPY_BYTES = 256 << 20
@@ -325,7 +325,7 @@ def _run(args) -> int:
 
 def _plot(done, rows, path, notes):
     try:
-        from ._offload_plot import plot_pareto
+        from .output.offload_plot import plot_pareto
         return plot_pareto(done, rows, path)
     except ImportError as exc:  # matplotlib is the `plot` extra
         if not any("plot" in n for n in notes):

@@ -5,7 +5,7 @@ at which commit, with which command, its table and figures, and what it means.
 
 The numbers, the hardware, the commit and the command come from each JSON; the words (what was measured,
 what it means, figure captions) from the folder's captions.yaml. `--plots` first redraws every PNG from
-the data next to it (launch/_results_plots.py; needs matplotlib).
+the data next to it (launch/output/results_plots.py; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from launch._cli import ArgumentParser, require, run_launcher
+from launch.cli.common import ArgumentParser, require, run_launcher
 
-from . import _results_tables as tables
+from .output import results_tables as tables
 
 PROG = "launch.results_md"
 CAPTIONS = "captions.yaml"
@@ -160,7 +160,7 @@ def parse_args(argv=None):
 def _run(args) -> int:
     directory = Path(args.dir)
     if args.plots:
-        from ._results_plots import redraw
+        from .output.results_plots import redraw
         done, missing = redraw(directory)
         print(f"redrew {len(done)} PNG(s)" + (f"; no data for {', '.join(missing)}" if missing else ""))
     (directory / "README.md").write_text(render(directory))

@@ -8,7 +8,7 @@ For every (model, M): builds the MLP from the model dims (--model, else the pres
 llama8b on GPU / tiny on CPU) and the per-op SM partition of the preset (--config, else auto-selected by
 GPU name and TP size); checks output and gradients against the `overlap=False` module once; then times
 training steps (forward, backward, SGD step) of ours, the NCCL baseline and, on CUDA, PyTorch's async-TP
-fused ops, interleaved (launch.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
+fused ops, interleaved (launch.measure.timing: median of the max over ranks). k per op (AllGather+GEMM ops):
 its spans inside a step (CUDA streams; CPU: host clock on the caller's and the comm thread) over the op's
 solo comm / GEMM times. Prints a table on rank 0 and writes its JSON into a new run folder,
 runs/tp_mlp-<UTC time>/tp_mlp_<device-slug>_tp<W>.json (or --out; results of record: --out results/...).
@@ -19,14 +19,14 @@ launch.tp_mlp`) runs too, labelled "1 rank" (nothing to overlap). --cuda-graphs 
 variant's whole training step as a CUDA-graph replay (ours and the NCCL baseline; torch_symm and the k
 columns are left out), i.e. device time without the per-call host cost. --trace-dir DIR (CUDA) profiles
 one more step of ours and of the baseline per point: rank 0's Chrome traces, a per-stream Gantt PNG and
-each stream's busy time in the row's `timeline` (launch/_timeline.py). --sustained S also times every
+each stream's busy time in the row's `timeline` (launch/measure/timeline.py). --sustained S also times every
 variant as two blocks of about S seconds of back-to-back steps (order A B C, C B A), with rank 0's GPU's
-SM clock and power per variant where nvidia-smi answers (launch/_sustained.py): a training loop does not
+SM clock and power per variant where nvidia-smi answers (launch/measure/sustained.py): a training loop does not
 pause between steps, which on a power-capped GPU costs the faster variant clock and, where the eager step is
 host-bound, lets the host run ahead (`speedup_sustained`, `speedup_sustained_vs_torch_symm`). --fp8 adds
 our MLP with FP8 GEMMs (variant overlap_fp8: e4m3 rows gathered with their scales, bf16 partials reduced;
 checked against overlap=False within FP8_TOLERANCE; `speedup_fp8`, `speedup_fp8_vs_bf16`). --offload
-times our step without and with activation offload of that MLP (launch/_offload_report.py: measured copy
+times our step without and with activation offload of that MLP (launch/measure/offload_report.py: measured copy
 rates, the plan, `offload_time_ratio`, `offload_peak_ratio`).
 """
 
@@ -41,16 +41,16 @@ import torch
 from overlap.config import envs
 from overlap.config.schema import ACTIVATIONS, MODELS, ModelConfig
 from overlap.ops.layers import TPMLP, pool_requirements
-from launch.report import device_slug, format_table, run_labels, write_results
-from launch.timing import bench_interleaved, progress
+from launch.output.report import device_slug, format_table, run_labels, write_results
+from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from . import _dist, _tp_mlp_plan as _plan
-from ._offload_report import add_offload_argument, offload_report
-from ._cli import ArgumentParser, input_file, int_list, output_dir, output_file, run_dir, run_launcher
-from ._tp_mlp_plan import DTYPES
-from ._step_k import max_over_ranks, step_k_factors
-from ._sustained import sustained_blocks
+from .cli import dist, tp_mlp_plan as _plan
+from .measure.offload_report import add_offload_argument, offload_report
+from .cli.common import ArgumentParser, input_file, int_list, output_dir, output_file, run_dir, run_launcher
+from .cli.tp_mlp_plan import DTYPES
+from .measure.step_k import max_over_ranks, step_k_factors
+from .measure.sustained import sustained_blocks
 
 PROG = "launch.tp_mlp"
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
@@ -149,7 +149,8 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") ->
 def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict, str | None]:
     """Per-stream busy times of one profiled step of ours and of the baseline, and the path of their
     Gantt PNG (rank 0; ({}, None) on the other ranks)."""
-    from . import _plots, _timeline
+    from .output import plots
+    from .measure import timeline
 
     stem = f"tp_mlp_{model.name}_M{m}{'_graphs' if args.cuda_graphs else ''}"
     chosen = {name: steps[name] for name in ("overlap", "baseline")}
@@ -231,7 +232,7 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
 
     steps = {name: make_step(name) for name in mlps}
     if args.cuda_graphs:
-        from ._graphs import graph_variants
+        from .measure.graphs import graph_variants
         progress(f"{label}capturing each variant's training step in a CUDA graph", rank=ctx.rank)
         steps = graph_variants(steps, group=ctx.group, rank=ctx.rank)
         if {"overlap", "baseline"} - set(steps):  # the drop was agreed: every rank raises this

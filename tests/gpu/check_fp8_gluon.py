@@ -37,7 +37,7 @@ TIMED_BLOCKS = ("128x128x128w4s4gl", "128x128x128w4s6gl")
 
 
 def tp2_shapes() -> list[tuple[str, int, int]]:
-    from launch.shapes import AG_LAYERS, RS_LAYERS
+    from launch.measure.shapes import AG_LAYERS, RS_LAYERS
 
     out = [(name, h, n_total // 2) for name, (h, n_total) in AG_LAYERS.items()]   # (layer, K, N)
     out += [(name, k_total // 2, h) for name, (h, k_total) in RS_LAYERS.items()]
@@ -97,7 +97,7 @@ def _correctness_case(name, m, n, k, gen, dev) -> dict:
 def _timed_case(layer, m, n, k, gen, dev, reps) -> dict:
     import torch
 
-    from launch.timing import bench_interleaved
+    from launch.measure.timing import bench_interleaved
     from overlap.gemm import fp8
     from overlap.gemm.blocks import GemmBlocks
 

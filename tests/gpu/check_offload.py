@@ -23,8 +23,8 @@ import traceback
 
 import torch
 
-from launch._bench_mlp import BenchMLP
-from launch._offload_measure import peak_of
+from launch.measure.bench_mlp import BenchMLP
+from launch.measure.offload_measure import peak_of
 from overlap.offload.engine import OffloadEngine, host_bytes
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
@@ -328,7 +328,7 @@ def _tpmlp():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     try:
-        import torch._dynamo  # noqa: F401  (before the process group: see launch/_dist.py)
+        import torch._dynamo  # noqa: F401  (before the process group: see launch/cli/dist.py)
         if DEV.type == "cuda":
             dist.init_process_group("nccl", rank=0, world_size=1, device_id=DEV)
         else:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if not cpu and not torch.cuda.is_available():
         print("FAIL no CUDA device (use --cpu for the interpreter)")
         return 1
-    from launch._tune import SPLIT_K_CANDIDATES
+    from launch.measure.tune import SPLIT_K_CANDIDATES
     from overlap.gemm.blocks import GemmBlocks
     from overlap.gemm import split_k_workspace, triton_mm
 

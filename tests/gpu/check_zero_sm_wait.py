@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     dist.destroy_process_group()
     median = statistics.median(r["copy_start_after_gemm_start_us"] for r in rows)
     ok = median < LIMIT_US
-    from launch.report import command_line, git_commit
+    from launch.output.report import command_line, git_commit
     doc = {"check": "zero_sm_wait", "commit": git_commit(), "command": command_line(), "ok": ok, "limit_us": LIMIT_US, "median_start_us": median,
            "gemm": "torch.mm 8192 x 8192 x 8192 bf16 (all SMs)", "copy": "256 MB device -> pinned host",
            "wait": "SymmetricPool.wait on a set control flag (cuStreamBatchMemOp)", "rows": rows}

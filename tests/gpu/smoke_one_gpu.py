@@ -536,7 +536,7 @@ def main(argv=None) -> int:
         print(f"W={world}: {time.monotonic() - start:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            from launch.report import command_line, git_commit
+            from launch.output.report import command_line, git_commit
             json.dump({"commit": git_commit(), "command": command_line(), "device": torch.cuda.get_device_name(),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
                        "lines": report}, f, indent=1)

@@ -25,9 +25,9 @@ def _sweep(rank, world):
     from overlap.ops.ag_gemm import AgGemm
     from overlap.config.schema import AgGemmConfig, GemmRsConfig
     from overlap.ops.gemm_rs import GemmRs
-    from launch.k_factor import inject_comm_delay, measure
+    from launch.measure.k_factor import inject_comm_delay, measure
     from overlap.ops.reference import gemm_rs_reference
-    from launch.shapes import ag_points, rs_points
+    from launch.measure.shapes import ag_points, rs_points
     from symm_mem import SymmetricPool
 
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16

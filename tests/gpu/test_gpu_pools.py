@@ -178,7 +178,7 @@ def test_1000_nvshmem_pool_cycles_keep_memory_stable(num_gpus):
 def _ce_pull_bandwidth(rank, world):
     """Median GB/s of a 64 MB copy-engine pull from the peer: {"one": only this rank pulls (rank 0 first,
     then rank 1), "both": both ranks pull at once (what the AllGather does)}."""
-    from launch.pool_bw import ring_pull
+    from launch.measure.pool_bw import ring_pull
     nbytes = 64 << 20
     dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(priority=-1)

@@ -91,9 +91,9 @@ def main() -> None:
     # what every launcher imports: loaded once here, shared by the forks
     import torch  # noqa: F401
     import overlap.ops.layers  # noqa: F401
-    import launch._dist  # noqa: F401
-    import launch.report  # noqa: F401
-    import launch.timing  # noqa: F401
+    import launch.cli.dist  # noqa: F401
+    import launch.output.report  # noqa: F401
+    import launch.measure.timing  # noqa: F401
     results = run(calls, parallel=max(2, os.cpu_count() or 2))
     json.dump(results, sys.stdout)
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch._tune import best_configs, gate_failures, tuned_config
-from launch._cli import UsageError
+from launch.measure.tune import best_configs, gate_failures, tuned_config
+from launch.cli.common import UsageError
 from launch.kfactor import configs_for, parse_sweep
 from overlap.config.schema import AgGemmConfig, GemmRsConfig
 from overlap.config.presets import load_config, dump_config, parse_config
-from launch.k_factor import KFactor, measure, measure_pair
+from launch.measure.k_factor import KFactor, measure, measure_pair
 from tests.multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.report import CPU_NOTE, ONE_RANK_NOTE
+from launch.output.report import CPU_NOTE, ONE_RANK_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d")  # torchrun's own log lines

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  before init_process_group in the children (see launch/_dist.py)
+import torch._dynamo  # noqa: F401  before init_process_group in the children (see launch/cli/dist.py)
 import torch.distributed as dist
 
 from overlap.offload.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
@@ -360,8 +360,8 @@ def test_staggered_pacing_offsets_ranks_and_stays_bitwise_equal(two_ranks):
 
 def _tp_mlp_report(rank, world):
     """The fields launch.tp_mlp --offload adds to its row, for a forced list and for auto."""
-    from launch._dist import DistContext
-    from launch._offload_report import offload_report
+    from launch.cli.dist import DistContext
+    from launch.measure.offload_report import offload_report
     from overlap.offload.config import parse_offload_arg
 
     torch.set_num_threads(1)

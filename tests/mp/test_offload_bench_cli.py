@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch._cli import UsageError
+from launch.cli.common import UsageError
 from launch.offload_bench import budget_item, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from launch.bench import POOL_BW_CPU_NOTE
-from launch.report import CPU_NOTE, format_table, write_results
-from launch.timing import bench_interleaved
+from launch.output.report import CPU_NOTE, format_table, write_results
+from launch.measure.timing import bench_interleaved
 from tests.multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from launch.report import CPU_NOTE
+from launch.output.report import CPU_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -173,7 +173,7 @@ def test_model_section_parses_validates_and_round_trips(tmp_path):
 
 def test_results_record_the_commit_the_script_gave_over_the_checkouts_head(monkeypatch):
     # the GPU machine's copied .git reported a stale HEAD: an explicit commit must win
-    from launch.report import git_commit
+    from launch.output.report import git_commit
     monkeypatch.setenv("OVERLAP_GIT_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
     monkeypatch.delenv("OVERLAP_GIT_COMMIT")
@@ -185,7 +185,7 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
     import torch
 
     from launch import op_bench
-    from launch._cli import UsageError
+    from launch.cli.common import UsageError
 
     class CpuContext:
         device = torch.device("cpu")

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from launch import gemm_bench, gemm_tune  # noqa: E402
-from launch._canary import run_canaries  # noqa: E402
+from launch.measure.canary import run_canaries  # noqa: E402
 from overlap.gemm import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),

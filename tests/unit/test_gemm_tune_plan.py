@@ -1,4 +1,4 @@
-"""The GEMM block tuner's plan (launch/_tune.py: shape classes, candidates, measuring order, cost estimate)
+"""The GEMM block tuner's plan (launch/measure/tune.py: shape classes, candidates, measuring order, cost estimate)
 and the command lines of launch.gemm_tune and launch.gemm_bench: help shows every default and points to
 docs that exist, bad arguments are one line with exit status 2, before any GPU work."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from launch import gemm_bench, gemm_tune
-from launch._tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, gemm_candidates, point_seconds, shape_class,
+from launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, gemm_candidates, point_seconds, shape_class,
                           splits_k, tune_order)
-from launch.shapes import ag_points, rs_points
+from launch.measure.shapes import ag_points, rs_points
 from overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
 ROOT = Path(__file__).resolve().parents[2]

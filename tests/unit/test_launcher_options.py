@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from launch import _cli, timing
-from launch.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
+from launch.output.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
 
 LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench")
 

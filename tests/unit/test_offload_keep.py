@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch._bench_mlp import BenchMLP
+from launch.measure.bench_mlp import BenchMLP
 from overlap.offload.activation import SavedInputActivation
 from overlap.offload.engine import OffloadEngine
 from overlap.offload.host_pool import HostPool

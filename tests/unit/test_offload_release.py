@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from launch._bench_mlp import BenchMLP
+from launch.measure.bench_mlp import BenchMLP
 from overlap.offload.engine import OffloadEngine, host_bytes
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import MLPShape, Rates, plan_offload

@@ -12,8 +12,8 @@ every gradient exists) and held across the step (the activation peak).
 import pytest
 import torch
 
-from launch._bench_mlp import BenchMLP
-from launch._offload_measure import LiveBytes
+from launch.measure.bench_mlp import BenchMLP
+from launch.measure.offload_measure import LiveBytes
 from overlap.offload.engine import OffloadEngine, host_bytes
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate

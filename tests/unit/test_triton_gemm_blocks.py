@@ -6,7 +6,7 @@ import pytest
 from overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
                                   block_table_path, choose_blocks, heuristic_blocks, load_block_table,
                                   parse_block_table, shared_memory_bytes, stream_k_tiles)
-from launch.shapes import ag_points, rs_points
+from launch.measure.shapes import ag_points, rs_points
 
 H200 = load_block_table("h200")
 

@@ -1,6 +1,6 @@
 """k of the two AllGather+GEMM ops inside the main job's training step (launch.tp_mlp): each op's traced
 spans inside a step (CUDA streams; CPU: the host clock of the caller and of the comm thread) over its gather
-alone and its GEMM alone, through the one k definition (`KFactor.from_times`, launch/k_factor.py)."""
+alone and its GEMM alone, through the one k definition (`KFactor.from_times`, launch/measure/k_factor.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from launch.k_factor import KFactor
-from launch.timing import Ticker, barrier, bench_interleaved, progress
+from launch.measure.k_factor import KFactor
+from launch.measure.timing import Ticker, barrier, bench_interleaved, progress
 
 __all__ = ["step_k_factors", "max_over_ranks"]
 
@@ -58,7 +58,7 @@ def step_k_factors(ctx, mlp, x, dy, step, warmup: int, reps: int, label: str = "
         op.enable_trace(False)
     medians = max_over_ranks([statistics.median(v) for key in keys for v in spans[key]], ctx)
     out = {}
-    for i, key in enumerate(keys):  # the one k definition (launch/k_factor.py)
+    for i, key in enumerate(keys):  # the one k definition (launch/measure/k_factor.py)
         kf = KFactor.from_times(t_comm_solo=solo[f"comm_{key}"], t_comp_solo=solo[f"gemm_{key}"],
                                 t_comm_overlap=medians[2 * i], t_comp_overlap=medians[2 * i + 1],
                                 t_total=medians[2 * i + 1])

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import envs
-from launch.timing import bench_interleaved, progress
+from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from ._dist import DistContext
+from ..cli.dist import DistContext
 
 GPU_SIZES_MB = (1, 4, 16, 64, 256)
 CPU_SIZES_MB = (1, 4, 16)

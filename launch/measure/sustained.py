@@ -1,6 +1,6 @@
 """Sustained timing of training steps: blocks of back-to-back steps of one variant, with SM clock and power.
 
-The interleaved medians (launch.timing) put a barrier and an L2 flush between steps. A training loop does
+The interleaved medians (launch.measure.timing) put a barrier and an L2 flush between steps. A training loop does
 not pause, and on a power-capped GPU the variant that does the same work in less time draws more power and
 runs at a lower clock (2-4 % lower for the overlapped step on 2 x H200:
 results/history/power_probe_5c1a4fa.json). Here every variant runs blocks of the same number of
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from launch.timing import Timer, barrier, progress
+from launch.measure.timing import Timer, barrier, progress
 
 __all__ = ["GpuSampler", "sustained_blocks"]
 

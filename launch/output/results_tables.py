@@ -13,7 +13,7 @@ import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from launch.report import format_table
+from launch.output.report import format_table
 
 __all__ = ["file_tables", "history_tables", "trace_table", "suite_table", "short_commit", "LONG_TABLE_ROWS"]
 
@@ -152,7 +152,7 @@ def history_tables(directory: Path) -> list[str]:
 
 def trace_table(directory: Path) -> str:
     """Each profiled TP MLP step: model, M, eager or graphed, commit, and the span of ours and of the baseline."""
-    from ._timeline import stream_lanes, summarise
+    from ..measure.timeline import stream_lanes, summarise
     rows: dict[tuple, dict] = {}
     for path in sorted(directory.glob("tp_mlp_*_rank0_*.trace.json")):
         match = re.match(r"tp_mlp_(\w+?)_M(\d+)(_graphs)?_(overlap|baseline)_rank0_(\w+)\.trace\.json$", path.name)

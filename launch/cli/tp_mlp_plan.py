@@ -15,8 +15,8 @@ from overlap.config.schema import MODELS, ModelConfig
 from overlap.ops.layers import BASELINES, pool_requirements
 from overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
 
-from ._cli import UsageError, distinct, require
-from ._limits import require_fits
+from .common import UsageError, distinct, require
+from .limits import require_fits
 
 __all__ = ["plan", "DTYPES"]
 

@@ -13,10 +13,10 @@ from overlap.offload.engine import OffloadEngine
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
                                     simulate)
-from launch.timing import bench_interleaved, progress
+from launch.measure.timing import bench_interleaved, progress
 
-from ._bench_mlp import BenchMLP
-from ._offload_measure import measure_copies, measure_layer_times, measure_ms, peak_of, rates_from
+from .bench_mlp import BenchMLP
+from .offload_measure import measure_copies, measure_layer_times, measure_ms, peak_of, rates_from
 
 __all__ = ["OutOfTime", "run_point", "HAND"]
 

@@ -14,8 +14,8 @@ import json
 import re
 from pathlib import Path
 
-from . import _plots
-from ._timeline import stream_lanes, summarise
+from . import plots
+from ..measure.timeline import stream_lanes, summarise
 
 __all__ = ["redraw"]
 

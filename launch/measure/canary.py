@@ -5,7 +5,7 @@ compiled kernels land in Triton's cache for the parent (same specialisation: eve
 16, and the stream-K configurations really split tiles there).
 
     results = run_canaries("bf16", [("128x256x64w8s3sk1", "nk"), ...], deadline)   # -> {(name, layout): reason}
-    python -m launch._canary bf16 128x256x64w8s3sk1/nk,... cuda 1024x3072x512       # the child
+    python -m launch.measure.canary bf16 128x256x64w8s3sk1/nk,... cuda 1024x3072x512       # the child
 
 The child prints `try <item>` before and `ok <item> <seconds>` or `bad <item> <reason>` after each one; a
 child that dies or stays silent past STEP_TIMEOUT_S is restarted without the item it was trying.
@@ -50,7 +50,7 @@ def run_canaries(kind: str, items: list[tuple[str, str]], deadline: float, *, de
     pending = list(items)
     while pending and time.monotonic() < deadline:
         arg = ",".join(f"{name}/{layout}" for name, layout in pending)
-        child = subprocess.Popen([sys.executable, "-m", "launch._canary", kind, arg, device, "x".join(map(str, shape))],
+        child = subprocess.Popen([sys.executable, "-m", "launch.measure.canary", kind, arg, device, "x".join(map(str, shape))],
                                  stdout=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()

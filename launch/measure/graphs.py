@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from launch.timing import progress
+from launch.measure.timing import progress
 
 WARMUP_CALLS = 3  # on the capture stream, so that every kernel is compiled before the capture
 

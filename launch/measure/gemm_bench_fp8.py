@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from launch._cli import run_dir
-from launch.report import device_slug, format_table, write_results
-from launch.timing import bench_interleaved, progress
+from launch.cli.common import run_dir
+from launch.output.report import device_slug, format_table, write_results
+from launch.measure.timing import bench_interleaved, progress
 from overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
                           quantize_activation, quantize_weight, scaled_mm_reference)
 
-from ._canary import operands
-from .gemm_tune import FP8_CANDIDATES, precompile, write_table
+from .canary import operands
+from ..gemm_tune import FP8_CANDIDATES, precompile, write_table
 
 FP8_REL_TOLERANCE = 5e-3       # Frobenius norm of the difference over the reference's
 FP8_MAX_REL_TOLERANCE = 1e-2   # the worst element's difference over the reference's largest magnitude
@@ -41,7 +41,7 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
     candidates = {name: GemmBlocks.parse(name) for name in (args.configs or FP8_CANDIDATES)}
     failed: dict[str, str] = {}
     rows, skipped, entries = [], [], {}
-    # every configuration once in a child process first (launch/_canary.py): a crash or hang drops it
+    # every configuration once in a child process first (launch/measure/canary.py): a crash or hang drops it
     names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
                                       for _, _, _, m, n, k in points})
     verdicts = precompile("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,

@@ -1,5 +1,5 @@
 """AG+GEMM and GEMM+RS benchmarks: ours (each method) next to NCCL-then-GEMM, PyTorch async-TP, GEMM
-alone and communication alone, timed in one interleaved run per shape point (launch.timing).
+alone and communication alone, timed in one interleaved run per shape point (launch.measure.timing).
 
 One row per (point, method[, sm_margin]); every row carries the point's baselines, so
 E = T_ideal / T and the speedups can be read off each row. Correctness is checked before timing.
@@ -10,7 +10,7 @@ AG k_comm = comm-stream span / copy-engine gather alone, k_comp = the whole call
 say where the call's time goes; the contention-only k with the same SM budget is launch.kfactor's.
 
 `cuda_graphs=True` builds our ops with `cuda_graphs=True` and times every variant (ours, NCCL-then-GEMM,
-GEMM alone, comm alone) as a CUDA-graph replay (launch/_graphs.py): device time without the per-call
+GEMM alone, comm alone) as a CUDA-graph replay (launch/measure/graphs.py): device time without the per-call
 host cost. PyTorch's async-TP ops are left out there (not captured), and so are the traced k columns.
 """
 
@@ -23,14 +23,14 @@ from overlap.config import envs
 from overlap.ops.ag_gemm import AgGemm
 from overlap.ops.gemm_rs import GemmRs
 from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
-from launch.k_factor import k_from_trace, trace_op
-from launch.shapes import ShapePoint
-from launch.timing import bench_interleaved, progress
+from launch.measure.k_factor import k_from_trace, trace_op
+from launch.measure.shapes import ShapePoint
+from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from ._cli import UsageError
-from ._dist import DistContext
-from ._graphs import graph_variants
+from ..cli.common import UsageError
+from ..cli.dist import DistContext
+from .graphs import graph_variants
 
 TRACE_REPS = 10
 
@@ -180,7 +180,7 @@ def bench_ag_point(ctx: DistContext, point: ShapePoint, configs: list, *, warmup
 
 
 def _k_factors(ctx, op, args, t_comm_solo: float, t_comp_solo: float) -> tuple[float, float]:
-    """k of the op's own call (the one definition, launch/k_factor.py): its traced lane spans over the comm
+    """k of the op's own call (the one definition, launch/measure/k_factor.py): its traced lane spans over the comm
     path alone and its compute alone (`op.compute_alone`)."""
     kf = k_from_trace(trace_op(op, args, reps=TRACE_REPS), t_comm_solo=t_comm_solo, t_comp_solo=t_comp_solo)
     return kf.k_comm, kf.k_comp

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ._cli import UsageError
+from .common import UsageError
 
 __all__ = ["memory_limit", "require_fits", "format_bytes", "available_host_bytes"]
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from overlap.config import envs
 
-from ._cli import UsageError
+from .common import UsageError
 
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -97,7 +97,7 @@ def check_ranks(prog: str, where: Placement, min_ranks: int) -> None:
 @contextlib.contextmanager
 def job(prog: str, *, force_cpu: bool = False, min_ranks: int = 2, where: Placement | None = None):
     """The launchers' frame: refuse fewer than `min_ranks` ranks before joining (UsageError), join the job,
-    and leave the process group however the body ends (an error then exits through launch._cli)."""
+    and leave the process group however the body ends (an error then exits through launch.cli.common)."""
     # torch >= 2.13 renames all_gather_into_tensor; the GPU machine's 2.11 has only the old name.
     warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
     where = where or placement(force_cpu=force_cpu)

@@ -11,12 +11,12 @@ import torch
 
 from overlap.config.schema import METHODS, ConfigError, OverlapConfig
 from overlap.config.presets import load_config, load_preset
-from launch.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
+from launch.measure.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
                            rs_points)
 
-from . import _dist
-from ._cli import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
-from ._limits import require_fits
+from . import dist
+from .common import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
+from .limits import require_fits
 
 __all__ = ["PROG", "OPS", "SWEEP_KEYS", "GPU_GRID", "CPU_GRID", "GPU_MAX_K", "parse_sweep", "make_parser",
            "parse_args", "points_for", "configs_for", "check"]

@@ -2,7 +2,7 @@
 
 To wire into launch/tp_mlp.py (three places):
 
-    from ._offload_report import add_offload_argument, offload_report
+    from .offload_report import add_offload_argument, offload_report
     add_offload_argument(p)                                          # in parse_args
     if args.offload.enabled:                                         # in run_point, after the k factors
         row |= offload_report(ctx, ours, x, dy, args.offload, warmup=args.warmup, reps=args.steps,
@@ -28,9 +28,9 @@ from overlap.offload.config import OffloadConfig, parse_offload_arg
 from overlap.offload.engine import OffloadEngine, host_bytes
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import Rates, plan_for
-from launch.timing import bench_interleaved
+from launch.measure.timing import bench_interleaved
 
-from ._offload_measure import measure_copies, measure_layer_times, peak_of
+from .offload_measure import measure_copies, measure_layer_times, peak_of
 
 __all__ = ["add_offload_argument", "offload_report"]
 

@@ -1,0 +1,3 @@
+"""What every entry point of `launch/` shares at its edges: argument parsing, one-line errors and run folders
+(`common`), the process group (`dist`), and the checks of a run's arguments against memory and placement
+made before any process group or GPU allocation (`limits`, `kfactor_args`, `tp_mlp_plan`)."""

@@ -1,0 +1,5 @@
+"""The measurements the entry points of `launch/` are made of: the timing harness (`timing`), the k-factor
+(`k_factor`, `step_k`), the per-op benchmarks (`op_bench`, `pool_bw`), the shapes (`shapes`), sustained and
+per-stream timing (`sustained`, `timeline`, `graphs`, `comm_delay`), the GEMM sweeps (`tune`, `canary`,
+`gemm_bench_fp8`) and activation offload's points (`offload_point`, `offload_measure`, `offload_report`,
+`bench_mlp`)."""
