@@ -157,7 +157,7 @@ from .gemm_mainloop import k_loop, store_tile, stream_k_part, tile_coordinates, 
 from .rs_epilogue import owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel, scatter_stores
 
 __all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "GemmConfig", "persistent_gemm_kernel",
-           "reduce_partials_kernel", "cdiv", "num_output_tiles", "scatter_flags_per_source", "ag_rows_per_chunk",
+           "reduce_partials_kernel", "cdiv", "num_output_tiles", "ag_rows_per_chunk",
            "ag_chunk_index", "ag_chunk_rows", "ag_tile_row_offset", "TIMER_AVAILABLE"]
 
 _LOCAL = tl.constexpr(EPILOGUE_LOCAL)  # the same, for @triton.jit code
@@ -187,11 +187,6 @@ def cdiv(numerator: int, denominator: int) -> int:
 
 def num_output_tiles(m: int, n: int, block_m: int, block_n: int) -> int:
     return cdiv(m, block_m) * cdiv(n, block_n)
-
-
-def scatter_flags_per_source(rows_per_rank: int, block_m: int) -> int:
-    """Flag words an owner needs per source: its rows can touch cdiv(rows, BLOCK_M) + 1 GEMM row blocks."""
-    return cdiv(rows_per_rank, block_m) + 1
 
 
 def ag_rows_per_chunk(rows_per_rank: int, chunks_per_rank: int) -> int:

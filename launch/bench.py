@@ -25,7 +25,7 @@ from launch.output.report import device_slug, format_table, run_labels, write_re
 from launch.measure.timing import progress
 from launch.measure.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 
-from .cli import dist
+from .cli import dist as _dist
 from .cli.common import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,
                    run_launcher)
 from .cli.limits import require_fits

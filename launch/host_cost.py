@@ -36,7 +36,7 @@ from launch.measure.timing import progress
 
 from symm_mem import BACKENDS
 
-from .cli import dist
+from .cli import dist as _dist
 from .cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
 from .cli.limits import require_fits
 

@@ -59,7 +59,7 @@ from launch.measure.shapes import ShapePoint
 from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from .cli import dist, kfactor_args as _args
+from .cli import dist as _dist, kfactor_args as _args
 from .cli.common import ArgumentParser, run_dir, run_launcher
 from .cli.kfactor_args import GPU_MAX_K, PROG, configs_for, parse_sweep, points_for  # noqa: F401 (the API)
 from .measure.tune import best_configs, config_row, gate_failures, tuned_config
@@ -195,7 +195,7 @@ def regimes_point(ctx, point: ShapePoint, base_cfg: OverlapConfig, env: dict) ->
 def _write_outputs(args, ctx, rows, timelines, failures, best, base_cfg, stem: Path, num_sms, labels) -> None:
     files = {}
     if not args.no_plots:
-        from .output import plots
+        from .output import plots as _plots
         files["plot"] = str(_plots.plot_sweep([r for r in rows if r["op"] != "ag_regime"], stem.with_suffix(".png"),
                                               max_k=args.max_k, title=stem.name))
         files["timeline"] = str(_plots.plot_timeline([t for _, t in timelines],

@@ -53,7 +53,7 @@ from overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate,
 from launch.output.report import device_slug, format_table, run_labels, write_results
 from launch.measure.timing import progress
 
-from .cli import common, dist
+from .cli import common as _cli, dist as _dist
 from .cli.common import ArgumentParser, distinct, output_file, run_dir, run_launcher
 from .cli.limits import available_host_bytes
 from .measure.offload_point import OutOfTime, run_point

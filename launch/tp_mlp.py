@@ -45,7 +45,7 @@ from launch.output.report import device_slug, format_table, run_labels, write_re
 from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
-from .cli import dist, tp_mlp_plan as _plan
+from .cli import dist as _dist, tp_mlp_plan as _plan
 from .measure.offload_report import add_offload_argument, offload_report
 from .cli.common import ArgumentParser, input_file, int_list, output_dir, output_file, run_dir, run_launcher
 from .cli.tp_mlp_plan import DTYPES
@@ -149,8 +149,8 @@ def _check_numerics(ctx, mlps: dict, x, dy, dtype_name: str, label: str = "") ->
 def _timelines(ctx, model: ModelConfig, m: int, steps: dict, args) -> tuple[dict, str | None]:
     """Per-stream busy times of one profiled step of ours and of the baseline, and the path of their
     Gantt PNG (rank 0; ({}, None) on the other ranks)."""
-    from .output import plots
-    from .measure import timeline
+    from .output import plots as _plots
+    from .measure import timeline as _timeline
 
     stem = f"tp_mlp_{model.name}_M{m}{'_graphs' if args.cuda_graphs else ''}"
     chosen = {name: steps[name] for name in ("overlap", "baseline")}

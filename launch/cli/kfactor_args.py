@@ -14,7 +14,7 @@ from overlap.config.presets import load_config, load_preset
 from launch.measure.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
                            rs_points)
 
-from . import dist
+from . import dist as _dist
 from .common import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
 from .limits import require_fits
 

@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from . import plots
+from . import plots as _plots
 from ..measure.timeline import stream_lanes, summarise
 
 __all__ = ["redraw"]

@@ -21,43 +21,27 @@ No wait of the comm path needs an SM, so the copy engine starts while the consum
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 from symm_mem.regions import RegionSpec
 
-from ..gemm import (ChunkWait, Fp8WeightCache, choose_blocks, choose_fp8_blocks, dequantize_activation, fp8_gemm,
-                    launch_gemm, launch_quantize_activation, num_sms, scale_groups, sm_carveout)
+from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, scale_groups)
 from . import protocol
 from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
+from .ag_consumers import AgConsumers
 from .base import OpBase
+from .calls import AgCall
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import AgGemmConfig
 from .schedule import COMPUTE, Program
 
-__all__ = ["AgGemm", "AgCall", "Chunk", "ConsumerGemm", "ag_gemm"]
-
-
-@dataclass(slots=True)
-class AgCall:
-    """The tensors of one call: what the steps of its Program read (a Program is built once per plan and
-    reads a call's tensors only through this). All on the current stream's device."""
-    a_shard: torch.Tensor | None = None   # [M/W, K] this rank's rows: published, then read by the local GEMM
-    w: torch.Tensor | None = None         # [K, N_local]
-    out: torch.Tensor | None = None       # [M, N_local], fresh for this call
-    lead: Callable | None = None          # run before the GEMM over gathered rows (reads local data only)
-    stamp: torch.Tensor | None = None     # int64 [1]: receives the op's version (column layers)
-    x: torch.Tensor | None = None         # weight grad: the other operand [M, J]
-    grad: torch.Tensor | None = None      # weight grad: the result [J, K] = x^T @ gathered a
-    w_fp8: tuple | None = None            # FP8: (e4m3 w^T [N_local, K], its 128x128 scales)
+__all__ = ["AgGemm", "Chunk", "ConsumerGemm"]
 
 COMM = "comm"
 
 
-class AgGemm(OpBase):
+class AgGemm(AgConsumers, OpBase):
     """Op context built once per (group, pool, max_m, k, n_local, dtype, config); call it many times.
 
     `config` is an AgGemmConfig, or an OpPreset of them (`by_m` buckets: each call runs the config of its M).
@@ -153,18 +137,14 @@ class AgGemm(OpBase):
     def _run(self, a_shard, w, *, return_gathered=False, lead=None, wgrad_of=None, wgrad_lead=False, stamp=None):
         """`__call__` for tensors a caller has validated already (the layers)."""
         m = a_shard.shape[0] * self.world_size
-        out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        call = AgCall(a_shard=a_shard, w=w, out=out, lead=lead, stamp=stamp)
-        addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
+        call, addresses = self._new_call(m, a_shard, w)
+        call.lead, call.stamp, out = lead, stamp, call.out
         if wgrad_of is not None:
             grad = torch.empty(wgrad_of.shape[1], self.k, dtype=self.dtype, device=self.device)
             call.x, call.grad = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if stamp is not None:
             addresses += (stamp.data_ptr(),)
-        if self.fp8:
-            call.w_fp8 = w8 = self._weights.get(w.t())
-            addresses += (w8[0].data_ptr(), w8[1].data_ptr())
         wgrad = None if wgrad_of is None else ("lead" if wgrad_lead else "after")
         self._call(m, "op", call, None if lead is not None else addresses,
                    wgrad=wgrad, lead=lead is not None, stamp=stamp is not None)
@@ -197,14 +177,19 @@ class AgGemm(OpBase):
         `all_gather(a_shard)` left in the pool; call that first. The "compute alone" of the k-factor."""
         self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         m = a_shard.shape[0] * self.world_size
-        out = torch.empty(m, self.n_local, dtype=self.dtype, device=self.device)
-        call = AgCall(a_shard=a_shard, w=w, out=out)
-        addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr())
+        call, addresses = self._new_call(m, a_shard, w)
+        self._call(m, "compute", call, addresses)
+        return call.out
+
+    def _new_call(self, m: int, a_shard: torch.Tensor, w: torch.Tensor) -> tuple[AgCall, tuple]:
+        """A call's tensors with a fresh out [M, N_local] (and w's FP8 form), and the addresses that key its
+        CUDA-graph replay."""
+        call = AgCall(a_shard=a_shard, w=w, out=torch.empty(m, self.n_local, dtype=self.dtype, device=self.device))
+        addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), call.out.data_ptr())
         if self.fp8:
             call.w_fp8 = w8 = self._weights.get(w.t())
             addresses += (w8[0].data_ptr(), w8[1].data_ptr())
-        self._call(m, "compute", call, addresses)
-        return out
+        return call, addresses
 
     def chunks(self, m: int) -> list[Chunk]:
         """Chunks in arrival order: the local rank's first, then ring order rank+1, rank+2, ..."""
@@ -323,107 +308,6 @@ class AgGemm(OpBase):
             program.give(COMM, self.flags.consumed(self.rank), previous_owner)
         program.record(COMM, "gathered")
 
-    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool,
-                             waits: bool = True) -> None:
-        if lead:
-            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
-        gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
-                                    chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
-                                    whole=whole)
-        for gemm in gemms:
-            if not waits:
-                pass
-            elif gemm.wait == len(chunks):  # rows from the pool: every pull and the local slot
-                program.after(COMPUTE, "gathered")
-            elif gemm.wait >= 0:
-                program.after(COMPUTE, f"chunk{gemm.wait}")
-            program.run(COMPUTE, self._mm(gemm, m, config.sm_margin))
-
-    def _mm(self, gemm: ConsumerGemm, m: int, margin: int):
-        lo, count = gemm.first_row, gemm.num_rows
-        local = gemm.wait < 0  # this rank's rows: straight from a_shard, no wait
-        first = lo - self.rank * (m // self.world_size)
-        gathered = self.gathered[lo:lo + count]
-        if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
-            scales = self.scales[lo:lo + count]
-
-            def mm_fp8(call) -> None:
-                w8, w_scales = call.w_fp8
-                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out[lo:lo + count])
-            return mm_fp8
-
-        def mm(call) -> None:
-            a = call.a_shard[first:first + count] if local else gathered
-            with sm_carveout(margin):
-                torch.mm(a, call.w, out=call.out[lo:lo + count])
-        return mm
-
-    def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
-        from kernels.gemm import ag_tile_row_offset
-
-        rows = m // self.world_size
-        programs = self.num_sms - config.sm_margin
-        wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
-                         error_words=self.pool.error_words(),
-                         error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
-        if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
-            code = self.pool.device_error_code(self.flags.region, 0)
-            for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
-                program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
-        if lead:
-            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
-        gathered = self.gathered[:m]
-        if self.fp8:
-            blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
-            offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
-
-            def gemm(call) -> None:
-                w8, w_scales = call.w_fp8
-                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
-                         num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
-        else:
-            blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
-                                   sm_count=programs)
-            offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
-
-            def gemm(call) -> None:
-                launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=blocks,
-                            tile_row_offset=offset, chunk_wait=wait)
-        program.run(COMPUTE, gemm)
-
-    def _wgrad_lead(self, program: Program, m: int, rows: int, margin: int) -> None:
-        """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
-        lo = self.rank * rows
-
-        def lead(call) -> None:
-            with sm_carveout(margin):
-                torch.mm(call.x[lo:lo + rows].t(), call.a_shard, out=call.grad)
-        program.run(COMPUTE, lead)
-
-    def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
-        """grad (+)= x[other rows]^T @ gathered[other rows] (bf16; fp8: the dequantised gathered rows)."""
-        lo = self.rank * rows
-        others = [(first, end) for first, end in ((0, lo), (lo + rows, m)) if end > first]
-
-        def rest(call) -> None:
-            full, x, grad = self.gathered_bf16(m), call.x, call.grad
-            if not lead:
-                torch.mm(x.t(), full, out=grad)
-                return
-            for first, end in others:  # onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
-                grad.addmm_(x[first:end].t(), full[first:end])
-        program.run(COMPUTE, rest)
-
     def _release(self) -> None:
         self.gathered = self.scales = None
         self.chunk_flags = None
-
-
-def _with_carveout(margin: int, work) -> None:
-    with sm_carveout(margin):
-        work()
-
-
-def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, *, op: AgGemm, return_gathered: bool = False):
-    """Functional form: `op(a_shard, w)` (the op context holds the pool region, streams and plans)."""
-    return op(a_shard, w, return_gathered=return_gathered)

@@ -30,8 +30,6 @@ Every wait of the push path is a memory operation: the copy engine starts while 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,41 +40,21 @@ from symm_mem.regions import RegionSpec
 from ..gemm import (Fp8WeightCache, Scatter, choose_blocks, fp8_gemm, launch_gemm, launch_reduce, num_sms,
                     quantize_activation, sm_carveout)
 from . import protocol
+from .protocol import FLAG_BLOCK_M
 from .base import OpBase
+from .calls import RsCall
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .schedule import COMPUTE, Program
 
-__all__ = ["GemmRs", "RsCall", "gemm_rs", "FLAG_BLOCK_M"]
+__all__ = ["GemmRs"]
 
-
-@dataclass(slots=True)
-class RsCall:
-    """The tensors of one call: what the steps of its Program read (a Program is built once per plan and
-    reads a call's tensors only through this). All on the current stream's device."""
-    out: torch.Tensor                     # [M/W, N] this rank's reduced rows ([M, N] for compute_alone)
-    a: torch.Tensor | None = None         # [M, K_local] (None for `reduce_scatter`)
-    w: torch.Tensor | None = None         # [K_local, N]
-    work: Callable | None = None          # bulk: the work overlapped with the reduce-scatter, returns `result`
-    check: tuple | None = None            # (stamp, version, failure code): the producer's version check
-    g: torch.Tensor | None = None         # weight grad: the output grad [M, J]
-    result: torch.Tensor | None = None    # weight grad [J, K_local] = g^T @ a, or what `work` returned
-    a_fp8: tuple | None = None            # FP8: (e4m3 a, 1x128 scales), quantised once per call
-    w_fp8: tuple | None = None            # FP8: (e4m3 w^T, 128x128 scales)
-    partials: torch.Tensor | None = None  # `reduce_scatter`: the partials [M, N] to reduce
-
-FLAG_BLOCK_M = 128  # row-block granularity of the device flags (the scatter GEMM's BLOCK_M)
 COMM, REDUCE = "comm", "reduce"
 STAGED_METHODS = ("decomposed", "pair")
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def flags_per_source(max_m: int, world_size: int) -> int:
-    """Device flags a GemmRs region keeps per source (the row blocks of one owner's rows, + 1 straddling)."""
-    return _cdiv(max_m // world_size, FLAG_BLOCK_M) + 1
 
 
 class GemmRs(OpBase):
@@ -103,9 +81,8 @@ class GemmRs(OpBase):
         if fp8:
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K_local, N]
         self._agree()  # before any reservation: a disagreement must not shift the pool's layout
-        max_rows = max_m // self.world_size
-        self.flags_per_source = flags_per_source(max_m, self.world_size)
-        self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, self.flags_per_source)
+        self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, max_m)
+        self.flags_per_source = self.flags.flags_per_source
         (spec,) = self.regions(name=name, world_size=self.world_size, max_m=max_m, n=n, dtype=dtype)
         self.partials = pool.reserve(*spec[:3], num_signals=spec.num_signals,
                                      num_device_flags=spec.num_device_flags, exclusive=True)
@@ -121,7 +98,7 @@ class GemmRs(OpBase):
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
         """The pool region a GemmRs reserves: W slots of [max_m/W, N] partials (one per source rank) with
         the flags of `protocol.RsFlags` (a device flag per row block of each source)."""
-        flags = protocol.RsFlags(f"{name}.partials", world_size, flags_per_source(max_m, world_size))
+        flags = protocol.RsFlags(f"{name}.partials", world_size, max_m)
         return [RegionSpec(flags.region, (world_size * (max_m // world_size) * n,), dtype,
                            flags.num_signals, flags.num_device_flags)]
 
@@ -419,8 +396,3 @@ def _sum_into(out: torch.Tensor, own: torch.Tensor, others: list[torch.Tensor]) 
     for other in others:
         total += other
     out.copy_(total)
-
-
-def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, op: GemmRs) -> torch.Tensor:
-    """Functional form: `op(a, w)`."""
-    return op(a, w)

@@ -21,7 +21,6 @@ are issued on the caller's current stream; outputs and gradients are valid on it
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kernels.constants import CLEAR, SET  # one home: the kernels and these host-side steps read the same values
+from kernels.constants import CLEAR, ROW_BLOCK_M, SET, scatter_flags_per_source  # one home: kernels and host agree
 
-__all__ = ["SET", "CLEAR", "Flag", "AgFlags", "RsFlags", "initialise"]
+__all__ = ["SET", "CLEAR", "FLAG_BLOCK_M", "Flag", "AgFlags", "RsFlags", "flags_per_source", "initialise"]
+
+FLAG_BLOCK_M = ROW_BLOCK_M  # rows per GemmRs device flag: the scatter GEMM's BLOCK_M
 
 
 class Flag(NamedTuple):
@@ -53,41 +55,55 @@ class Flag(NamedTuple):
     index: int
 
 
-class AgFlags:
-    """Control and device flags of one AgGemm region."""
+def flags_per_source(max_m: int, world_size: int) -> int:
+    """Device flags a GemmRs region keeps per source (the row blocks of one owner's rows, + 1 straddling)."""
+    return scatter_flags_per_source(max_m // world_size, FLAG_BLOCK_M)
+
+
+class _RegionFlags:
+    """The layout both ops share: 2 W control words (W "mine is ready" words indexed by the writer, then W
+    "you may write again" words indexed by the reader, the latter starting SET for every peer), and W x
+    `per_source` device flags."""
+
+    def __init__(self, region: str, world_size: int, per_source: int):
+        self.region, self.world_size, self.per_source = region, world_size, per_source
+        self.num_signals = 2 * world_size
+        self.num_device_flags = world_size * per_source
+
+    def _first(self, rank: int) -> Flag:
+        return Flag(self.region, rank)
+
+    def _second(self, rank: int) -> Flag:
+        return Flag(self.region, self.world_size + rank)
+
+    def initial(self, rank: int) -> dict[int, int]:
+        """Control flag values this rank's page starts with: its peers may write into its region at once."""
+        return {self._second(r).index if self._starts_second else self._first(r).index: SET
+                for r in range(self.world_size) if r != rank}
+
+
+class AgFlags(_RegionFlags):
+    """AgGemm: ready[owner] (value M: owner's rows are published), consumed[reader] (the reader pulled them:
+    the owner may overwrite its slot); a device flag per chunk of each owner's rows (the fused consumer)."""
+    _starts_second = True
 
     def __init__(self, region: str, world_size: int, chunks_per_rank: int):
-        self.region, self.world_size, self.chunks_per_rank = region, world_size, chunks_per_rank
-        self.num_signals = 2 * world_size
-        self.num_device_flags = world_size * chunks_per_rank
+        super().__init__(region, world_size, chunks_per_rank)
+        self.chunks_per_rank = chunks_per_rank
 
-    def ready(self, owner: int) -> Flag:
-        return Flag(self.region, owner)
-
-    def consumed(self, reader: int) -> Flag:
-        return Flag(self.region, self.world_size + reader)
-
-    def initial(self, rank: int) -> dict[int, int]:
-        """Control flag values this rank's page starts with."""
-        return {self.consumed(r).index: SET for r in range(self.world_size) if r != rank}
+    ready, consumed = _RegionFlags._first, _RegionFlags._second
 
 
-class RsFlags:
-    """Control and device flags of one GemmRs region."""
+class RsFlags(_RegionFlags):
+    """GemmRs: free[owner] (the owner's slot for this source may be written), pushed[source] (value M:
+    source's partial is in); a device flag per FLAG_BLOCK_M row block of each source (scatter epilogues)."""
+    _starts_second = False
 
-    def __init__(self, region: str, world_size: int, flags_per_source: int):
-        self.region, self.world_size, self.flags_per_source = region, world_size, flags_per_source
-        self.num_signals = 2 * world_size
-        self.num_device_flags = world_size * flags_per_source
+    def __init__(self, region: str, world_size: int, max_m: int):
+        super().__init__(region, world_size, flags_per_source(max_m, world_size))
+        self.flags_per_source = self.per_source
 
-    def free(self, owner: int) -> Flag:
-        return Flag(self.region, owner)
-
-    def pushed(self, source: int) -> Flag:
-        return Flag(self.region, self.world_size + source)
-
-    def initial(self, rank: int) -> dict[int, int]:
-        return {self.free(o).index: SET for o in range(self.world_size) if o != rank}
+    free, pushed = _RegionFlags._first, _RegionFlags._second
 
 
 def initialise(pool, flags) -> None:

@@ -184,7 +184,7 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
     import pytest
     import torch
 
-    from launch import op_bench
+    from launch.measure import op_bench
     from launch.cli.common import UsageError
 
     class CpuContext:

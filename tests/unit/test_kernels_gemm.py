@@ -30,8 +30,8 @@ from kernels.gemm import (  # noqa: E402
     cdiv,
     persistent_gemm_kernel,
     reduce_partials_kernel,
-    scatter_flags_per_source,
 )
+from kernels.constants import scatter_flags_per_source  # noqa: E402
 from kernels.gemm_mainloop import tile_coordinates  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy >= 1.25 deprecates.

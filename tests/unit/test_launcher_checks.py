@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import _cli, _limits, _tp_mlp_plan, kfactor
+from launch import kfactor
+from launch.cli import common as _cli, limits as _limits, tp_mlp_plan as _tp_mlp_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def test_kfactor_refuses_unknown_layers_and_a_shape_list_without_shapes():
         kfactor.points_for(kfactor.parse_args(["--shapes", ","]), "ag_gemm", where.world_size, False)
 
 
-SIBLING_CHECK = "from launch import _cli; print(_cli._a_sibling_runs())"
+SIBLING_CHECK = "from launch.cli import common as _cli; print(_cli._a_sibling_runs())"
 
 
 def _under_a_fresh_parent(code: str, *, with_sibling: bool) -> str:
@@ -113,7 +114,7 @@ def _under_a_fresh_parent(code: str, *, with_sibling: bool) -> str:
 
 def test_rank_0_sees_a_sibling_that_still_runs_and_waits_for_it_at_most_its_bound():
     assert _under_a_fresh_parent(SIBLING_CHECK, with_sibling=True) == "True"
-    code = "import time; from launch import _cli; t = time.monotonic(); _cli._wait_for_sibling_ranks(0.5); " \
+    code = "import time; from launch.cli import common as _cli; t = time.monotonic(); _cli._wait_for_sibling_ranks(0.5); " \
            "print(round(time.monotonic() - t, 1))"
     waited = _under_a_fresh_parent(code, with_sibling=True)
     assert 0.5 <= float(waited) < 5, waited

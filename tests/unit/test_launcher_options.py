@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 
-from launch import _cli, timing
+from launch.cli import common as _cli
+from launch.measure import timing
 from launch.output.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
 
 LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench")

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import _plots, _timeline, results_md
+from launch import results_md
+from launch.measure import timeline as _timeline
+from launch.output import plots as _plots
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"

@@ -1,0 +1,114 @@
+"""The consumer side of an AgGemm plan: the steps that read the gathered rows. `decomposed`: cuBLAS GEMMs in
+the order of `plan_consumer_gemms`, each after the arrival of the rows it reads; `fused`: one persistent
+Triton GEMM whose tiles wait for their chunk's device flag; the weight-grad GEMMs of a row layer's backward.
+A mixin of AgGemm (it reads the op's pool views, flags and configuration)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
+from .ag_plan import ConsumerGemm, plan_consumer_gemms
+from .schedule import COMPUTE, Program
+
+__all__ = ["AgConsumers"]
+
+
+class AgConsumers:
+    """Consumer steps of AgGemm's plans (see the module docstring)."""
+
+    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool,
+                             waits: bool = True) -> None:
+        if lead:
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
+        gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
+                                    chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
+                                    whole=whole)
+        for gemm in gemms:
+            if not waits:
+                pass
+            elif gemm.wait == len(chunks):  # rows from the pool: every pull and the local slot
+                program.after(COMPUTE, "gathered")
+            elif gemm.wait >= 0:
+                program.after(COMPUTE, f"chunk{gemm.wait}")
+            program.run(COMPUTE, self._mm(gemm, m, config.sm_margin))
+
+    def _mm(self, gemm: ConsumerGemm, m: int, margin: int):
+        lo, count = gemm.first_row, gemm.num_rows
+        local = gemm.wait < 0  # this rank's rows: straight from a_shard, no wait
+        first = lo - self.rank * (m // self.world_size)
+        gathered = self.gathered[lo:lo + count]
+        if self.fp8:  # every row from the pool (the local ones were quantised into the slot)
+            scales = self.scales[lo:lo + count]
+
+            def mm_fp8(call) -> None:
+                w8, w_scales = call.w_fp8
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out[lo:lo + count])
+            return mm_fp8
+
+        def mm(call) -> None:
+            a = call.a_shard[first:first + count] if local else gathered
+            with sm_carveout(margin):
+                torch.mm(a, call.w, out=call.out[lo:lo + count])
+        return mm
+
+    def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
+        from kernels.gemm import ag_tile_row_offset
+
+        rows = m // self.world_size
+        programs = self.num_sms - config.sm_margin
+        wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
+                         error_words=self.pool.error_words(),
+                         error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
+        if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
+            code = self.pool.device_error_code(self.flags.region, 0)
+            for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
+                program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
+        if lead:
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
+        gathered = self.gathered[:m]
+        if self.fp8:
+            blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
+            offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
+
+            def gemm(call) -> None:
+                w8, w_scales = call.w_fp8
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
+                         num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
+        else:
+            blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
+                                   sm_count=programs)
+            offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
+
+            def gemm(call) -> None:
+                launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=blocks,
+                            tile_row_offset=offset, chunk_wait=wait)
+        program.run(COMPUTE, gemm)
+
+    def _wgrad_lead(self, program: Program, m: int, rows: int, margin: int) -> None:
+        """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
+        lo = self.rank * rows
+
+        def lead(call) -> None:
+            with sm_carveout(margin):
+                torch.mm(call.x[lo:lo + rows].t(), call.a_shard, out=call.grad)
+        program.run(COMPUTE, lead)
+
+    def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
+        """grad (+)= x[other rows]^T @ gathered[other rows] (bf16; fp8: the dequantised gathered rows)."""
+        lo = self.rank * rows
+        others = [(first, end) for first, end in ((0, lo), (lo + rows, m)) if end > first]
+
+        def rest(call) -> None:
+            full, x, grad = self.gathered_bf16(m), call.x, call.grad
+            if not lead:
+                torch.mm(x.t(), full, out=grad)
+                return
+            for first, end in others:  # onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
+                grad.addmm_(x[first:end].t(), full[first:end])
+        program.run(COMPUTE, rest)
+
+
+def _with_carveout(margin: int, work) -> None:
+    with sm_carveout(margin):
+        work()
