@@ -29,7 +29,7 @@ SET_FLAG = tl.constexpr(SET)  # the same, for @triton.jit code (kernels read onl
 __all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "POLL_NS", "read_globaltimer",
            "wait_for_flag", "wait_for_value", "wait_for_count", "await_flag", "record_error", "record_mismatch"]
 
-MISMATCH_BIT = tl.constexpr(1 << 30)  # symm_mem/_layout.py: the flag held another nonzero value
+MISMATCH_BIT = tl.constexpr(1 << 30)  # symm_mem/layout.py: the flag held another nonzero value
 
 
 @triton.jit

@@ -5,7 +5,7 @@ __project__ = "tp-overlap"  # checked by overlap/_install.py
 
 from .errors import (ArgumentMismatch, DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError,
                      PoolCapacityError, PoolClosedError, PoolError, PoolStepMismatch, PoolTimeoutError, SignalTimeout)
-from ._layout import BACKENDS
+from .layout import BACKENDS
 from .pool import PoolStats, Region, SymmetricPool, live_pool_count
 
 __all__ = ["SymmetricPool", "PoolStats", "Region", "PoolError", "PoolCapacityError", "PoolClosedError",

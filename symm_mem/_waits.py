@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import time
 
-from ._layout import (BOARD_GEQ, DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FAILURE_CODE_BASE,
+from .layout import (BOARD_GEQ, DEVICE_CODE_BASE, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, FAILURE_CODE_BASE,
                       FIRST_FLAG_WORD, MISMATCH_BIT, MISMATCH_REASON, decode_abort, layout_difference)
 from .errors import (ArgumentMismatch, DeviceCheckError, PeerAbortError, PeerLostError, PeerMismatchError,
                      SignalTimeout)
 
-__all__ = ["WaitState", "agree", "ArgumentMismatch"]
 
 LIVENESS_PERIOD_S = 0.05
 SPIN_POLLS = 2000

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._layout import (ABORT_WORD, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, FIRST_FLAG_WORD,
+from .layout import (ABORT_WORD, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, FIRST_FLAG_WORD,
                       MISMATCH_FLAG_WORD, MISMATCH_MINE_WORD, MISMATCH_SEEN_WORD, MISMATCH_WHO_WORD,
                       control_page_words)
 from .rendezvous import Rendezvous

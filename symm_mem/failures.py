@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _waits
-from ._layout import ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, encode_abort
+from .layout import ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, encode_abort
 from .liveness import process_alive
 
 __all__ = ["PoolFailures"]

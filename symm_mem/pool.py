@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _waits
-from ._layout import (ABORT_WORD, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align, check_same_shape, check_spec, check_timeout,
+from .layout import (ABORT_WORD, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align, check_same_shape, check_spec, check_timeout,
                       check_word, resolve_backend)
 from .control import ControlPages
 from .failures import PoolFailures

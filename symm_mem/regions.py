@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._layout import align
+from .layout import align
 
 __all__ = ["RegionSpec", "PoolRequirements", "requirements"]
 

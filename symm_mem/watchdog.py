@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from ._layout import ABORT_WORD, CHECK_REASON, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, MISMATCH_BIT
+from .layout import ABORT_WORD, CHECK_REASON, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD, MISMATCH_BIT
 
 __all__ = ["Watchdog"]
 

@@ -35,7 +35,7 @@ kernel that read them, before the handshake that lets the writer set them again)
     row block b of the owner's rows has been stored by `source` (written by the source's GEMM, release at
     system scope); a kernel that finds another nonzero value records a disagreement (MISMATCH_BIT).
 
-The error words are the pool's (symm_mem/_layout.py): a kernel stores the code of an expired wait and the
+The error words are the pool's (symm_mem/layout.py): a kernel stores the code of an expired wait and the
 value it waited for into words 0 and 1 of its rank's control page; word 2 is the group's abort word.
 """
 

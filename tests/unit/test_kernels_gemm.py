@@ -17,7 +17,7 @@ import triton  # noqa: E402
 
 import triton.language as tl  # noqa: E402
 
-from symm_mem._layout import MISMATCH_BIT  # noqa: E402
+from symm_mem.layout import MISMATCH_BIT  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     EPILOGUE_LOCAL,
     EPILOGUE_SCATTER,

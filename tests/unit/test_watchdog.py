@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from symm_mem._layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
+from symm_mem.layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
 from symm_mem.control import ControlPages
 from symm_mem.watchdog import TIMEOUT_REASON, Watchdog
 

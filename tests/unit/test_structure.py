@@ -1,0 +1,137 @@
+"""The codebase's shape, checked from the source: one public surface, one exception root, no import cycles
+(deferred imports included), no private cross-package imports, private modules that export nothing, and
+files and functions a reader can take in at once."""
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Project modules imported anywhere in `module` (function-level imports too); `from pkg import mod`
+    counts as importing pkg.mod, not pkg."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            subs = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
+            found |= subs if len(subs) == len(node.names) else {target} | subs
+    return {name for name in found if name in MODULES and name != module}
+
+
+def test_the_user_surface_is_one_import_of_at_most_25_names():
+    import overlap
+    assert len(overlap.__all__) <= 25
+    assert len(set(overlap.__all__)) == len(overlap.__all__)
+    for name in overlap.__all__:
+        assert getattr(overlap, name) is not None, name
+    for name in ("AgGemm", "GemmRs", "TPMLP", "SymmetricPool", "pool_requirements", "OverlapConfig", "load_preset",
+                 "OverlapError", "enable_offload"):
+        assert name in overlap.__all__
+
+
+def test_every_exception_of_the_project_derives_from_the_one_root():
+    from ipc.errors import OverlapError
+    seen = []
+    for package in PACKAGES:
+        for info in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}."):
+            module = importlib.import_module(info.name)
+            for obj in vars(module).values():
+                if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == info.name:
+                    seen.append(obj)
+                    assert issubclass(obj, OverlapError), f"{info.name}.{obj.__name__} does not derive from OverlapError"
+    assert len(seen) >= 20  # the walk really found the project's exceptions
+
+
+def test_no_import_cycles_deferred_imports_included():
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_no_package_imports_another_packages_private_modules():
+    wrong = [f"{name} -> {target}" for name, path in MODULES.items() for target in _imports(name, path)
+             if target.split(".")[0] != name.split(".")[0] and _is_private(target)]
+    assert wrong == []
+
+
+def test_private_modules_export_nothing():
+    exporting = [name for name, path in MODULES.items() if _is_private(name)
+                 and any(isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+                         for node in ast.parse(path.read_text()).body)]
+    assert exporting == []
+
+
+def test_files_and_functions_are_short():
+    long_files = [f"{name}: {n}" for name, path in MODULES.items()
+                  if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    long_functions = []
+    for name, path in MODULES.items():
+        if name.startswith("kernels."):  # Triton kernels may be longer: one kernel is one GPU program
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name}: {n}")
+    assert long_files == [] and long_functions == []
+
+
+@pytest.mark.parametrize("module", ["overlap", "symm_mem", "ipc", "kernels", "launch", "configs"])
+def test_every_top_level_package_carries_the_project_marker(module):
+    assert '__project__ = "tp-overlap"' in (ROOT / module / "__init__.py").read_text()
