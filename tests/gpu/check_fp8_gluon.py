@@ -147,7 +147,7 @@ def child(args) -> int:
     started = time.monotonic()
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(0)
-    result = {"git_commit": os.environ.get("OVERLAP_GIT_COMMIT", "unknown"), "command": args.command,
+    result = {"commit": os.environ.get("OVERLAP_GIT_COMMIT", "unknown"), "command": args.command,
               "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "correctness": [], "timed": [], "errors": [],
               "skipped": [], "finished": False}
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
             with open(args.json) as f:
                 result = json.load(f)
         except (OSError, ValueError):
-            result = {"git_commit": os.environ.get("OVERLAP_GIT_COMMIT", "unknown"), "command": command}
+            result = {"commit": os.environ.get("OVERLAP_GIT_COMMIT", "unknown"), "command": command}
         result["killed_after_s"] = args.max_seconds
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
