@@ -174,19 +174,7 @@ def _run_bf16(args) -> int:
             continue
         a, b = operands(m, n, k, layout, dev, seed=i)
         ref = torch.mm(a, b)
-        outs, usable, errors = {}, {}, {}
-        for name, blocks in variants_blocks.items():
-            outs[name] = torch.full_like(ref, float("nan"))
-            try:
-                triton_mm(a, b, outs[name], blocks=blocks)
-            except Exception as exc:  # e.g. OutOfResources: reported, not timed
-                errors[name] = f"{type(exc).__name__}: {str(exc)[-160:]}"
-                progress(f"  {name} ({blocks.name}) failed: {errors[name]}")
-                continue
-            err = ((outs[name].float() - ref.float()).norm() / ref.float().norm()).item()
-            if not err <= REL_TOLERANCE:
-                raise RuntimeError(f"{layer} M={m} {layout} {name} ({blocks.name}): relative error {err:.3g} vs cuBLAS")
-            usable[name] = blocks
+        outs, usable, errors = _check_variants(a, b, ref, variants_blocks, where=f"{layer} M={m} {layout}")
         out_c = torch.empty_like(ref)
         variants = {"cublas": lambda: torch.mm(a, b, out=out_c)}
         variants.update({name: (lambda blk=blk, o=outs[name]: triton_mm(a, b, o, blocks=blk))
@@ -210,13 +198,36 @@ def _run_bf16(args) -> int:
                  f"{row.get('t_table_ms', float('nan')):.4f} ms ({variants_blocks['table'].name}, "
                  f"{row.get('table_over_cublas', float('nan')):.3f}x)")
     _write(out, rows, skipped, args, device_name, table)
+    _print_summary(rows, skipped, out)
+    return 0 if rows else 1
+
+
+def _check_variants(a, b, ref, variants_blocks: dict, where: str) -> tuple[dict, dict, dict]:
+    """Run each variant once into a NaN-poisoned output and check it against cuBLAS's `ref`: (outputs,
+    the variants that ran and may be timed, the error text of those that failed to run)."""
+    outs, usable, errors = {}, {}, {}
+    for name, blocks in variants_blocks.items():
+        outs[name] = torch.full_like(ref, float("nan"))
+        try:
+            triton_mm(a, b, outs[name], blocks=blocks)
+        except Exception as exc:  # e.g. OutOfResources: reported, not timed
+            errors[name] = f"{type(exc).__name__}: {str(exc)[-160:]}"
+            progress(f"  {name} ({blocks.name}) failed: {errors[name]}")
+            continue
+        err = ((outs[name].float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err <= REL_TOLERANCE:
+            raise RuntimeError(f"{where} {name} ({blocks.name}): relative error {err:.3g} vs cuBLAS")
+        usable[name] = blocks
+    return outs, usable, errors
+
+
+def _print_summary(rows: list[dict], skipped: list[dict], out) -> None:
     print(format_table(rows, ["layer", "tp", "layout", "M", "K", "N", "t_cublas_ms", "t_table_ms", "table_blocks",
                               "table_over_cublas", "heuristic_over_cublas"]))
     for layout, s in summarize(rows, "table_over_cublas").items():
         print(f"{layout}: table/cuBLAS speed median {s['median']:.3f}, min {s['min']:.3f}, "
               f">= 0.85 on {s['at_least_0.85']} of {s['n']}")
     print(f"{len(rows)} shapes measured, {len(skipped)} skipped (budget); results: {out}")
-    return 0 if rows else 1
 
 
 def _write(out, rows, skipped, args, device_name, table) -> None:

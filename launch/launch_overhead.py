@@ -1,6 +1,10 @@
 """Host cost of the launches one overlapped call makes (one GPU, one process): what bounds the fixed cost
 of AG+GEMM at small M. For each launch kind: host µs per launch (enqueue only, 2,000 launches) and device
-µs per launch (the same 2,000 back to back, timed with events).
+µs per launch (the same 2,000 back to back, timed with events). The kinds: the protocol's flag signals and
+waits (stream memory operations, symm_mem/memops.py: one write, one satisfied wait, a batch of 16 writes;
+and torch's stream_write_value32), an event handshake between streams, a device copy, and the GEMMs --
+torch.mm, the persistent Triton GEMM alone and as the fused AllGather consumer whose chunk flags are all set
+(overlap/gemm/launch.py).
 
     python -m launch.launch_overhead [--out FILE]
 
@@ -51,36 +55,52 @@ def main(argv=None) -> int:
     return run_launcher(PROG, parse_args, _run, argv)
 
 
-def _run(args) -> int:
-    require(torch.cuda.is_available(), "needs a CUDA GPU (it times kernel launches on one GPU); run it on a GPU "
-                                       "machine")
-    from kernels.flags import launch_signal, launch_signal_range, launch_wait
-    from overlap.gemm import GemmBlocks, triton_mm
+def _launch_kinds(dev: torch.device) -> dict:
+    """One callable per launch kind, each making one launch on the current stream; every wait is
+    satisfied at once (the flags hold SET), so what is timed is the launch alone."""
+    from kernels.constants import SET
+    from overlap.gemm import ChunkWait, GemmBlocks, launch_gemm, num_sms, triton_mm
+    from symm_mem import memops
 
-    dev = torch.device("cuda", 0)
-    flags = torch.zeros(64, dtype=torch.int32, device=dev)
-    errors = torch.zeros(3, dtype=torch.int32, device=dev)
-    flags.fill_(1 << 30)  # every wait is satisfied at once: pure launch cost
+    flags = torch.full((64,), SET, dtype=torch.int32, device=dev)
+    error_words = torch.zeros(3, dtype=torch.int32, device=dev)
+    base, word = flags.data_ptr(), flags.element_size()
+    signal = memops.MemOpBatch([memops.write(base, SET)])
+    wait = memops.MemOpBatch([memops.wait_eq(base + word, SET)])
+    signal_range = memops.MemOpBatch([memops.write(base + i * word, SET) for i in range(2, 18)])
+    stream = torch.cuda.current_stream(dev).cuda_stream
     write32 = torch._C._distributed_c10d._SymmetricMemory.stream_write_value32
     a = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
     b = torch.randn(4096, 3072, device=dev, dtype=torch.bfloat16)
     out = torch.empty(512, 3072, device=dev, dtype=torch.bfloat16)
+    blocks, programs = GemmBlocks(128, 128, 64, 8, 4, 4), num_sms(dev)
+    # two owners of 256 rows, one chunk each: flags 18 and 19
+    chunk_wait = ChunkWait(flags=flags[18:20], rows_per_rank=256, chunks_per_rank=1, error_words=error_words,
+                           error_code_base=1, timeout_s=1.0)
     src, dst = torch.empty(4 << 20, dtype=torch.uint8, device=dev), torch.empty(4 << 20, dtype=torch.uint8, device=dev)
     side = torch.cuda.Stream(priority=-1)
     event = torch.cuda.Event()
     epoch = iter(range(1, 10**9))
-    kinds = {
-        "triton signal_kernel": lambda: launch_signal(flags[:1], 5),
-        "triton wait_kernel (satisfied)": lambda: launch_wait(flags[1:2], 5, errors, error_code=17, timeout_ns=10**9),
-        "triton signal_range_kernel": lambda: launch_signal_range(flags, 2, 16, 5),
+    return {
+        "memop write (signal)": lambda: signal.enqueue(stream),
+        "memop wait (satisfied)": lambda: wait.enqueue(stream),
+        "memop batch of 16 writes": lambda: signal_range.enqueue(stream),
         "stream_write_value32": lambda: write32(flags.view(torch.uint32), 40, next(epoch)),
         "event record + wait_event": lambda: (event.record(side), torch.cuda.current_stream().wait_event(event)),
         "copy_ 4 MB d2d": lambda: dst.copy_(src, non_blocking=True),
         "torch.mm 512x4096x3072": lambda: torch.mm(a, b, out=out),
-        "triton_mm 512x4096x3072": lambda: triton_mm(a, b, out, blocks=GemmBlocks(128, 128, 64, 8, 4, 4)),
+        "triton_mm 512x4096x3072": lambda: triton_mm(a, b, out, blocks=blocks),
+        "fused AG consumer 512x4096x3072": lambda: launch_gemm(a=a, w=b, out=out, num_programs=programs,
+                                                               blocks=blocks, chunk_wait=chunk_wait),
     }
+
+
+def _run(args) -> int:
+    require(torch.cuda.is_available(), "needs a CUDA GPU (it times kernel launches on one GPU); run it on a GPU "
+                                       "machine")
+    dev = torch.device("cuda", 0)
     rows = []
-    for name, fn in kinds.items():
+    for name, fn in _launch_kinds(dev).items():
         host_us, device_us = _time(fn)
         rows.append({"launch": name, "host_us_per_launch": host_us, "device_us_per_launch": device_us})
         print(f"{name:36s} host {host_us:7.2f} us   device {device_us:7.2f} us", flush=True)

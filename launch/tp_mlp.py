@@ -189,26 +189,31 @@ def _sustained(ctx, steps: dict, stats: dict, args, label: str) -> dict:
     return fields
 
 
-def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str], label: str = "") -> dict:
-    """One (model, M): build, check numerics, time (progress lines on rank 0 prefixed with `label`)."""
-    dtype = DTYPES[args.dtype]
-    common = dict(group=ctx.group, max_m=m, dtype=dtype, device=ctx.device)
+def _build_mlps(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str], label: str) -> dict:
+    """Ours (and overlap_fp8 with --fp8) on `pool`, then each baseline; the nccl one is named "baseline"."""
+    common = dict(group=ctx.group, max_m=m, dtype=DTYPES[args.dtype], device=ctx.device)
     progress(f"{label}building the MLPs (ours, {', '.join(baselines)}; H={model.hidden}, "
              f"FFN={model.ffn_hidden}, {model.activation})", rank=ctx.rank)
-    ours = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", fp8=False, **common)
-    mlps = {"overlap": ours}
+    mlps = {"overlap": TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}", fp8=False,
+                                               **common)}
     if args.fp8:
         mlps["overlap_fp8"] = TPMLP.from_model_config(model, pool=pool, config=cfg, name=f"{model.name}.M{m}.fp8",
                                                       fp8=True, **common)
     for name in baselines:
         mlps[name if name != "nccl" else "baseline"] = TPMLP.from_model_config(
             model, overlap=False, baseline=name, **common)
-    # per-rank weight shards and data (no full weights: llama70b's would take seconds to draw on the host)
+    return mlps
+
+
+def _load_data(ctx, model: ModelConfig, m: int, mlps: dict, dtype: torch.dtype) -> tuple:
+    """The same per-rank weight shards copied into every variant, and this rank's input x and gradient dy
+    (no full weights: llama70b's would take seconds to draw on the host)."""
     gen = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
 
     def draw(*shape, scale=1.0):
         return (torch.randn(shape, generator=gen, device=ctx.device) * scale).to(dtype)
 
+    ours = mlps["overlap"]
     w1 = draw(*ours.fc1.weight.shape, scale=model.hidden ** -0.5)
     w2 = draw(*ours.fc2.weight.shape, scale=model.ffn_hidden ** -0.5)
     for mlp in mlps.values():
@@ -217,9 +222,11 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
             mlp.fc2.weight.copy_(w2)
     x = draw(m // ctx.world_size, model.hidden).requires_grad_()
     dy = draw(m // ctx.world_size, model.hidden)
-    row = {"model": model.name, "M": m, "hidden": model.hidden, "ffn_hidden": model.ffn_hidden,
-           "activation": model.activation, "dtype": args.dtype}
-    row |= _check_numerics(ctx, mlps, x, dy, args.dtype, label)
+    return x, dy
+
+
+def _training_steps(mlps: dict, x, dy) -> dict:
+    """One callable per variant: forward, backward and an SGD step of its own parameters."""
     optimizers = {name: torch.optim.SGD(mlp.parameters(), lr=1e-4) for name, mlp in mlps.items()}
 
     def make_step(name):
@@ -230,28 +237,39 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
             opt.step()
         return step
 
-    steps = {name: make_step(name) for name in mlps}
-    if args.cuda_graphs:
-        from .measure.graphs import graph_variants
-        progress(f"{label}capturing each variant's training step in a CUDA graph", rank=ctx.rank)
-        steps = graph_variants(steps, group=ctx.group, rank=ctx.rank)
-        if {"overlap", "baseline"} - set(steps):  # the drop was agreed: every rank raises this
-            raise RuntimeError(f"{model.name} M={m}: a training step could not be captured in a CUDA graph "
-                               f"(captured: {sorted(steps)}); run without --cuda-graphs")
-        row["cuda_graphs"] = True
-    stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps,
-                              label=label)
-    ours.check_errors()
-    for name in ("overlap", "baseline", "torch_symm") + (("overlap_fp8",) if args.fp8 else ()):
+    return {name: make_step(name) for name in mlps}
+
+
+def _graph_steps(ctx, steps: dict, model: ModelConfig, m: int, label: str) -> dict:
+    """--cuda-graphs: each variant's step as a graph replay; ours and the baseline must both capture."""
+    from .measure.graphs import graph_variants
+    progress(f"{label}capturing each variant's training step in a CUDA graph", rank=ctx.rank)
+    steps = graph_variants(steps, group=ctx.group, rank=ctx.rank)
+    if {"overlap", "baseline"} - set(steps):  # the drop was agreed: every rank raises this
+        raise RuntimeError(f"{model.name} M={m}: a training step could not be captured in a CUDA graph "
+                           f"(captured: {sorted(steps)}); run without --cuda-graphs")
+    return steps
+
+
+def _step_times(stats: dict, fp8: bool) -> dict:
+    """Row fields of the interleaved timing: median, min and max ms per variant (None if not run), speedups."""
+    row = {}
+    for name in ("overlap", "baseline", "torch_symm") + (("overlap_fp8",) if fp8 else ()):
         s = stats.get(name)
         row[f"t_step_{name}_ms"] = s.median_ms if s else None
         row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = (s.min_ms, s.max_ms) if s else (None, None)
     row["speedup"] = row["t_step_baseline_ms"] / row["t_step_overlap_ms"]
     row["speedup_vs_torch_symm"] = (row["t_step_torch_symm_ms"] / row["t_step_overlap_ms"]
                                     if "torch_symm" in stats else None)
-    if args.fp8:
+    if fp8:
         row["speedup_fp8"] = row["t_step_baseline_ms"] / row["t_step_overlap_fp8_ms"]
         row["speedup_fp8_vs_bf16"] = row["t_step_overlap_ms"] / row["t_step_overlap_fp8_ms"]
+    return row
+
+
+def _after_timing(ctx, model: ModelConfig, m: int, ours: TPMLP, x, dy, steps: dict, args, label: str) -> dict:
+    """Row fields measured after the timed steps: the timeline (--trace-dir), k per op and the offload report."""
+    row = {}
     if args.trace_dir:
         progress(f"{label}profiling one step of ours and of the baseline", rank=ctx.rank)
         row["timeline"], row["timeline_png"] = _timelines(ctx, model, m, steps, args)
@@ -262,6 +280,26 @@ def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[
     if args.offload.enabled:
         progress(f"{label}activation offload: rates, plan, the step without and with it", rank=ctx.rank)
         row |= offload_report(ctx, ours, x, dy, args.offload, warmup=args.warmup, reps=args.steps)
+    return row
+
+
+def run_point(ctx, model: ModelConfig, m: int, cfg, pool, args, baselines: list[str], label: str = "") -> dict:
+    """One (model, M): build, check numerics, time (progress lines on rank 0 prefixed with `label`)."""
+    mlps = _build_mlps(ctx, model, m, cfg, pool, args, baselines, label)
+    ours = mlps["overlap"]
+    x, dy = _load_data(ctx, model, m, mlps, DTYPES[args.dtype])
+    row = {"model": model.name, "M": m, "hidden": model.hidden, "ffn_hidden": model.ffn_hidden,
+           "activation": model.activation, "dtype": args.dtype}
+    row |= _check_numerics(ctx, mlps, x, dy, args.dtype, label)
+    steps = _training_steps(mlps, x, dy)
+    if args.cuda_graphs:
+        steps = _graph_steps(ctx, steps, model, m, label)
+        row["cuda_graphs"] = True
+    stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=args.warmup, reps=args.steps,
+                              label=label)
+    ours.check_errors()
+    row |= _step_times(stats, args.fp8)
+    row |= _after_timing(ctx, model, m, ours, x, dy, steps, args, label)
     # last: its minutes of full load would change what the k and trace steps above measure
     row |= _sustained(ctx, steps, stats, args, label=label)
     ours.check_errors()

@@ -39,20 +39,8 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
     started = time.monotonic()
     out = args.out or str(run_dir("gemm_bench") / f"gemm_fp8_{device_slug(device_name)}.json")
     candidates = {name: GemmBlocks.parse(name) for name in (args.configs or FP8_CANDIDATES)}
-    failed: dict[str, str] = {}
+    failed = _canary_failures(args, dev, candidates, points, started)
     rows, skipped, entries = [], [], {}
-    # every configuration once in a child process first (launch/measure/canary.py): a crash or hang drops it
-    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
-                                      for _, _, _, m, n, k in points})
-    verdicts = precompile("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
-                          jobs=args.jobs, device=dev.type, shape=args.canary_shape)
-    if not verdicts:  # the child itself failed (see its traceback above): run without it
-        progress("canary: no verdict at all, timing every configuration without it")
-        verdicts = {(name, "nk"): "" for name in names}
-    for name in names:
-        if verdicts.get((name, "nk"), "not reached within its share of the budget"):
-            failed[name] = "canary: " + verdicts.get((name, "nk"), "not reached within its share of the budget")
-            progress(f"  fp8 {name} dropped: {failed[name]}")
     for i, (layer, op, world, m, n, k) in enumerate(points):
         default = choose_fp8_blocks(m, n, k, device_type=dev.type)
         blocks = {name: blk for name, blk in {"default": default, **candidates}.items() if blk.name not in failed}
@@ -60,59 +48,13 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
         if time.monotonic() - started + estimate > args.time_budget_s:
             skipped.append({"layer": layer, "tp": world, "M": m, "N": n, "K": k})
             continue
-        a, w_t = operands(m, n, k, "nk", dev, seed=i)
-        w = w_t.t()  # [N, K] row-major, the nn.Linear layout
-        a8, a_scales = quantize_activation(a)
-        w8, w_scales = quantize_weight(w)
-        variants, row = {}, {"layer": layer, "op": op, "tp": world, "M": m, "K": k, "N": n,
-                             "default_blocks": default.name}
-        out_bf16 = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-        variants["cublas_bf16"] = lambda: torch.mm(a, w.t(), out=out_bf16)
-        try:
-            ref = scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales)
-            variants["scaled_mm"] = lambda: scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales)
-        except Exception as exc:  # cuBLAS refused the block scales for this shape: compare with bf16 only
-            row["scaled_mm_error"] = str(exc)[-200:]
-            ref = None
-        check = ref if ref is not None else torch.mm(a, w.t())
-        tolerance = FP8_REL_TOLERANCE if ref is not None else 6e-2
-        for name, blk in blocks.items():
-            result = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-            try:
-                fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=result, blocks=blk)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-            except Exception as exc:  # compile error / OutOfResources: dropped from here on
-                failed.setdefault(blk.name, f"{type(exc).__name__}: {str(exc)[-160:]}")
-                progress(f"  fp8 {name} ({blk.name}) failed: {failed[blk.name]}")
-                continue
-            diff = result.float() - check.float()
-            err = (diff.norm() / check.float().norm()).item()
-            worst = (diff.abs().max() / check.float().abs().max()).item()
-            row[f"{name}_rel_err"], row[f"{name}_max_rel_err"] = err, worst
-            if not (err <= tolerance and (ref is None or worst <= FP8_MAX_REL_TOLERANCE)):
-                failed.setdefault(blk.name, f"relative error {err:.3g} (worst element {worst:.3g}) at M={m} N={n} K={k}")
-                progress(f"  fp8 {name} ({blk.name}): {failed[blk.name]}")
-                continue
-            variants[name] = (lambda blk=blk, o=result: fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales,
-                                                                 out=o, blocks=blk))
+        a, w, scaled = _quantised_operands(m, n, k, dev, seed=i)
+        row = {"layer": layer, "op": op, "tp": world, "M": m, "K": k, "N": n, "default_blocks": default.name}
+        variants, ref = _baseline_variants(a, w, scaled, dev, row)
+        variants |= _checked_fp8_variants(a, w, scaled, ref, blocks, dev, row, failed)
         stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
                                   hold_device_us=args.hold_us)
-        times = {name: s.median_ms for name, s in stats.items()}
-        ours = {name: t for name, t in times.items() if name not in ("cublas_bf16", "scaled_mm")}
-        best = min(ours, key=ours.get) if ours else None
-        row.update({f"t_{name}_ms": t for name, t in times.items()})
-        if best is not None:
-            row.update(best_blocks=blocks[best].name, t_best_ms=ours[best],
-                       best_over_bf16=times["cublas_bf16"] / ours[best])
-            if "scaled_mm" in times:
-                row["best_over_scaled_mm"] = times["scaled_mm"] / ours[best]
-                row["default_over_scaled_mm"] = times["scaled_mm"] / ours["default"] if "default" in ours else None
-            plains = [nm for nm in ours if blocks[nm].plain and blocks[nm].block_m == PLAIN_BLOCK_M]
-            plain = min(plains, key=ours.get) if plains else None
-            plain_blocks = blocks[plain] if plain else choose_fp8_blocks(m, n, k, warp_specialize=False)
-            entries[("nk", m, n, k)] = BlockTableEntry("nk", m, n, k, blocks[best], plain_blocks,
-                                                       times.get("scaled_mm", times["cublas_bf16"]) / ours[best], None)
+        times = _record_times(row, stats, blocks, (m, n, k), entries)
         rows.append(row)
         _write(out, rows, skipped, failed, args, device_name)
         if args.write_table and entries:
@@ -123,13 +65,112 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
                  f"{times.get('scaled_mm', float('nan')):.4f} ms, ours {row.get('t_best_ms', float('nan')):.4f} ms "
                  f"({row.get('best_blocks')})")
     _write(out, rows, skipped, failed, args, device_name)
+    _print_summary(rows, skipped, out)
+    return 0 if rows else 1
+
+
+def _canary_failures(args, dev: torch.device, candidates: dict, points: list, started: float) -> dict[str, str]:
+    """Every configuration once in a child process first (launch/measure/canary.py): the configurations a
+    crash, a hang or the budget dropped, by name, with why."""
+    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
+                                      for _, _, _, m, n, k in points})
+    verdicts = precompile("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
+                          jobs=args.jobs, device=dev.type, shape=args.canary_shape)
+    if not verdicts:  # the child itself failed (see its traceback above): run without it
+        progress("canary: no verdict at all, timing every configuration without it")
+        verdicts = {(name, "nk"): "" for name in names}
+    failed: dict[str, str] = {}
+    for name in names:
+        if verdicts.get((name, "nk"), "not reached within its share of the budget"):
+            failed[name] = "canary: " + verdicts.get((name, "nk"), "not reached within its share of the budget")
+            progress(f"  fp8 {name} dropped: {failed[name]}")
+    return failed
+
+
+def _quantised_operands(m: int, n: int, k: int, dev: torch.device, seed: int) -> tuple:
+    """bf16 a [M, K] and w [N, K] (row-major, the nn.Linear layout), and their FP8 values and scales as
+    keyword arguments of fp8_gemm / scaled_mm_reference."""
+    a, w_t = operands(m, n, k, "nk", dev, seed=seed)
+    w = w_t.t()
+    a8, a_scales = quantize_activation(a)
+    w8, w_scales = quantize_weight(w)
+    return a, w, {"a8": a8, "a_scales": a_scales, "w8": w8, "w_scales": w_scales}
+
+
+def _baseline_variants(a, w, scaled: dict, dev: torch.device, row: dict) -> tuple[dict, torch.Tensor | None]:
+    """bf16 cuBLAS and, where cuBLAS accepts the block scales for this shape, torch._scaled_mm (else its
+    error goes into `row`); and _scaled_mm's output (None without it)."""
+    out_bf16 = torch.empty(a.shape[0], w.shape[0], dtype=torch.bfloat16, device=dev)
+    variants = {"cublas_bf16": lambda: torch.mm(a, w.t(), out=out_bf16)}
+    try:
+        ref = scaled_mm_reference(**scaled)
+        variants["scaled_mm"] = lambda: scaled_mm_reference(**scaled)
+    except Exception as exc:  # cuBLAS refused the block scales for this shape: compare with bf16 only
+        row["scaled_mm_error"] = str(exc)[-200:]
+        ref = None
+    return variants, ref
+
+
+def _checked_fp8_variants(a, w, scaled: dict, ref, blocks: dict, dev: torch.device, row: dict,
+                          failed: dict[str, str]) -> dict:
+    """Our FP8 GEMM per block configuration, run once into a NaN-poisoned output and checked against `ref`
+    (or bf16 cuBLAS, more loosely, without it); errors go into `row`, the failures into `failed`."""
+    m, n = a.shape[0], w.shape[0]
+    check = ref if ref is not None else torch.mm(a, w.t())
+    tolerance = FP8_REL_TOLERANCE if ref is not None else 6e-2
+    variants = {}
+    for name, blk in blocks.items():
+        result = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        try:
+            fp8_gemm(**scaled, out=result, blocks=blk)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as exc:  # compile error / OutOfResources: dropped from here on
+            failed.setdefault(blk.name, f"{type(exc).__name__}: {str(exc)[-160:]}")
+            progress(f"  fp8 {name} ({blk.name}) failed: {failed[blk.name]}")
+            continue
+        diff = result.float() - check.float()
+        err = (diff.norm() / check.float().norm()).item()
+        worst = (diff.abs().max() / check.float().abs().max()).item()
+        row[f"{name}_rel_err"], row[f"{name}_max_rel_err"] = err, worst
+        if not (err <= tolerance and (ref is None or worst <= FP8_MAX_REL_TOLERANCE)):
+            failed.setdefault(blk.name, f"relative error {err:.3g} (worst element {worst:.3g}) at M={m} N={n} "
+                                        f"K={a.shape[1]}")
+            progress(f"  fp8 {name} ({blk.name}): {failed[blk.name]}")
+            continue
+        variants[name] = lambda blk=blk, o=result: fp8_gemm(**scaled, out=o, blocks=blk)
+    return variants
+
+
+def _record_times(row: dict, stats: dict, blocks: dict, shape: tuple[int, int, int], entries: dict) -> dict:
+    """Median times and speed ratios into `row`, the fastest (and fastest plain) blocks into `entries`;
+    returns the median ms per variant."""
+    m, n, k = shape
+    times = {name: s.median_ms for name, s in stats.items()}
+    ours = {name: t for name, t in times.items() if name not in ("cublas_bf16", "scaled_mm")}
+    best = min(ours, key=ours.get) if ours else None
+    row.update({f"t_{name}_ms": t for name, t in times.items()})
+    if best is None:
+        return times
+    row.update(best_blocks=blocks[best].name, t_best_ms=ours[best], best_over_bf16=times["cublas_bf16"] / ours[best])
+    if "scaled_mm" in times:
+        row["best_over_scaled_mm"] = times["scaled_mm"] / ours[best]
+        row["default_over_scaled_mm"] = times["scaled_mm"] / ours["default"] if "default" in ours else None
+    plains = [nm for nm in ours if blocks[nm].plain and blocks[nm].block_m == PLAIN_BLOCK_M]
+    plain = min(plains, key=ours.get) if plains else None
+    plain_blocks = blocks[plain] if plain else choose_fp8_blocks(m, n, k, warp_specialize=False)
+    entries[("nk", m, n, k)] = BlockTableEntry("nk", m, n, k, blocks[best], plain_blocks,
+                                               times.get("scaled_mm", times["cublas_bf16"]) / ours[best], None)
+    return times
+
+
+def _print_summary(rows: list[dict], skipped: list[dict], out) -> None:
     print(format_table(rows, ["layer", "tp", "M", "K", "N", "t_cublas_bf16_ms", "t_scaled_mm_ms", "t_default_ms",
                               "t_best_ms", "best_blocks", "best_over_scaled_mm", "default_over_scaled_mm"]))
     ratios = [r["best_over_scaled_mm"] for r in rows if r.get("best_over_scaled_mm")]
     if ratios:
         print(f"fp8: best Triton / scaled_mm speed median {statistics.median(ratios):.3f}, min {min(ratios):.3f}")
     print(f"{len(rows)} shapes measured, {len(skipped)} skipped (budget); results: {out}")
-    return 0 if rows else 1
 
 
 def _write(out, rows, skipped, failed, args, device_name) -> None:

@@ -82,36 +82,66 @@ def _measure(ctx, mlp, pool: HostPool, m: int, x: torch.Tensor) -> tuple[Rates, 
     return _agreed_rates(ctx, copies, times), copies
 
 
+def _drop_grads(mlp, x: torch.Tensor) -> None:
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+
+
+def _training_step(mlp, x: torch.Tensor, dy: torch.Tensor, opt, engine: OffloadEngine | None):
+    """A callable: forward (through `engine` when given), backward and an SGD step of `mlp`."""
+    def run():
+        _drop_grads(mlp, x)
+        y = engine.forward(0, mlp, x) if engine is not None else type(mlp).forward(mlp, x)
+        y.backward(dy)
+        opt.step()
+    return run
+
+
+def _whole_peak(ctx, run, mlp, x: torch.Tensor) -> tuple[int | None, int]:
+    """(peak bytes of `run`, bytes at its start: weights, inputs, optimizer state); CPU: (None, 0)."""
+    if ctx.device.type != "cuda":
+        return None, 0
+    above, before = peak_of(run, ctx.device, prepare=lambda: _drop_grads(mlp, x))
+    return above + before, before
+
+
+def _agreed_peaks(ctx, peak_off: int | None, peak_on: int | None) -> tuple:
+    """Both peaks, max over ranks; (None, None) on CPU."""
+    peaks = torch.tensor([float(peak_off or 0), float(peak_on or 0)], dtype=torch.float64, device=ctx.device)
+    if dist.get_world_size(ctx.group) > 1:
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=ctx.group)
+    return tuple(peaks.tolist()) if ctx.device.type == "cuda" else (None, None)
+
+
+def _report_row(config: OffloadConfig, plan, rates: Rates, copies: dict, pool: HostPool, engine: OffloadEngine,
+                stats: dict, peaks: tuple) -> dict:
+    row = {"offload": repr(config), "offload_plan": [f"L{p}.{n}={d}" for p, n, d in plan.decisions],
+           "offload_table": plan.table(), "offload_prefetch_depth": plan.prefetch_depth,
+           "offload_d2h_gbps": rates.d2h_gbps, "offload_h2d_gbps": rates.h2d_gbps,
+           "offload_k_copy": rates.k_copy, "offload_k_gemm": rates.k_gemm,
+           "offload_measured_concurrency": copies["measured_concurrency"],
+           "offload_host_pool": pool.stats().__dict__, "offload_engine": engine.stats()}
+    for name, s in stats.items():
+        row[f"t_step_{name}_ms"] = s.median_ms
+        row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = s.min_ms, s.max_ms
+    row["offload_time_ratio"] = stats["offload_on"].median_ms / stats["offload_off"].median_ms
+    row["peak_offload_off_bytes"], row["peak_offload_on_bytes"] = peaks
+    row["offload_peak_ratio"] = (row["peak_offload_on_bytes"] / row["peak_offload_off_bytes"]
+                                 if row["peak_offload_off_bytes"] else None)
+    row["offload_predicted_step_ms"], row["offload_predicted_peak_bytes"] = plan.step_ms, plan.peak_bytes
+    return row
+
+
 def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadConfig, *, warmup: int,
                    reps: int, k_factors=None, host_pool: HostPool | None = None) -> dict:
     """Row fields `offload_*` for one TPMLP `mlp` on x [M/W, H] with output grad dy [M/W, H]."""
-    cuda = ctx.device.type == "cuda"
     m = x.shape[0] * mlp.world_size
     own_pool = host_pool is None
     pool = HostPool(COPY_BYTES + (1 << 20), device=ctx.device) if own_pool else host_pool
     rates, copies = _measure(ctx, mlp, pool, m, x)
     opt = torch.optim.SGD(mlp.parameters(), lr=1e-4)
-
-    def drop_grads():
-        x.grad = None
-        mlp.zero_grad(set_to_none=True)
-
-    def step(engine):
-        def run():
-            drop_grads()
-            y = engine.forward(0, mlp, x) if engine is not None else type(mlp).forward(mlp, x)
-            y.backward(dy)
-            opt.step()
-        return run
-
-    def _whole(run):  # (peak bytes, bytes at the step's start: weights, inputs, optimizer state); CPU: None, 0
-        if not cuda:
-            return None, 0
-        above, before = peak_of(run, ctx.device, prepare=drop_grads)
-        return above + before, before
-
-    plain = step(None)
-    plain_peak, fixed = _whole(plain)
+    plain = _training_step(mlp, x, dy, opt, None)
+    plain_peak, fixed = _whole_peak(ctx, plain, mlp, x)
     # pacing staggers the ranks of one node: tp_mlp's TP group is one node, so rank = local rank
     placement = {"local_rank": ctx.rank, "local_world": ctx.world_size}
     plan = plan_for([mlp], config, rates, m=m, fixed_bytes=fixed, **placement)  # fixed: what exists at a step's start
@@ -120,26 +150,10 @@ def offload_report(ctx, mlp, x: torch.Tensor, dy: torch.Tensor, config: OffloadC
         pool = HostPool(host_bytes(plan), device=ctx.device)
     engine = OffloadEngine(plan, pool=pool, device=ctx.device, name="report")
     try:
-        steps = {"offload_off": plain, "offload_on": step(engine)}
-        peaks = torch.tensor([float(plain_peak or 0), float(_whole(steps["offload_on"])[0] or 0)],
-                             dtype=torch.float64, device=ctx.device)
-        if dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=ctx.group)
+        steps = {"offload_off": plain, "offload_on": _training_step(mlp, x, dy, opt, engine)}
+        peaks = _agreed_peaks(ctx, plain_peak, _whole_peak(ctx, steps["offload_on"], mlp, x)[0])
         stats = bench_interleaved(steps, group=ctx.group, device=ctx.device, warmup=warmup, reps=reps)
-        row = {"offload": repr(config), "offload_plan": [f"L{p}.{n}={d}" for p, n, d in plan.decisions],
-               "offload_table": plan.table(), "offload_prefetch_depth": plan.prefetch_depth,
-               "offload_d2h_gbps": rates.d2h_gbps, "offload_h2d_gbps": rates.h2d_gbps,
-               "offload_k_copy": rates.k_copy, "offload_k_gemm": rates.k_gemm,
-               "offload_measured_concurrency": copies["measured_concurrency"],
-               "offload_host_pool": pool.stats().__dict__, "offload_engine": engine.stats()}
-        for name, s in stats.items():
-            row[f"t_step_{name}_ms"] = s.median_ms
-            row[f"t_step_{name}_min_ms"], row[f"t_step_{name}_max_ms"] = s.min_ms, s.max_ms
-        row["offload_time_ratio"] = stats["offload_on"].median_ms / stats["offload_off"].median_ms
-        row["peak_offload_off_bytes"], row["peak_offload_on_bytes"] = (peaks.tolist() if cuda else (None, None))
-        row["offload_peak_ratio"] = (row["peak_offload_on_bytes"] / row["peak_offload_off_bytes"]
-                                     if cuda and row["peak_offload_off_bytes"] else None)
-        row["offload_predicted_step_ms"], row["offload_predicted_peak_bytes"] = plan.step_ms, plan.peak_bytes
+        row = _report_row(config, plan, rates, copies, pool, engine, stats, peaks)
         if k_factors is not None:
             for name, run in steps.items():
                 row |= {f"{key}_{name}": value for key, value in k_factors(run).items()}

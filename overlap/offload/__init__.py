@@ -1,9 +1,9 @@
 """Activation offload for stacks of TP MLPs: the engine, its planner and step model, the pinned host pool.
 
-Modules: `engine` (OffloadEngine, enable_offload), `planner` (per-tensor keep / offload / recompute under a
-time budget), `sim` (the step model the planner scores plans with), `config` (OffloadConfig, the YAML
-section and the CLI form), `host_pool` (pinned, NUMA-placed host slots), `numa` (placement), `activation`
-(the MLP activation that saves only its input).
+Modules: `engine` (OffloadEngine, enable_offload), `records` (what the engine keeps per saved tensor),
+`planner` (per-tensor keep / offload / recompute under a time budget), `sim` (the step model the planner
+scores plans with), `config` (OffloadConfig, the YAML section and the CLI form), `host_pool` (pinned,
+NUMA-placed host slots), `numa` (placement), `activation` (the MLP activation that saves only its input).
 """
 
 from .activation import SavedInputActivation, activation_forward

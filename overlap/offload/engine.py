@@ -37,7 +37,6 @@ memcpys and every event is absent; the bookkeeping is the same.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import weakref
 
 import torch
@@ -46,6 +45,7 @@ from .activation import SavedInputActivation, activation_forward
 from .config import CANDIDATES
 from .host_pool import HostPool, OffloadError
 from .planner import OffloadPlan, tensor_bytes
+from .records import Offloaded, Recomputed, identity_matcher
 
 __all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes"]
 
@@ -54,45 +54,6 @@ def host_bytes(plan: OffloadPlan) -> int:
     """Host pool bytes the plan's offloaded tensors need (one slot each, page-aligned)."""
     sizes = tensor_bytes(plan.shape)
     return sum(-(-sizes[n] // 4096) * 4096 for _, n, d in plan.decisions if d == "offload") or 4096
-
-
-_RECORD_SERIAL = itertools.count(1)  # owners must be unique: engines may share slots (same names)
-
-
-class _Offloaded:
-    """A saved tensor moved to a host slot; `device` until released, `fetched` once brought back."""
-
-    def __init__(self, engine, layer: int, name: str, t: torch.Tensor, slot):
-        self.layer, self.name, self.shape, self.dtype = layer, name, t.shape, t.dtype
-        self.slot = slot
-        self.owner = f"{engine.name} step {engine.steps} L{layer}.{name} (record {next(_RECORD_SERIAL)})"
-        self.generation = slot.acquire(self.owner)
-        self.host = slot.view(t.shape, t.dtype)
-        self.device, self.landed, self.fetched, self.fetched_event = t.detach(), None, None, None
-        self.consumers = 1  # unpacks still to come (a recompute of `a` adds one to h's record)
-        weakref.finalize(self, _release_slot, slot, self.owner)
-
-
-def _release_slot(slot, owner: str) -> None:
-    if slot.owner == owner and not slot.pool.closed:
-        slot.owner = None  # a graph dropped without backward: its slot is free again
-
-
-def _identity(t: torch.Tensor):
-    """A matcher for `t` itself (same address and shape) that keeps no reference to `t`.
-
-    torch keeps the pack hook of every tensor saved under `saved_tensors_hooks` (PySavedVariableHooks
-    holds pack_hook_ until the saved variable is released, i.e. after that node's backward), so anything
-    the hook's closure holds lives as long as the autograd graph: only plain ints here."""
-    ptr, shape = t.data_ptr(), tuple(t.shape)
-    return lambda u: u.data_ptr() == ptr and tuple(u.shape) == shape
-
-
-class _Recomputed:
-    def __init__(self, source, activation: str):
-        self.source, self.activation = source, activation
-        if isinstance(source, _Offloaded):
-            source.consumers += 1
 
 
 class OffloadEngine:
@@ -174,13 +135,13 @@ class OffloadEngine:
         if rows > self.plan.shape.m and any(self._decision.get((layer, n)) == "offload" for n in CANDIDATES):
             raise OffloadError(f"{self.name}: M={rows} exceeds the plan's M={self.plan.shape.m} (its host slots "
                                f"are sized for it); plan for the largest M")
-        # matchers hold no tensor (see _identity): autograd keeps them as long as the graph
+        # matchers hold no tensor (see identity_matcher): autograd keeps them as long as the graph
         self._save_point(3 * layer)
         gathered = (rows, x.shape[1])
         with self._saving(layer, "x", lambda t: tuple(t.shape) == gathered, moves):
             h = mlp.fc1(x)
         self._save_point(3 * layer + 1)
-        with self._saving(layer, "h", _identity(h), moves):
+        with self._saving(layer, "h", identity_matcher(h), moves):
             # the engine's activation (saves h only) where h or a moves; elsewhere autograd's, as without it
             lean = "h" in moves or "a" in moves
             a = SavedInputActivation.apply(h, self.activation) if lean else activation_forward(h, self.activation)
@@ -188,7 +149,7 @@ class OffloadEngine:
             self._records[(layer, "h")] = weakref.ref(h)  # a recompute of a starts from it
         del h  # from here the saved record (or the autograd graph) owns it
         self._save_point(3 * layer + 2)
-        with self._saving(layer, "a", _identity(a), moves):
+        with self._saving(layer, "a", identity_matcher(a), moves):
             y = mlp.fc2(a)
         return y
 
@@ -230,11 +191,11 @@ class OffloadEngine:
             if source is None:
                 raise OffloadError(f"{self.name}: L{layer}.a is to be recomputed but h was not saved")
             self.counters["recomputed"] += 1
-            packed = _Recomputed(source, self.activation)
+            packed = Recomputed(source, self.activation)
         else:
             if not t.is_contiguous():
                 raise OffloadError(f"{self.name}: L{layer}.{name} is not contiguous (strides {t.stride()})")
-            packed = _Offloaded(self, layer, name, t, self._slots[(layer, name)])
+            packed = Offloaded(self, layer, name, t, self._slots[(layer, name)])
             self.counters["offloaded"] += 1
             self._pending.append(weakref.ref(packed))
             offset = self.plan.pacing_offset
@@ -262,7 +223,7 @@ class OffloadEngine:
                 self._copy_out(ref())
 
     @torch.no_grad()
-    def _copy_out(self, rec: _Offloaded) -> None:
+    def _copy_out(self, rec: Offloaded) -> None:
         self.counters["d2h_bytes"] += rec.host.numel() * rec.host.element_size()
         if self._d2h is None:
             rec.host.copy_(rec.device)
@@ -277,7 +238,7 @@ class OffloadEngine:
             rec.landed = torch.cuda.Event()
             rec.landed.record(self._d2h)
 
-    def _release(self, rec: _Offloaded) -> None:
+    def _release(self, rec: Offloaded) -> None:
         if rec.landed is not None:
             torch.cuda.current_stream(self.device).wait_event(rec.landed)
         rec.device = None
@@ -302,12 +263,12 @@ class OffloadEngine:
                 for name in ("a", "h", "x"):  # the order backward needs them in
                     ref = self._records.get((q, name))
                     rec = ref() if ref is not None else None
-                    if isinstance(rec, _Offloaded) and rec.fetched is None and rec.consumers > 0:
+                    if isinstance(rec, Offloaded) and rec.fetched is None and rec.consumers > 0:
                         self._fetch(rec)
                         self.counters["prefetches"] += 1
 
     @torch.no_grad()
-    def _fetch(self, rec: _Offloaded) -> None:
+    def _fetch(self, rec: Offloaded) -> None:
         rec.slot.check(rec.generation, rec.owner)
         if rec.device is not None:  # never released (e.g. no backward hook ran first)
             self._release(rec)
@@ -331,7 +292,7 @@ class OffloadEngine:
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, _Recomputed):
+        if isinstance(packed, Recomputed):
             with torch.no_grad():
                 return activation_forward(self._unpack(packed.source), packed.activation)
         if packed.fetched is None:
@@ -354,7 +315,7 @@ class OffloadEngine:
         waited for keeps its buffer until the next forward joins it (`_join_leftovers`)."""
         for ref in self._records.values():
             rec = ref()
-            if isinstance(rec, _Offloaded) and rec.fetched is not None and rec.fetched_event is not None:
+            if isinstance(rec, Offloaded) and rec.fetched is not None and rec.fetched_event is not None:
                 self._unjoined.append((rec.fetched_event, rec.fetched))
         self.reset()
         self.steps += 1
@@ -371,7 +332,7 @@ class OffloadEngine:
         hold are released; nothing is synchronised."""
         for ref in self._records.values():
             rec = ref()
-            if isinstance(rec, _Offloaded) and rec.slot.owner == rec.owner:
+            if isinstance(rec, Offloaded) and rec.slot.owner == rec.owner:
                 rec.slot.release(rec.owner)  # its backward never asked for it
         self._records.clear()
         self._pending.clear()
