@@ -16,37 +16,15 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 
 import torch
 
+from tests.gpu.checklist import Checks, expect, rel
+
 FP8_TOLERANCE = 5e-3
 BF16_TOLERANCE = 1e-2
-results: list[tuple[str, bool, str]] = []
-
-
-def check(name: str):
-    def wrap(fn):
-        start = time.perf_counter()
-        try:
-            detail = fn() or ""
-            results.append((name, True, detail))
-        except Exception as exc:  # every check runs; the failure is reported with its message
-            results.append((name, False, f"{type(exc).__name__}: {exc}"[:400]))
-            traceback.print_exc()
-        ok, detail = results[-1][1], results[-1][2]
-        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
-        return fn
-    return wrap
-
-
-def rel(actual, expected) -> float:
-    return (torch.linalg.norm(actual.float() - expected.float()) / torch.linalg.norm(expected.float())).item()
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+check = Checks()
+results = check.results
 
 
 # (full size on the GPU, tiny under the interpreter)

@@ -2,7 +2,7 @@
 the interpreter): one PASS/FAIL line per check with its error, exit status 1 on any FAIL.
 
     python -m tests.gpu.check_splitk            # on the GPU machine (~1 min, mostly compiling)
-    python -m tests.gpu.check_splitk --cpu      # tiny shapes under the Triton interpreter: checks the script
+    TRITON_INTERPRET=1 python -m tests.gpu.check_splitk --cpu   # tiny shapes under the Triton interpreter: checks the script
 
 Checks, every output NaN-poisoned before the call, against an fp64 product and torch.mm (relative Frobenius
 <= 1e-2): every split-K candidate of the tuner in both weight layouts, three calls in a row with fresh operands
@@ -16,36 +16,14 @@ operands.
 from __future__ import annotations
 
 import sys
-import time
-import traceback
 
 import torch
 
+from tests.gpu.checklist import Checks, expect, rel
+
 TOLERANCE = 1e-2
-results: list[tuple[str, bool, str]] = []
-
-
-def check(name: str):
-    def wrap(fn):
-        start = time.perf_counter()
-        try:
-            results.append((name, True, fn() or ""))
-        except Exception as exc:  # every check runs; the failure is reported with its message
-            results.append((name, False, f"{type(exc).__name__}: {exc}"[:400]))
-            traceback.print_exc()
-        ok, detail = results[-1][1], results[-1][2]
-        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
-        return fn
-    return wrap
-
-
-def rel(actual, expected) -> float:
-    return (torch.linalg.norm(actual.double() - expected.double()) / torch.linalg.norm(expected.double())).item()
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+check = Checks()
+results = check.results
 
 
 # (full size on the GPU, tiny under the interpreter): M, N, K
