@@ -59,6 +59,7 @@ from launch.measure.shapes import ShapePoint
 from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
+from .measure.accuracy import rel_err as _rel_err
 from .cli import dist as _dist, kfactor_args as _args
 from .cli.common import ArgumentParser, run_dir, run_launcher
 from .cli.kfactor_args import GPU_MAX_K, PROG, configs_for, parse_sweep, points_for  # noqa: F401 (the API)
@@ -90,9 +91,6 @@ class _Bar:
 def _randn(gen, *shape, scale=1.0, dtype, device):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
 
-
-def _rel_err(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, *, capture: bool) -> tuple:

@@ -45,6 +45,7 @@ from launch.output.report import device_slug, format_table, run_labels, write_re
 from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
+from .measure.accuracy import rel_err as _rel_err
 from .cli import dist as _dist, tp_mlp_plan as _plan
 from .measure.offload_report import add_offload_argument, offload_report
 from .cli.common import ArgumentParser, input_file, int_list, output_dir, output_file, run_dir, run_launcher
@@ -103,9 +104,6 @@ def make_parser() -> ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     return make_parser().parse_args(argv)
 
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def _fwd_bwd(mlp: TPMLP, x: torch.Tensor, dy: torch.Tensor):

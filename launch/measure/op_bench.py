@@ -28,15 +28,13 @@ from launch.measure.shapes import ShapePoint
 from launch.measure.timing import bench_interleaved, progress
 from symm_mem import SymmetricPool
 
+from .accuracy import rel_err as _rel_err
 from ..cli.common import UsageError
 from ..cli.dist import DistContext
 from .graphs import graph_variants
 
 TRACE_REPS = 10
 
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _agree(ctx: DistContext, problem: str | None) -> None:

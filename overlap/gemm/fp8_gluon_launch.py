@@ -8,13 +8,14 @@ import functools
 
 import torch
 
+from kernels.constants import SCALE_GROUP
+
 from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_fp8_gluon.py GROUP_M)
-_SCALE_GROUP = 128
 
 
 def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps: int, group_m: int,
@@ -22,7 +23,7 @@ def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps:
     """Why the Gluon kernel cannot run these blocks (empty when it can)."""
     out = []
     for name, value, allowed in (("block_m", block_m, (GLUON_BLOCK_M,)), ("block_n", block_n, GLUON_BLOCK_NS),
-                                 ("block_k", block_k, (_SCALE_GROUP,)), ("num_warps", num_warps, (GLUON_NUM_WARPS,)),
+                                 ("block_k", block_k, (SCALE_GROUP,)), ("num_warps", num_warps, (GLUON_NUM_WARPS,)),
                                  ("group_m", group_m, (GLUON_GROUP_M,)), ("programs_per_sm", programs_per_sm, (1,)),
                                  ("num_stages", num_stages, (2, 3, 4, 5, 6))):
         if value not in allowed:
@@ -62,7 +63,7 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     problems = gluon_operand_problems(a8=a8, w8=w8, out=out) + gluon_block_problems(
-        block_m=GLUON_BLOCK_M, block_n=block_n, block_k=_SCALE_GROUP, num_warps=GLUON_NUM_WARPS,
+        block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP, num_warps=GLUON_NUM_WARPS,
         group_m=GLUON_GROUP_M, num_stages=num_stages, programs_per_sm=1)
     if problems:
         raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
@@ -71,7 +72,7 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     tiles = -(-m // GLUON_BLOCK_M) * -(-n // block_n)
     programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
     fp8_gluon_gemm_kernel[(programs,)](
-        _descriptor(a8, (GLUON_BLOCK_M, _SCALE_GROUP)), _descriptor(w8, (block_n, _SCALE_GROUP)),
+        _descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), _descriptor(w8, (block_n, SCALE_GROUP)),
         _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), a_scales, w_scales, m, n, k,
         a_scales.stride(0), a_scales.stride(1), w_scales.stride(0), w_scales.stride(1),
         NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)
