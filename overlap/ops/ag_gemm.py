@@ -177,8 +177,8 @@ class AgGemm(AgConsumers, OpBase):
         `all_gather(a_shard)` left in the pool; call that first. The "compute alone" of the k-factor."""
         self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         m = a_shard.shape[0] * self.world_size
-        call, addresses = self._new_call(m, a_shard, w)
-        self._call(m, "compute", call, addresses)
+        call, _ = self._new_call(m, a_shard, w)
+        self._run_alone((m, "compute", None, False, False, False, False), m, call)
         return call.out
 
     def _new_call(self, m: int, a_shard: torch.Tensor, w: torch.Tensor) -> tuple[AgCall, tuple]:

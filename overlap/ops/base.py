@@ -186,6 +186,15 @@ class OpBase:
         if not self._cuda:  # a peer that gave up during this call: raise on this call
             self._raise_if_failed()
 
+    def _run_alone(self, key, m: int, call) -> None:
+        """Run the plan of `key` at once on the current stream (CPU: this thread), outside the op's call
+        sequence: for plans of compute steps only (`compute_alone`), which touch no flag and nothing a call
+        reads, so they take no call lock, follow no earlier call's stream and run beside a call of this op on
+        another thread or stream (the k-factor's pair mode)."""
+        self._check_live()
+        plan = self._plans.get(key) or self._plan(key, m)
+        plan.driver.run(call, torch.cuda.current_stream()) if self._cuda else plan.driver.run(call)
+
     def _enqueue(self, plan: Plan, call, addresses) -> None:
         if _capturing():
             # a capture waits for no event recorded outside it (torch.cuda.graph synchronises first; a
