@@ -87,6 +87,8 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
     gathered = op.all_gather(a_shard)
     if not fp8:
         assert torch.equal(gathered.cpu(), torch.cat(_gather(a_shard))), "all_gather not bit-exact"
+    # the k-factor's compute alone: the consumer of this plan over the rows all_gather left in the pool
+    worst = max(worst, _rel(op.compute_alone(a_shard, w), torch.cat(_gather(a_shard)).double() @ w.double().cpu()))
     op.check_errors()
     op.close()
     assert worst < (FP8_TOL if fp8 else TOL), worst
@@ -111,6 +113,7 @@ def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=F
             out = op(a, w)
         total = sum(x.double() @ y.double() for x, y in zip(_gather(a), _gather(w)))
         worst = max(worst, _rel(out, total[rank * rows:(rank + 1) * rows]))
+    worst = max(worst, _rel(op.compute_alone(a, w), a.double().cpu() @ w.double().cpu()))  # k's compute alone
     partials = _fresh((rows * world, n), 77 + rank, dev)
     shard = op.reduce_scatter(partials)
     total = sum(p.double() for p in _gather(partials))
