@@ -43,7 +43,7 @@ def _models(args, cfg, cuda: bool) -> list[ModelConfig]:
 
 def _shown(path: str) -> str:
     """A preset's path as a user would type it: relative to the checkout for the package's own presets."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout (launch/cli/ is two levels down)
     try:
         return str(Path(path).resolve().relative_to(root))
     except ValueError:

@@ -53,10 +53,6 @@ COMM, REDUCE = "comm", "reduce"
 STAGED_METHODS = ("decomposed", "pair")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class GemmRs(OpBase):
     """Op context built once per (group, pool, max_m, k_local, n, dtype, config); call it many times.
 
@@ -92,7 +88,7 @@ class GemmRs(OpBase):
         # bulk=True: bulk()'s staging now, not at its first call, which may run inside a warm-up whose
         # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
         self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
-        self._tile_counters = torch.zeros(_cdiv(max_m, FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
+        self._tile_counters = torch.zeros(-(-max_m // FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
