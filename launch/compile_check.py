@@ -25,10 +25,6 @@ from overlap.gemm import GemmBlocks
 
 from .cli.common import ArgumentParser, run_launcher
 
-__all__ = ["compile_for_target", "resource_usage", "compile_gemm", "compile_split_k_gemm", "compile_fp8_gemm",
-           "compile_fp8_gluon_gemm",
-           "compile_quantizers"]
-
 PROG = "launch.compile_check"
 
 

@@ -35,8 +35,6 @@ from .measure.canary import CANARY_SHAPE, operands
 from .measure.gemm_bench_fp8 import run_fp8
 from .gemm_tune import DEFAULT_JOBS, parse_shapes
 
-__all__ = ["main", "shape_points", "summarize", "bench_device"]
-
 REL_TOLERANCE = 1e-2
 PER_CALL_OVERHEAD_S = 6e-4
 

@@ -44,9 +44,6 @@ from launch.cli.common import ArgumentParser, int_list, require, run_dir, run_la
 
 from .measure.canary import CANARY_SHAPE, operands, run_canaries
 
-__all__ = ["CANDIDATES", "FP8_CANDIDATES", "candidate_names", "fp8_candidate_names", "parse_shapes", "tune_points",
-           "write_table", "precompile", "main"]
-
 # The union of the shape classes' lists and the split-K candidates (launch/measure/tune.py): what `--candidates all`
 # means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:

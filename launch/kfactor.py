@@ -50,7 +50,8 @@ from overlap.ops.ag_gemm import AgGemm
 from overlap.config.schema import OverlapConfig
 from overlap.config.presets import dump_config, load_config, to_dict
 from overlap.ops.gemm_rs import GemmRs
-from launch.measure.k_factor import (LATE_START_MS, inject_comm_delay, k_from_trace, measure, measure_pair, op_pair,
+from launch.measure.comm_delay import inject_comm_delay
+from launch.measure.k_factor import (LATE_START_MS, k_from_trace, measure, measure_pair, op_pair,
                              trace_op)
 from launch.measure.timeline import step_timeline
 from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
@@ -90,7 +91,6 @@ class _Bar:
 
 def _randn(gen, *shape, scale=1.0, dtype, device):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
-
 
 
 def sweep_point(ctx, op_name: str, point: ShapePoint, configs: list, env: dict, *, capture: bool) -> tuple:

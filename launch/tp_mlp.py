@@ -105,7 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return make_parser().parse_args(argv)
 
 
-
 def _fwd_bwd(mlp: TPMLP, x: torch.Tensor, dy: torch.Tensor):
     x.grad = None
     mlp.zero_grad(set_to_none=True)

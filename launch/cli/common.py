@@ -34,9 +34,6 @@ from typing import Callable
 
 from ipc.errors import OverlapError
 
-__all__ = ["UsageError", "ArgumentParser", "int_list", "require", "distinct", "names", "input_file", "output_file",
-           "output_dir", "run_launcher", "run_dir", "env_rank", "under_torchrun", "RUNS_DIR"]
-
 RUNS_DIR = "runs"
 USAGE_EXIT, ERROR_EXIT = 2, 1
 SIBLING_WAIT_S = 10.0

@@ -18,9 +18,6 @@ from . import dist as _dist
 from .common import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
 from .limits import require_fits
 
-__all__ = ["PROG", "OPS", "SWEEP_KEYS", "GPU_GRID", "CPU_GRID", "GPU_MAX_K", "parse_sweep", "make_parser",
-           "parse_args", "points_for", "configs_for", "check"]
-
 PROG = "launch.kfactor"
 OPS = ("ag_gemm", "gemm_rs", "regimes")
 SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}

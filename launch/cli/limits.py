@@ -16,9 +16,6 @@ import torch
 
 from .common import UsageError
 
-__all__ = ["memory_limit", "require_fits", "format_bytes", "available_host_bytes"]
-
-
 def format_bytes(n: int) -> str:
     """'563,018,672,898,064 bytes (512 TiB)': exact, and readable."""
     units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")

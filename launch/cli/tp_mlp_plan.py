@@ -18,8 +18,6 @@ from overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
 from .common import UsageError, distinct, require
 from .limits import require_fits
 
-__all__ = ["plan", "DTYPES"]
-
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GPU_TOKENS, CPU_TOKENS = (16384,), (256,)
 FFN_STEP = 64   # a suggested ffn_hidden is a multiple of 64 x W: whole 64-column blocks on every rank

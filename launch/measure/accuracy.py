@@ -2,9 +2,6 @@
 
 import torch
 
-__all__ = ["rel_err"]
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref||, in fp64 (0 for an exact zero reference match)."""
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()

@@ -14,9 +14,6 @@ from torch import nn
 
 from overlap.offload.activation import activation_forward
 
-__all__ = ["BenchMLP"]
-
-
 class _Column(torch.autograd.Function):
     """y = gathered @ w with gathered = a copy of x (W = 1's all_gather); saves (gathered, w)."""
 

@@ -8,9 +8,6 @@ from typing import Callable
 
 import torch
 
-__all__ = ["inject_comm_delay"]
-
-
 def inject_comm_delay(comm_fn: Callable[[], object], *, delay_ms: float, active: threading.Event,
                       device: torch.device) -> Callable[[], object]:
     """Test aid: comm_fn slowed by `delay_ms` only while `active` is set (measure_pair sets it during the

@@ -47,11 +47,7 @@ import torch.distributed as dist
 from overlap.ops.ag_gemm import AgGemm
 from overlap.ops.gemm_rs import GemmRs
 
-from .comm_delay import inject_comm_delay
 from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
-
-__all__ = ["KFactor", "LATE_START_MS", "OpPair", "measure", "measure_pair", "op_pair", "trace_op",
-           "inject_comm_delay", "k_from_trace"]
 
 HOLD_CYCLES = 1_000_000      # CUDA: at least ~0.5 ms spin before the step so that the host enqueues both sides
 HOLD_OVER_ENQUEUE = 3.0      # ... and 3x the measured host time to enqueue both (an eager AG call takes ~0.5 ms)

@@ -24,9 +24,6 @@ from torch.utils._pytree import tree_flatten
 from overlap.offload.activation import SavedInputActivation, activation_forward
 from overlap.offload.planner import Rates
 
-__all__ = ["CopyRates", "LiveBytes", "measure_copies", "measure_layer_times", "measure_ms", "peak_of",
-           "rates_from"]
-
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000
 

@@ -18,8 +18,6 @@ from launch.measure.timing import bench_interleaved, progress
 from .bench_mlp import BenchMLP
 from .offload_measure import measure_copies, measure_layer_times, measure_ms, peak_of, rates_from
 
-__all__ = ["OutOfTime", "run_point", "HAND"]
-
 COPY_BYTES = 256 << 20
 HAND = {"keep": {"x": "keep", "h": "keep", "a": "keep"}, "recompute": {"x": "keep", "h": "keep", "a": "recompute"},
         "offload_all": {"x": "offload", "h": "offload", "a": "offload"}}

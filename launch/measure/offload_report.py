@@ -32,8 +32,6 @@ from launch.measure.timing import bench_interleaved
 
 from .offload_measure import measure_copies, measure_layer_times, peak_of
 
-__all__ = ["add_offload_argument", "offload_report"]
-
 COPY_BYTES = 64 << 20
 
 

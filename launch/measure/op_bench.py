@@ -36,7 +36,6 @@ from .graphs import graph_variants
 TRACE_REPS = 10
 
 
-
 def _agree(ctx: DistContext, problem: str | None) -> None:
     """Raise the same error on every rank if any rank found a problem (so that none waits for the rest)."""
     found = [None] * ctx.world_size

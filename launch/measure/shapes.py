@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ShapePoint", "AG_LAYERS", "RS_LAYERS", "M_VALUES", "ag_points", "rs_points", "CPU_M_VALUES", "CPU_K",
-           "CPU_N"]
-
 M_VALUES = (1024, 4096, 16384)
 # CPU runs (functional checks): tiny [M, 64] @ [64, 64] points, seconds each instead of minutes
 CPU_M_VALUES, CPU_K, CPU_N = (256, 512), 64, 64

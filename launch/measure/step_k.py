@@ -12,8 +12,6 @@ import torch.distributed as dist
 from launch.measure.k_factor import KFactor
 from launch.measure.timing import Ticker, barrier, bench_interleaved, progress
 
-__all__ = ["step_k_factors", "max_over_ranks"]
-
 TRACE_STEPS = 5
 
 

@@ -27,8 +27,6 @@ import torch.distributed as dist
 
 from launch.measure.timing import Timer, barrier, progress
 
-__all__ = ["GpuSampler", "sustained_blocks"]
-
 SAMPLE_MS = 20
 RAMP_S = 0.2
 AVERAGED_POWER_RAMP_S = 1.0  # `power.draw` is a 1 s average on Ampere and newer

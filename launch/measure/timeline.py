@@ -19,8 +19,6 @@ import torch.distributed as dist
 from .k_factor import _cpu_switch_interval, _PairRunner
 from .timing import mark_ms as _ms
 
-__all__ = ["profile_steps", "stream_lanes", "summarise", "step_timeline", "event_kind", "lane_roles", "KINDS"]
-
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # what a GPU event does, from its name (first match wins); "other" last
 KINDS = {

@@ -24,8 +24,6 @@ import torch.distributed as dist
 
 from overlap.config import envs
 
-__all__ = ["Stats", "Timer", "Ticker", "barrier", "bench_interleaved", "progress", "mark", "mark_ms"]
-
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
 SLEEP_CYCLES_PER_US = 2000  # torch.cuda._sleep spins for clock cycles; ~1.98 GHz on an H200 (at least as long below)
 PROGRESS_INTERVAL_S = 2.0  # bench_interleaved with a label: at most one progress line per interval

@@ -9,10 +9,6 @@ import math
 
 from overlap.config.schema import OpPreset, OverlapConfig
 
-__all__ = ["CONFIG_KEYS", "OP_KEYS", "best_configs", "config_row", "tuned_config", "gate_failures", "M_ORDER",
-           "GEMM_CLASSES", "SPLIT_K_CANDIDATES", "shape_class", "splits_k", "gemm_candidates", "tune_order",
-           "point_seconds"]
-
 CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
 OP_KEYS = {"ag_gemm": ("method", "sm_margin", "chunks_per_rank", "lead_fraction"),
            "gemm_rs": ("method", "sm_margin", "num_comm_sms")}

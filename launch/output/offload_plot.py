@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_pareto"]
-
 GIB = 2**30
 HAND_STYLE = {"none": ("X", "black"), "none_again": ("x", "grey"), "keep": ("s", "tab:blue"),
               "recompute": ("^", "tab:orange"), "offload_all": ("v", "tab:red")}

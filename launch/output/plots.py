@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["plot_sweep", "plot_timeline"]
-
 METHOD_COLORS = {"decomposed": "tab:blue", "fused": "tab:orange", "epilogue_reduce": "tab:green", "pair": "tab:purple",
                  "bulk": "tab:brown"}
 KIND_COLORS = {"GEMM": "tab:orange", "NCCL collective": "tab:red", "copy": "tab:blue",

@@ -13,9 +13,6 @@ from typing import NamedTuple
 
 from overlap.config import envs
 
-__all__ = ["git_commit", "command_line", "write_results", "format_table", "device_slug", "run_labels", "RunLabels",
-           "CPU_NOTE", "ONE_RANK_NOTE"]
-
 CPU_NOTE = ("CPU run: functional check, not a performance measurement (gloo + the host pool: the comm path is "
             "a memcpy on a thread, GEMMs are torch.mm; times are host clocks, not comparable with GPU ones)")
 ONE_RANK_NOTE = ("1 rank: nothing to overlap (no peer to gather from or reduce to); the overlap columns time "

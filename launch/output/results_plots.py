@@ -17,8 +17,6 @@ from pathlib import Path
 from . import plots as _plots
 from ..measure.timeline import stream_lanes, summarise
 
-__all__ = ["redraw"]
-
 PARTS = ("overlap_rank0", "baseline_rank0", "ag_gemm", "gemm_rs")
 XLABEL = "ms from the step's first GPU activity (rank 0)"
 

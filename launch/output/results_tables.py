@@ -15,8 +15,6 @@ from pathlib import Path
 
 from launch.output.report import format_table
 
-__all__ = ["file_tables", "history_tables", "trace_table", "suite_table", "short_commit", "LONG_TABLE_ROWS"]
-
 LONG_TABLE_ROWS = 30   # longer tables fold under a <details> line
 COLUMNS = {  # file-name prefix -> columns (those no row has are left out)
     "pool_bw": ["size_bytes", "ce_pull_median_ms", "ce_pull_GBps", "allgather_median_ms", "allgather_GBps"],

@@ -25,7 +25,8 @@ def _sweep(rank, world):
     from overlap.ops.ag_gemm import AgGemm
     from overlap.config.schema import AgGemmConfig, GemmRsConfig
     from overlap.ops.gemm_rs import GemmRs
-    from launch.measure.k_factor import inject_comm_delay, measure
+    from launch.measure.comm_delay import inject_comm_delay
+    from launch.measure.k_factor import measure
     from overlap.ops.reference import gemm_rs_reference
     from launch.measure.shapes import ag_points, rs_points
     from symm_mem import SymmetricPool

@@ -5,6 +5,7 @@ installed last. Alone, the same wheel imports and runs. Real installs: our wheel
 a stand-in project that installs `kernels`, fresh virtualenvs."""
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,9 +21,13 @@ OTHER = "other-kernels"
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheels")
-    isolation = [] if importlib.util.find_spec("setuptools") else ["--use-pep517"]
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)]
-    if not isolation:
+    source = tmp_path_factory.mktemp("source")  # a copy: a build writes build/ and *.egg-info where it runs
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)]
+    if importlib.util.find_spec("setuptools"):  # else pip fetches the build backend itself
         build.insert(5, "--no-build-isolation")
     subprocess.run(build, check=True, timeout=600, capture_output=True)
     ours = next(out.glob("tp_overlap-*.whl"))
