@@ -46,11 +46,10 @@ and, after another CTA barrier, loads the partials with ``.cg`` (L2, never a sta
 import triton
 import triton.language as tl
 
+from .gemm_mainloop import k_loop
+
 __all__ = ["split_k_gemm_kernel", "split_k_ranges", "reduce_rows"]
 
-# The interpreter multiplies bf16 tiles in tl.dot as their raw bits (Triton 3.6): under the interpreter only,
-# operands are widened to fp32 first. Compiled kernels never see this branch.
-_WIDEN_DOT_OPERANDS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 def split_k_ranges(k: int, block_k: int, split_k: int) -> list[tuple[int, int]]:
@@ -73,40 +72,6 @@ def _unit_tile(tile, num_row_blocks, num_col_blocks, tile_row_offset, GROUP_M: t
     row_block = first_row_block + (tile % per_group) % group_rows
     col_block = (tile % per_group) // group_rows
     return (row_block + tile_row_offset) % num_row_blocks, col_block
-
-
-@triton.jit
-def _partial(a, b, first_row, first_col, first_step, end_step, M, N, K, lda, ldb, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DESCRIPTORS: tl.constexpr,
-             B_TRANSPOSED: tl.constexpr):
-    """A[rows, ks] @ B[ks, cols] in fp32 over K steps [first_step, end_step) of the tile."""
-    rows = first_row + tl.arange(0, BLOCK_M)
-    cols = first_col + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in tl.range(first_step, end_step):
-        first_k = k_step * BLOCK_K
-        if USE_DESCRIPTORS:
-            a_tile = a.load([first_row, first_k])
-            if B_TRANSPOSED:
-                b_tile = b.load([first_col, first_k]).T
-            else:
-                b_tile = b.load([first_k, first_col])
-        else:
-            ks = first_k + tl.arange(0, BLOCK_K)
-            k_in_range = ks < K
-            a_tile = tl.load(a + rows.to(tl.int64)[:, None] * lda + ks[None, :],
-                             mask=(rows < M)[:, None] & k_in_range[None, :], other=0.0)
-            if B_TRANSPOSED:
-                b_tile = tl.load(b + cols.to(tl.int64)[None, :] * ldb + ks[:, None],
-                                 mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
-            else:
-                b_tile = tl.load(b + ks.to(tl.int64)[:, None] * ldb + cols[None, :],
-                                 mask=k_in_range[:, None] & (cols < N)[None, :], other=0.0)
-        if _WIDEN_DOT_OPERANDS:
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc)
-    return acc
 
 
 @triton.jit
@@ -148,8 +113,9 @@ def split_k_gemm_kernel(
         first_col = col_block * BLOCK_N
         first_step = split * num_steps // SPLIT_K
         end_step = (split + 1) * num_steps // SPLIT_K
-        acc = _partial(a, b, first_row, first_col, first_step, end_step, M, N, K, lda, ldb, BLOCK_M, BLOCK_N,
-                       BLOCK_K, USE_DESCRIPTORS, B_TRANSPOSED)
+        # the K loop every GEMM kernel shares (a, b are descriptors or pointers, as USE_DESCRIPTORS says)
+        acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a, b, a, b, first_row, first_col, M, N, K,
+                     lda, ldb, first_step, end_step, BLOCK_M, BLOCK_N, BLOCK_K, USE_DESCRIPTORS, B_TRANSPOSED)
         tile_ptr = workspace_ptr + tl.cast(tile, tl.int64) * (SPLIT_K * tile_elements)
         tl.store(tile_ptr + split * tile_elements + offsets, acc)
         # every thread's partial stores before the single-thread release
