@@ -43,12 +43,26 @@ the last arrival sees every earlier unit's partial). Every thread reads the atom
 and, after another CTA barrier, loads the partials with ``.cg`` (L2, never a stale L1 line).
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from .gemm_mainloop import k_loop
 
-__all__ = ["split_k_gemm_kernel", "split_k_ranges", "reduce_rows"]
+__all__ = ["SplitKConfig", "split_k_gemm_kernel", "split_k_ranges", "reduce_rows"]
+
+
+class SplitKConfig(NamedTuple):
+    """The compile-time configuration of ``split_k_gemm_kernel`` (its CONFIG argument)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    SPLIT_K: int
+    USE_DESCRIPTORS: bool
+    B_TRANSPOSED: bool
+    REDUCE_M: int               # rows the last-arriving unit sums per step (reduce_rows)
 
 
 
@@ -92,12 +106,16 @@ def _reduce_tile(tile_ptr, c_ptr, first_row, first_col, M, N, ldc, BLOCK_M: tl.c
 
 
 @triton.jit(do_not_specialize=["M", "tile_row_offset"])
-def split_k_gemm_kernel(
-    a, b, c_ptr, workspace_ptr, counters_ptr,
-    M, N, K, lda, ldb, ldc, tile_row_offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_DESCRIPTORS: tl.constexpr, B_TRANSPOSED: tl.constexpr, REDUCE_M: tl.constexpr,
-):
+def split_k_gemm_kernel(a, b, c_ptr, workspace_ptr, counters_ptr, M, N, K, lda, ldb, ldc, tile_row_offset,
+                        CONFIG: tl.constexpr):
+    BLOCK_M: tl.constexpr = CONFIG.BLOCK_M
+    BLOCK_N: tl.constexpr = CONFIG.BLOCK_N
+    BLOCK_K: tl.constexpr = CONFIG.BLOCK_K
+    GROUP_M: tl.constexpr = CONFIG.GROUP_M
+    SPLIT_K: tl.constexpr = CONFIG.SPLIT_K
+    USE_DESCRIPTORS: tl.constexpr = CONFIG.USE_DESCRIPTORS
+    B_TRANSPOSED: tl.constexpr = CONFIG.B_TRANSPOSED
+    REDUCE_M: tl.constexpr = CONFIG.REDUCE_M
     tl.static_assert(BLOCK_M % REDUCE_M == 0, "REDUCE_M divides BLOCK_M")
     num_row_blocks = tl.cdiv(M, BLOCK_M)
     num_col_blocks = tl.cdiv(N, BLOCK_N)

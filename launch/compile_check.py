@@ -120,15 +120,15 @@ def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtyp
 def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
     """The split-K GEMM (a name with `sp<S>`) as overlap/gemm/splitk.py launches it: host-side TMA
     descriptors for aligned operands."""
-    from kernels.gemm_splitk import reduce_rows, split_k_gemm_kernel
+    from kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
 
     b_block = (blocks.block_n, blocks.block_k) if b_transposed else (blocks.block_k, blocks.block_n)
     types = dict(a=f"tensordesc<{dtype}[{blocks.block_m}, {blocks.block_k}]>", b=f"tensordesc<{dtype}[{b_block[0]}, "
                  f"{b_block[1]}]>", c_ptr=f"*{dtype}:16", workspace_ptr="*fp32:16", counters_ptr="*i32:16",
                  M="i32", tile_row_offset="i32", N="i32:16", K="i32:16", lda="i32:16", ldb="i32:16", ldc="i32:16")
-    constexprs = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-                      SPLIT_K=blocks.split_k, USE_DESCRIPTORS=True, B_TRANSPOSED=b_transposed,
-                      REDUCE_M=reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps))
+    constexprs = dict(CONFIG=SplitKConfig(blocks.block_m, blocks.block_n, blocks.block_k, blocks.group_m,
+                                          blocks.split_k, True, b_transposed,
+                                          reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps)))
     return compile_for_target(split_k_gemm_kernel, types, constexprs, num_warps=blocks.num_warps,
                               num_stages=blocks.num_stages, arch=arch)
 

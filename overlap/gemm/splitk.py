@@ -41,7 +41,7 @@ def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block
     w is row-major or the transpose view of a row-major [N, K]. One program per unit unless
     `num_programs` (the caller leaves SMs free) caps the grid; the programs then loop over the units.
     """
-    from kernels.gemm_splitk import reduce_rows, split_k_gemm_kernel
+    from kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
 
     if blocks.split_k < 2:
         raise ValueError(f"launch_split_k: blocks {blocks.name!r} have split_k {blocks.split_k}; allowed: >= 2")
@@ -70,7 +70,6 @@ def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block
         a_arg, b_arg = a, b
     split_k_gemm_kernel[(max(1, programs),)](
         a_arg, b_arg, out, workspace, counters, m, n, k, a.stride(0), ldb, out.stride(0), tile_row_offset,
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
-        SPLIT_K=blocks.split_k, USE_DESCRIPTORS=use_descriptors, B_TRANSPOSED=b_transposed,
-        REDUCE_M=reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps),
+        CONFIG=SplitKConfig(blocks.block_m, blocks.block_n, blocks.block_k, blocks.group_m, blocks.split_k,
+                            use_descriptors, b_transposed, reduce_rows(blocks.block_m, blocks.block_n, blocks.num_warps)),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages)

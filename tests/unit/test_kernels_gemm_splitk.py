@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.gemm_splitk import split_k_gemm_kernel, split_k_ranges  # noqa: E402
+from kernels.gemm_splitk import SplitKConfig, split_k_gemm_kernel, split_k_ranges  # noqa: E402
 from overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
 from overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
 
@@ -132,9 +132,8 @@ def test_the_kernel_alone_with_counters_and_a_reduction_of_several_row_steps():
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     reduce_m = 16   # the last arrival sums the 64-row tile in four steps
     split_k_gemm_kernel[(tiles * splits,)](a, b, out, workspace, counters, m, n, k, a.stride(0), b.stride(0),
-                                           out.stride(0), 0, BLOCK_M=64, BLOCK_N=32, BLOCK_K=BLOCK, GROUP_M=8,
-                                           SPLIT_K=splits, USE_DESCRIPTORS=False, B_TRANSPOSED=False,
-                                           REDUCE_M=reduce_m)
+                                           out.stride(0), 0, CONFIG=SplitKConfig(64, 32, BLOCK, 8, splits, False,
+                                                                                  False, reduce_m))
     check(a, b, out)
     assert (counters == 0).all()
 
