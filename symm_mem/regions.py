@@ -32,9 +32,6 @@ class PoolRequirements(NamedTuple):
     def __mul__(self, times: int) -> "PoolRequirements":
         return PoolRequirements(*(times * x for x in self))
 
-    def __add__(self, other: "PoolRequirements") -> "PoolRequirements":
-        return PoolRequirements(*(a + b for a, b in zip(self, other)))
-
 
 def requirements(specs) -> PoolRequirements:
     """The pool size and flag words that reserving every spec needs (each region starts aligned)."""

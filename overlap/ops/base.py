@@ -193,7 +193,10 @@ class OpBase:
         another thread or stream (the k-factor's pair mode)."""
         self._check_live()
         plan = self._plans.get(key) or self._plan(key, m)
-        plan.driver.run(call, torch.cuda.current_stream()) if self._cuda else plan.driver.run(call)
+        if self._cuda:
+            plan.driver.run(call, torch.cuda.current_stream())
+        else:
+            plan.driver.run(call)
 
     def _enqueue(self, plan: Plan, call, addresses) -> None:
         if _capturing():

@@ -64,6 +64,7 @@ class _RegionFlags:
     """The layout both ops share: 2 W control words (W "mine is ready" words indexed by the writer, then W
     "you may write again" words indexed by the reader, the latter starting SET for every peer), and W x
     `per_source` device flags."""
+    _starts_second: bool  # which half starts SET for every peer (AgFlags: consumed; RsFlags: free)
 
     def __init__(self, region: str, world_size: int, per_source: int):
         self.region, self.world_size, self.per_source = region, world_size, per_source

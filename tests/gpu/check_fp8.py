@@ -19,12 +19,11 @@ import time
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, rel
+from tests.gpu.checklist import Checks, expect, rel, target_device
 
 FP8_TOLERANCE = 5e-3
 BF16_TOLERANCE = 1e-2
 check = Checks()
-results = check.results
 
 
 # (full size on the GPU, tiny under the interpreter)
@@ -39,16 +38,15 @@ TINY = {"act": ((40, 1344), (37, 300)), "weight": ((136, 1344),), "gemm": ((40, 
 
 
 def main(argv=None) -> int:
-    cpu = "--cpu" in (argv if argv is not None else sys.argv[1:])
-    if not cpu and not torch.cuda.is_available():
-        print("FAIL no CUDA device (use --cpu for the interpreter)")
+    dev = target_device(argv)
+    if dev is None:
         return 1
+    cpu = dev.type == "cpu"
     from kernels.gemm import ag_tile_row_offset
     from launch.gemm_tune import FP8_CANDIDATES
     from overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
     from overlap.gemm.launch import _stream_k_buffers
 
-    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = TINY if cpu else SHAPES
     candidates = FP8_CANDIDATES[:2] if cpu else FP8_CANDIDATES
     stream_k_names = ("128x256x64w8s3sk1", "64x128x64w4s4sk1") if cpu else (
@@ -182,9 +180,7 @@ def main(argv=None) -> int:
         expect(all(v == -1000 for v in left), f"late-contributor flags not restored: {left[:5]}")
         return f"worst {worst:.2e}"
 
-    failed = [name for name, ok, _ in results if not ok]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

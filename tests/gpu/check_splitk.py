@@ -19,11 +19,10 @@ import sys
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, rel
+from tests.gpu.checklist import Checks, expect, rel, target_device
 
 TOLERANCE = 1e-2
 check = Checks()
-results = check.results
 
 
 # (full size on the GPU, tiny under the interpreter): M, N, K
@@ -34,15 +33,14 @@ TINY = {"main": (48, 40, 256), "tails": ((37, 40, 200),), "unaligned": (40, 24, 
 
 
 def main(argv=None) -> int:
-    cpu = "--cpu" in (argv if argv is not None else sys.argv[1:])
-    if not cpu and not torch.cuda.is_available():
-        print("FAIL no CUDA device (use --cpu for the interpreter)")
+    dev = target_device(argv)
+    if dev is None:
         return 1
+    cpu = dev.type == "cpu"
     from launch.measure.tune import SPLIT_K_CANDIDATES
     from overlap.gemm.blocks import GemmBlocks
     from overlap.gemm import split_k_workspace, triton_mm
 
-    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shapes = TINY if cpu else SHAPES
     names = ("16x16x16w1s1sp2", "32x16x16w1s1sp4") if cpu else SPLIT_K_CANDIDATES
     tails_names = names if cpu else ("128x128x64w4s3sp4", "128x64x64w4s4sp8", "64x64x64w4s4sp2")
@@ -146,9 +144,7 @@ def main(argv=None) -> int:
                 verify(out, a, b, f"replay {replay}")
             return blocks.name
 
-    failed = [name for name, ok, _ in results if not ok]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

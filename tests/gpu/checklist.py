@@ -1,6 +1,7 @@
 """The harness of the GPU check scripts: every check runs (a failure is reported with its message and the
 next check still runs), one PASS / FAIL line each with its time, and the helpers the checks share."""
 
+import sys
 import time
 import traceback
 
@@ -14,6 +15,13 @@ class Checks:
     def __init__(self):
         self.results: list[tuple[str, bool, str]] = []
 
+    def summary(self) -> int:
+        """Print the tally and return the exit status (1 when any check failed)."""
+        failed = [name for name, ok, _ in self.results if not ok]
+        print(f"{len(self.results) - len(failed)} of {len(self.results)} checks passed"
+              + (f"; FAILED: {failed}" if failed else ""))
+        return 1 if failed else 0
+
     def __call__(self, name: str):
         def wrap(fn):
             start = time.perf_counter()
@@ -26,6 +34,17 @@ class Checks:
             print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
             return fn
         return wrap
+
+
+def target_device(argv) -> torch.device | None:
+    """The device a check script runs on: the current CUDA device, or the CPU (the interpreter) with --cpu;
+    None (after a FAIL line) when there is no GPU and --cpu was not given."""
+    if "--cpu" in (argv if argv is not None else sys.argv[1:]):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print("FAIL no CUDA device (use --cpu for the interpreter)")
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def rel(actual, expected) -> float:
