@@ -204,6 +204,19 @@ def compile_quantizers(arch: int = 90) -> dict:
     return out
 
 
+def compile_swiglu(arch: int = 90) -> dict:
+    from kernels.swiglu import swiglu_backward_kernel, swiglu_forward_kernel
+
+    ptr = "*bf16:16"
+    return {"swiglu forward": compile_for_target(
+                swiglu_forward_kernel, dict(h_ptr=ptr, a_ptr=ptr, F="i32:16", ld_h="i32:16", ld_a="i32:16"),
+                dict(BLOCK=1024, INTERPRETED=False), num_warps=4, num_stages=1, arch=arch),
+            "swiglu backward": compile_for_target(
+                swiglu_backward_kernel, dict(grad_a_ptr=ptr, h_ptr=ptr, grad_h_ptr=ptr, F="i32:16", ld_ga="i32:16",
+                                             ld_h="i32:16", ld_gh="i32:16"),
+                dict(BLOCK=1024, INTERPRETED=False), num_warps=4, num_stages=1, arch=arch)}
+
+
 def _check(job):
     kind, name, extra = job
     start = time.perf_counter()

@@ -17,6 +17,8 @@ every variant, interleaved (launch.measure.timing: CUDA events, median of --reps
     none_again   the same, timed again: the noise floor of the time columns
     keep         the engine keeping everything: the plain stack's ops (no hook, autograd's activation)
     recompute    a recomputed from h in every layer, x and h kept
+    recompute_s  nothing moved; every layer runs the engine's activation, which saves h only and recomputes
+                 silu(gate) in backward (one kernel each way on CUDA): what the activation alone saves
     offload_all  x, h and a offloaded in every layer
     planner      the planner at each --budget: auto (its default time budget, +2 % of the step), +N% (a
                  time budget), <f>x (a memory budget: that fraction of none's measured peak), or bytes
@@ -177,12 +179,13 @@ def _local_ranks(ctx) -> tuple[int, int]:
 
 def _estimate(model, m, layers, args, cuda) -> dict:
     """Nominal cost of a point before building it: seconds, device and host bytes."""
-    shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers)
+    shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers,
+                     fused_activation=cuda)
     nominal = Rates(d2h_gbps=54, h2d_gbps=54, gemm_tflops=650 if cuda else 0.05, hbm_gbps=3000 if cuda else 10)
     keep = simulate(shape, nominal, {}, 1).step_ms
     everything = {(p, n): "offload" for p in range(layers) for n in ("x", "h", "a")}
     offload_all = simulate(shape, nominal, everything, 2).step_ms
-    variants_ms = (4 + len(args.budgets)) * keep * 1.05 + offload_all  # none twice, keep, recompute, planners
+    variants_ms = (5 + len(args.budgets)) * keep * 1.05 + offload_all  # none twice, keep, recomputes, planners
     b = tensor_bytes(shape)
     weights = layers * (model["hidden"] * b["h"] // (m * 2) + model["ffn_hidden"] * model["hidden"]) * 2
     plain = simulate(shape, nominal, {}, 1).peak_bytes

@@ -4,8 +4,8 @@
 * k of the copy under the step's GEMM and of the GEMM under copies (copy alone vs beside the GEMM, both
   started together behind a short device hold so that both are queued before either starts);
 * the layer's own times: fc1 (with the gathered copy the column layer makes) and fc2 forward, their
-  backward (dgrad and wgrad), the activation forward (= the cost of recomputing a), its backward, and the
-  plain module's activation backward (autograd's swiglu);
+  backward (dgrad and wgrad), the engine's activation forward (= the cost of recomputing a) and backward,
+  and the plain module's (autograd's swiglu) forward and backward;
 * the optimizer step (time outside the layers), and the peak device bytes of a step (CUDA: the caching
   allocator's counters; CPU: `LiveBytes`).
 On CPU the copies are memcpys and nothing runs concurrently: k is reported as 1.0, marked unmeasured.
@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from overlap.offload.activation import SavedInputActivation, activation_forward
+from overlap.offload.activation import SavedInputActivation, activation_forward, lean_activation_forward
 from overlap.offload.planner import Rates
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
@@ -165,7 +165,7 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, r
 
 def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     """Medians (ms) of one layer's pieces at this x: fc1 (gathered copy + GEMM) and fc2 GEMMs forward, their
-    backward (dgrad + wgrad), the activation forward and backward, the plain (autograd) activation backward."""
+    backward (dgrad + wgrad), the engine's activation forward and backward, autograd's forward and backward."""
     cuda = x.is_cuda
     stream = torch.cuda.current_stream() if cuda else None
     w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
@@ -180,7 +180,8 @@ def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     dh = torch.randn_like(h)
     pieces = {
         "fc1_ms": lambda: torch.mm(x.clone(), w1),
-        "act_ms": lambda: activation_forward(h, mlp.activation),
+        "act_ms": lambda: lean_activation_forward(h, mlp.activation),
+        "act_plain_ms": lambda: activation_forward(h, mlp.activation),
         "fc2_ms": lambda: torch.mm(a, w2),
         "fc2_bwd_ms": lambda: (torch.mm(dy, w2.t()), torch.mm(a.t(), dy)),
         "fc1_bwd_ms": lambda: (torch.mm(dh, w1.t()), torch.mm(x.t(), dh)),
@@ -229,6 +230,6 @@ def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0) ->
                  k_gemm=max(1.0, copies.get("k_gemm_d2h", copies["k_gemm"])),
                  k_gemm_h2d=max(1.0, copies.get("k_gemm_h2d", copies["k_gemm"])),
                  fc1_ms=times["fc1_ms"], fc2_ms=times["fc2_ms"], act_ms=times["act_ms"],
-                 act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"],
+                 act_plain_ms=times.get("act_plain_ms"), act_bwd_ms=times["act_bwd_ms"], recompute_ms=times["act_ms"],
                  act_bwd_plain_ms=times.get("act_bwd_plain_ms"), fc1_bwd_ms=times.get("fc1_bwd_ms"),
                  fc2_bwd_ms=times.get("fc2_bwd_ms"), step_extra_ms=step_extra_ms)

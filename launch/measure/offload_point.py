@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ipc.errors import OverlapError
+from overlap.offload.activation import fused_swiglu_available
 from overlap.offload.engine import OffloadEngine
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
@@ -19,8 +20,10 @@ from .bench_mlp import BenchMLP
 from .offload_measure import measure_copies, measure_layer_times, measure_ms, peak_of, rates_from
 
 COPY_BYTES = 256 << 20
-HAND = {"keep": {"x": "keep", "h": "keep", "a": "keep"}, "recompute": {"x": "keep", "h": "keep", "a": "recompute"},
-        "offload_all": {"x": "offload", "h": "offload", "a": "offload"}}
+HAND = {"keep": {"x": "keep", "h": "keep", "a": "keep", "s": "keep"},
+        "recompute": {"x": "keep", "h": "keep", "a": "recompute", "s": "keep"},
+        "recompute_s": {"x": "keep", "h": "keep", "a": "keep", "s": "recompute"},
+        "offload_all": {"x": "offload", "h": "offload", "a": "offload", "s": "keep"}}
 
 
 class OutOfTime(OverlapError):
@@ -119,7 +122,8 @@ def run_point(ctx, spec, args, host: HostPool, local, deadline) -> tuple[list[di
     stack = _Stack(ctx, model, layers, m)
     host.reset_slots()
     copies, times, rates = _machine(ctx, stack, host)
-    shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers)
+    shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers,
+                     fused_activation=fused_swiglu_available(dev, torch.bfloat16))
     # pieces measured alone add up to more than the step they run in: scale the model's compute to the
     # measured plain step (the slowest rank's), copies keep their measured bandwidth
     none_us = _max_over_ranks(ctx, [1e3 * measure_ms(stack.step(None), dev, reps=5)])[0]

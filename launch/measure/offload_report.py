@@ -47,11 +47,12 @@ def add_offload_argument(parser) -> None:
     parser.add_argument("--offload", type=_offload_arg, default=OffloadConfig(enabled=False),
                         metavar="auto|none|LIST",
                         help="also time the step with activation offload: auto (the planner), none (default), "
-                             "or tensors by hand, e.g. h,a=recompute (x: gathered input, h: fc1 output, a: act)")
+                             "or tensors by hand, e.g. h,a=recompute (x: gathered input, h: fc1 output, a: act, "
+                             "s: silu(gate), recompute only)")
 
 
 _AGREED = ("d2h_gbps", "h2d_gbps", "k_copy_d2h", "k_copy_h2d", "k_gemm", "fc1_ms", "fc2_ms", "act_ms",
-           "act_bwd_ms", "fc1_bwd_ms", "fc2_bwd_ms")
+           "act_plain_ms", "act_bwd_ms", "act_bwd_plain_ms", "fc1_bwd_ms", "fc2_bwd_ms")
 
 
 def _agreed_rates(ctx, copies: dict, times: dict) -> Rates:
@@ -64,7 +65,8 @@ def _agreed_rates(ctx, copies: dict, times: dict) -> Rates:
     v = dict(zip(_AGREED, slow.tolist()))
     return Rates(d2h_gbps=-v["d2h_gbps"], h2d_gbps=-v["h2d_gbps"], k_copy=max(1.0, v["k_copy_d2h"], v["k_copy_h2d"]),
                  k_gemm=max(1.0, v["k_gemm"]), fc1_ms=v["fc1_ms"], fc2_ms=v["fc2_ms"], act_ms=v["act_ms"],
-                 act_bwd_ms=v["act_bwd_ms"], recompute_ms=v["act_ms"], fc1_bwd_ms=v["fc1_bwd_ms"],
+                 act_plain_ms=v["act_plain_ms"], act_bwd_ms=v["act_bwd_ms"], act_bwd_plain_ms=v["act_bwd_plain_ms"],
+                 recompute_ms=v["act_ms"], fc1_bwd_ms=v["fc1_bwd_ms"],
                  fc2_bwd_ms=v["fc2_bwd_ms"])
 
 

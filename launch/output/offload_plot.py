@@ -13,7 +13,7 @@ from pathlib import Path
 
 GIB = 2**30
 HAND_STYLE = {"none": ("X", "black"), "none_again": ("x", "grey"), "keep": ("s", "tab:blue"),
-              "recompute": ("^", "tab:orange"), "offload_all": ("v", "tab:red")}
+              "recompute": ("^", "tab:orange"), "recompute_s": ("D", "tab:green"), "offload_all": ("v", "tab:red")}
 PLANNER_COLOR = "tab:green"
 
 

@@ -21,7 +21,9 @@ class OffloadPlanError(OffloadError):
 class MLPShape:
     """A stack of `num_layers` TP MLPs at M tokens on W ranks; dtype_bytes per element.
     gathered_is_view: the column layer keeps a pool view of the gathered input (x costs no memory).
-    grads: "step" (weight grads allocated in backward, held to the end of the step) | "resident"."""
+    grads: "step" (weight grads allocated in backward, held to the end of the step) | "resident".
+    fused_activation: the engine's swiglu runs as one kernel each way (CUDA): it allocates no [M, F]
+    temporary besides its output."""
     hidden: int
     ffn_hidden: int
     m: int
@@ -31,6 +33,7 @@ class MLPShape:
     num_layers: int = 1
     gathered_is_view: bool = False
     grads: str = "step"
+    fused_activation: bool = False
 
     def __post_init__(self):
         if self.grads not in GRADS:
@@ -59,6 +62,7 @@ class Rates:
     fc1_ms: float | None = None
     fc2_ms: float | None = None
     act_ms: float | None = None
+    act_plain_ms: float | None = None
     act_bwd_ms: float | None = None
     recompute_ms: float | None = None
     act_bwd_plain_ms: float | None = None
@@ -74,8 +78,8 @@ class Rates:
                 raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
         if self.k_gemm_h2d is not None and not (isinstance(self.k_gemm_h2d, (int, float)) and self.k_gemm_h2d > 0):
             raise OffloadPlanError(f"Rates.k_gemm_h2d must be a positive number or None, got {self.k_gemm_h2d!r}")
-        for name in ("fc1_ms", "fc2_ms", "act_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms", "fc1_bwd_ms",
-                     "fc2_bwd_ms", "step_extra_ms"):
+        for name in ("fc1_ms", "fc2_ms", "act_ms", "act_plain_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms",
+                     "fc1_bwd_ms", "fc2_bwd_ms", "step_extra_ms"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise OffloadPlanError(f"Rates.{name} must be a number >= 0 or None, got {value!r}")
@@ -84,22 +88,25 @@ class Rates:
 @dataclass(frozen=True)
 class LayerTimes:
     fc1: float
-    act: float
+    act: float       # the engine's activation forward (saves h only); also the recompute of a
     fc2: float
     act_bwd: float
     recompute: float
     fc1_bwd: float   # dgrad + wgrad
     fc2_bwd: float
-    act_bwd_plain: float  # autograd's activation backward (a layer that moves neither h nor a)
+    act_bwd_plain: float  # autograd's activation backward (a layer that runs autograd's activation)
+    act_plain: float      # autograd's activation forward
     extra: float     # the step outside the layers (optimizer)
 
 
 def tensor_bytes(shape: MLPShape) -> dict[str, int]:
-    """Bytes of each candidate of one layer: x [M, H], h [M, width/W], a [M, F/W]."""
-    width = 2 * shape.ffn_hidden if shape.activation == "swiglu" else shape.ffn_hidden
+    """Bytes of each candidate of one layer: x [M, H], h [M, width/W], a [M, F/W], s [M, F/W] (swiglu's
+    silu(gate); gelu saves none: 0)."""
+    swiglu = shape.activation == "swiglu"
+    width = 2 * shape.ffn_hidden if swiglu else shape.ffn_hidden
     s, w = shape.dtype_bytes, shape.world_size
-    return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s,
-            "a": shape.m * (shape.ffn_hidden // w) * s}
+    a = shape.m * (shape.ffn_hidden // w) * s
+    return {"x": shape.m * shape.hidden * s, "h": shape.m * (width // w) * s, "a": a, "s": a if swiglu else 0}
 
 
 def grad_bytes(shape: MLPShape) -> tuple[int, int]:
@@ -121,7 +128,8 @@ def layer_times(shape: MLPShape, rates: Rates) -> LayerTimes:
     times = LayerTimes(fc1, act, fc2, act_bwd, rates.recompute_ms if rates.recompute_ms is not None else act,
                        rates.fc1_bwd_ms if rates.fc1_bwd_ms is not None else 2 * fc1,
                        rates.fc2_bwd_ms if rates.fc2_bwd_ms is not None else 2 * fc2,
-                       rates.act_bwd_plain_ms if rates.act_bwd_plain_ms is not None else act_bwd, rates.step_extra_ms)
+                       rates.act_bwd_plain_ms if rates.act_bwd_plain_ms is not None else act_bwd,
+                       rates.act_plain_ms if rates.act_plain_ms is not None else act, rates.step_extra_ms)
     scale = rates.compute_scale
     return LayerTimes(*(scale * v for v in dataclasses.astuple(times)))
 

@@ -7,16 +7,20 @@ The saved activations of one TP MLP that offload may touch (the "candidates"):
     h  the fc1 output [M, width/W] (width = 2 * ffn_hidden for swiglu), kept for the activation's backward
     a  the activation output act(h) [M, ffn_hidden/W], kept by fc2 for its weight grad; it can also be
        recomputed from h in backward (one elementwise pass)
+    s  silu(gate) [M, ffn_hidden/W] (swiglu only), which autograd's activation keeps for mul's backward;
+       "recompute" runs the engine's activation instead, which saves h only and recomputes silu(gate)
+       inside its backward (one kernel each way on CUDA, faster than autograd's ops). A layer that moves
+       h or a runs the engine's activation whatever s's decision.
 
-Per tensor the decision is keep | offload | recompute (recompute: `a` only). The planner
-(overlap/offload/planner.py) decides; `decisions` forces some of them by hand.
+Per tensor the decision is keep | offload | recompute: x, h keep | offload; a all three; s keep |
+recompute. The planner (overlap/offload/planner.py) decides; `decisions` forces some of them by hand.
 
 YAML (every key optional; errors name the file, the key, the value and what is allowed):
 
     offload:
       budget_bytes: auto          # or bytes (int), or a string like "40GiB" / "500MB"
       max_added: 0.02             # budget auto: the step may grow by at most this fraction (time budget)
-      candidates: [x, h, a]
+      candidates: [x, h, a, s]
       prefetch_depth: auto        # or layers ahead, 1-64
       pacing: none                # or stagger (node-wide: local ranks copy at different phases)
       decisions: {a: recompute}   # forced by hand; the planner decides the others
@@ -31,9 +35,10 @@ from ..config.schema import ConfigError
 
 __all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "DEFAULT_MAX_ADDED", "PACING"]
 
-CANDIDATES = ("x", "h", "a")
+CANDIDATES = ("x", "h", "a", "s")
+SAVED = ("x", "h", "a")    # the candidates the engine's hooks see as saved tensors (s is the activation's)
 DECISIONS = ("keep", "offload", "recompute")
-RECOMPUTABLE = ("a",)
+ALLOWED = {"x": ("keep", "offload"), "h": ("keep", "offload"), "a": DECISIONS, "s": ("keep", "recompute")}
 PACING = ("none", "stagger")
 MAX_PREFETCH_DEPTH = 64
 MAX_BUDGET_BYTES = 1 << 50
@@ -55,7 +60,7 @@ class OffloadConfig:
     budget_bytes: device bytes the training step may use at its peak, or "auto": the least peak memory
     whose predicted added time stays within `max_added` (a fraction of the step: the time budget, default
     0.02). candidates: tensors the planner may move
-    or recompute (subset of x, h, a). prefetch_depth: how many layers ahead of its use backward brings a
+    or recompute (subset of x, h, a, s). prefetch_depth: how many layers ahead of its use backward brings a
     tensor back, or "auto" (from the measured bandwidth). pacing: "none" or "stagger" (several local
     ranks offset their device-to-host copies so that they do not all load the host memory bus at once).
     decisions: tensor -> keep | offload | recompute, forced for every layer (the planner decides the rest).
@@ -96,7 +101,7 @@ class OffloadConfig:
             key = f"offload.decisions.{tensor}"
             if tensor not in c:
                 raise _bad(key, tensor, f"a tensor listed in candidates ({', '.join(c) or 'none'})", file)
-            allowed = DECISIONS if tensor in RECOMPUTABLE else ("keep", "offload")
+            allowed = ALLOWED[tensor]
             if decision not in allowed:
                 raise _bad(key, decision, " | ".join(allowed), file)
         if not isinstance(self.enabled, bool):
@@ -156,8 +161,8 @@ def parse_offload_arg(text: str) -> OffloadConfig:
     """The CLI form `--offload auto|none|<list>`.
 
     auto: the planner decides (budget auto). none: offload disabled. A comma list forces decisions by
-    hand, each item `<tensor>` (offload it) or `<tensor>=<decision>`, e.g. `h,a=recompute`; the listed
-    tensors are the candidates."""
+    hand, each item `<tensor>` (offload it; s: recompute it) or `<tensor>=<decision>`, e.g.
+    `h,a=recompute`; the listed tensors are the candidates."""
     text = text.strip()
     if text == "auto":
         return OffloadConfig()
@@ -166,7 +171,8 @@ def parse_offload_arg(text: str) -> OffloadConfig:
     decisions = []
     for item in (part.strip() for part in text.split(",")):
         tensor, _, decision = item.partition("=")
-        decisions.append((tensor.strip(), decision.strip() or "offload"))
+        tensor = tensor.strip()
+        decisions.append((tensor, decision.strip() or ("recompute" if tensor == "s" else "offload")))
     tensors = tuple(t for t, _ in decisions)
     if not all(t in CANDIDATES for t in tensors) or len(set(tensors)) != len(tensors):
         raise _bad("--offload", text, f"auto | none | a comma list of distinct {', '.join(CANDIDATES)}, "

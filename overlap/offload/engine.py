@@ -6,14 +6,14 @@
         y = mlps[1](mlps[0](x)); y.backward(dy)                          # any number of steps
         disable_offload(mlps); engine.close()
 
-Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h); see
-overlap/offload/config.py), the plan says keep, offload or recompute. The op that saves a tensor the plan
-moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops `tp_overlap::column_forward` /
-`row_forward` and the activation save through it; weights and anything that is not the expected tensor
-are kept as they are); an op whose tensor is kept runs without hooks, and backward hooks exist only in
-plans that offload, so keeping costs no per-tensor work. A layer that moves h or a runs the activation
-that saves h only (overlap/offload/activation.py); the others run autograd's, so a plan that moves
-nothing runs the very ops of the stack without the engine.
+Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h), s:
+swiglu's silu(gate); see overlap/offload/config.py), the plan says keep, offload or recompute. The op that
+saves a tensor the plan moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops
+`tp_overlap::column_forward` / `row_forward` and the activation save through it; weights and anything
+that is not the expected tensor are kept as they are); an op whose tensor is kept runs without hooks,
+and backward hooks exist only in plans that offload, so keeping costs no per-tensor work. A layer that moves h or a, or recomputes s, runs
+the activation that saves h only (overlap/offload/activation.py: one kernel each way on CUDA); the others
+run autograd's, so a plan that moves nothing runs the very ops of the stack without the engine.
 
 Streams and events (CUDA; every dependency is an event, nothing synchronises the host):
 * offload, at save time: the device-to-host stream (high priority) waits for the compute stream (the tensor
@@ -41,13 +41,16 @@ import weakref
 
 import torch
 
-from .activation import SavedInputActivation, activation_forward
-from .config import CANDIDATES
+from .activation import SavedInputActivation, activation_forward, lean_activation_forward
+from .config import CANDIDATES, SAVED
 from .host_pool import HostPool, OffloadError
 from .planner import OffloadPlan, tensor_bytes
 from .records import Offloaded, Recomputed, identity_matcher
 
 __all__ = ["OffloadEngine", "enable_offload", "disable_offload", "host_bytes"]
+
+_SAVED_SET = frozenset(SAVED)
+_LEAN_IF = frozenset(("h", "a", "s"))  # a layer moving any of these runs the activation that saves h only
 
 
 def host_bytes(plan: OffloadPlan) -> int:
@@ -103,9 +106,9 @@ class OffloadEngine:
         """TPMLP.forward of `mlp` at position `layer`, its saved tensors handled per the plan.
 
         An op whose saved tensor the plan keeps runs without hooks (autograd saves as it always does), and a
-        layer that moves neither h nor a runs autograd's activation: a layer that keeps everything runs the
-        plain layer's ops plus one call. A backward hook is installed only where backward has something to
-        do (releases, prefetches: plans that offload)."""
+        layer that moves neither h nor a (nor recomputes s) runs autograd's activation: a layer that keeps
+        everything runs the plain layer's ops plus one call. A backward hook is installed only where
+        backward has something to do (releases, prefetches: plans that offload)."""
         if self._closed:
             raise OffloadError(f"{self.name}: the engine is closed")
         if not torch.is_grad_enabled():  # nothing is saved: the plain math
@@ -116,7 +119,7 @@ class OffloadEngine:
                                    f"(recompute by checkpointing is not supported on an offloaded stack)")
             self.reset()  # the previous backward raised before its final callback: start afresh
         moves = self._moves[layer]
-        self.counters["kept"] += 3 - len(moves)
+        self.counters["kept"] += len(SAVED) - len(moves & _SAVED_SET)
         if self._offloads:
             self._check_capture()
             self._join_leftovers()
@@ -142,8 +145,8 @@ class OffloadEngine:
             h = mlp.fc1(x)
         self._save_point(3 * layer + 1)
         with self._saving(layer, "h", identity_matcher(h), moves):
-            # the engine's activation (saves h only) where h or a moves; elsewhere autograd's, as without it
-            lean = "h" in moves or "a" in moves
+            # the engine's activation (saves h only) where h or a moves or s is recomputed, else autograd's
+            lean = bool(moves & _LEAN_IF)
             a = SavedInputActivation.apply(h, self.activation) if lean else activation_forward(h, self.activation)
         if "h" not in moves:
             self._records[(layer, "h")] = weakref.ref(h)  # a recompute of a starts from it
@@ -199,7 +202,7 @@ class OffloadEngine:
             self.counters["offloaded"] += 1
             self._pending.append(weakref.ref(packed))
             offset = self.plan.pacing_offset
-            due = 3 * layer + CANDIDATES.index(name) + offset
+            due = 3 * layer + SAVED.index(name) + offset
             if offset:
                 self._deferred.append((due, weakref.ref(packed)))
             else:
@@ -294,7 +297,7 @@ class OffloadEngine:
             return packed
         if isinstance(packed, Recomputed):
             with torch.no_grad():
-                return activation_forward(self._unpack(packed.source), packed.activation)
+                return lean_activation_forward(self._unpack(packed.source), packed.activation)
         if packed.fetched is None:
             self.counters["demand_fetches"] += 1
             self._fetch(packed)

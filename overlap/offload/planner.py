@@ -5,9 +5,9 @@ tensor at a time, with the step model of overlap/offload/sim.py (measured copy b
 and of the GEMMs, layer times, every device tensor of the step including the weight gradients):
 
 * the moves: offload the next layer's x, h or a (the lowest layer first: its copy has the whole rest of
-  the forward to leave and the backward to come back), or recompute the next layer's a (the highest first:
-  the lowest layers are the offload's); a move that lowers no peak is dropped (e.g. the top layer's a,
-  needed as soon as backward starts);
+  the forward to leave and the backward to come back), or recompute the next layer's a or s (the highest
+  first: the lowest layers are the offload's); a move that lowers no peak is dropped (e.g. the top layer's
+  a, needed as soon as backward starts, or s of a layer that already runs the engine's activation);
 * each step takes the move with the most peak saved per millisecond added (a free move: the most bytes);
   once the peak cannot drop (the weight gradients of "step" mode set it at the end of backward), the
   activation peak (`act_peak_bytes`, the peak with gradients resident) decides;
@@ -33,8 +33,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from .activation import fused_swiglu_available
 from ._shapes import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
-from .config import CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
+from .config import ALLOWED, CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
 from .sim import SimResult, calibrate, simulate
 
 __all__ = ["MLPShape", "Rates", "OffloadPlanError", "plan_offload", "plan_sweep", "plan_for", "simulate",
@@ -66,7 +67,8 @@ class PlanRow:
     tensor: str          # "L<p>.<name>"
     bytes: int
     offload_ms: float    # D2H + H2D copy time at the measured rates (x k_copy)
-    recompute_ms: float | None
+    recompute_ms: float | None  # a: the activation forward; s: the engine's activation forward + backward
+                                # minus autograd's (s is recomputed inside it; negative when it is faster)
     decision: str
     vs_keep: dict        # decision -> (added ms, added peak bytes, added activation-peak bytes) against keep
     why: str
@@ -174,10 +176,12 @@ class _Search:
     def greedy(self, start: dict, movable: dict, depth: int) -> None:
         plan, L = dict(start), self.shape.num_layers
         offload_next = {n: [p for p in range(L) if "offload" in movable.get((p, n), ())] for n in CANDIDATES}
-        recompute_next = [p for p in reversed(range(L)) if "recompute" in movable.get((p, "a"), ())]
+        recompute_next = {n: [p for p in reversed(range(L)) if "recompute" in movable.get((p, n), ())]
+                          for n in CANDIDATES}
         cur = self.sim(plan, depth)
         while True:
-            queues = [(offload_next[n], n, "offload") for n in CANDIDATES] + [(recompute_next, "a", "recompute")]
+            queues = ([(offload_next[n], n, "offload") for n in CANDIDATES]
+                      + [(recompute_next[n], n, "recompute") for n in CANDIDATES])
             best = None
             for queue, n, d in queues:
                 while queue:
@@ -198,7 +202,7 @@ class _Search:
                 return
             _, n, p, d, cur = best
             plan[(p, n)] = d
-            for queue in (offload_next[n], recompute_next) if n == "a" else (offload_next[n],):
+            for queue in (offload_next[n], recompute_next[n]):
                 if p in queue:
                     queue.remove(p)
 
@@ -219,7 +223,11 @@ class _Search:
 def _allowed(shape: MLPShape, candidates, forced: dict) -> dict:
     allowed = {n: {"keep"} for n in CANDIDATES}
     for n in candidates:
-        allowed[n] = {"keep", "offload"} | ({"recompute"} if n == "a" else set())
+        allowed[n] = set(ALLOWED[n])
+    if shape.activation != "swiglu":
+        allowed["s"] = {"keep"}  # gelu saves h only
+        if forced.get("s", "keep") != "keep":
+            raise OffloadPlanError("s is silu(gate), which only swiglu saves; this stack's activation is gelu")
     if shape.gathered_is_view:
         allowed["x"] = {"keep"}
         if forced.get("x", "keep") != "keep":
@@ -347,11 +355,13 @@ def _rows(search: _Search, plan, depth, sim, allowed, forced) -> tuple:
             if n in forced:
                 why = "forced by the caller; " + _evidence(sim, (p, n), here)
             elif allowed[n] == {"keep"}:
-                why = "pool view: costs no memory" if n == "x" and shape.gathered_is_view else "not a candidate"
+                why = ("pool view: costs no memory" if n == "x" and shape.gathered_is_view else
+                       "gelu saves none" if n == "s" else "not a candidate")
             else:
                 why = _evidence(sim, (p, n), here)
+            recompute_ms = {"a": t.recompute, "s": t.act_bwd - t.act_bwd_plain + t.act - t.act_plain}.get(n)
             rows.append(PlanRow(f"L{p}.{n}", b[n] if not (n == "x" and shape.gathered_is_view) else 0,
-                                copy_ms, t.recompute if n == "a" else None, here, vs_keep, why))
+                                copy_ms, recompute_ms, here, vs_keep, why))
     return tuple(rows)
 
 
@@ -365,9 +375,11 @@ def plan_for(mlps, config: OffloadConfig, rates: Rates, *, m: int, fixed_bytes: 
     "resident" when they live across steps (counted in fixed_bytes)."""
     first = mlps[0]
     view = getattr(getattr(first.fc1, "ops", None), "save_gathered", "copy") == "view"
+    weight = first.fc1.weight
     shape = MLPShape(hidden=first.hidden, ffn_hidden=first.ffn_hidden, m=m, activation=first.activation,
-                     world_size=first.world_size, dtype_bytes=first.fc1.weight.element_size(),
-                     num_layers=len(mlps), gathered_is_view=view, grads=grads)
+                     world_size=first.world_size, dtype_bytes=weight.element_size(),
+                     num_layers=len(mlps), gathered_is_view=view, grads=grads,
+                     fused_activation=fused_swiglu_available(weight.device, weight.dtype))
     forced = dict(config.forced)
     candidates = tuple(n for n in config.candidates if not (view and n == "x" and n not in forced))
     return plan_offload(shape, rates, budget_bytes=config.budget_bytes, max_added=config.max_added,

@@ -80,9 +80,11 @@ def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixe
              pacing_offset: int = 0) -> SimResult:
     """One step under `decisions` {(layer, tensor): keep|offload|recompute} (missing: keep).
 
-    A layer that moves neither h nor a runs autograd's activation, as the stack without the engine does
-    (swiglu also saves silu(gate); its backward has its own temporaries and takes `act_bwd_plain_ms`); a
-    layer that moves either runs the engine's, which saves h only. Keeping everything is the plain stack."""
+    A layer that moves h or a, or recomputes s, runs the engine's activation, which saves h only (its
+    forward takes `act_ms`, its backward `act_bwd_ms`; with `shape.fused_activation` neither allocates an
+    [M, F] temporary). The others run autograd's, as the stack without the engine does (swiglu also saves
+    s = silu(gate); forward `act_plain_ms`, backward `act_bwd_plain_ms` with its own temporaries). Keeping
+    everything is the plain stack."""
     return _Step(shape, rates, decisions, depth, pacing_offset).run(fixed_bytes)
 
 
@@ -102,6 +104,7 @@ class _Step:
         if shape.gathered_is_view:
             self.b["x"] = 0
         self.swiglu, self.grads = shape.activation == "swiglu", shape.grads
+        self.temporary = self.swiglu and not shape.fused_activation  # the engine's swiglu's [M, F] scratch
         self.out = shape.m * shape.hidden * shape.dtype_bytes // shape.world_size  # a layer's output, dx
         self.dw = grad_bytes(shape)
         self.dec = {k: v for k, v in decisions.items() if v != "keep"}
@@ -151,8 +154,8 @@ class _Step:
         return self.dec.get((p, n), "keep")
 
     def lean(self, p):
-        """Whether layer p runs the engine's activation (saves h only): it moves h or a (see the engine)."""
-        return self.d(p, "h") != "keep" or self.d(p, "a") != "keep"
+        """Whether layer p runs the engine's activation (saves h only): it moves h or a, or recomputes s."""
+        return self.d(p, "h") != "keep" or self.d(p, "a") != "keep" or self.d(p, "s") != "keep"
 
     # ----- the step
     def run(self, fixed_bytes) -> SimResult:
@@ -204,14 +207,15 @@ class _Step:
         self.gemm(t.fc1)
         self.saved(p, "x", k)
         self.save_point(k + 1)
-        if self.swiglu:                       # silu(gate), then silu(gate) * up
+        lean = self.lean(p)
+        if self.swiglu and not lean:          # autograd's: silu(gate), kept for mul's backward, then a
+            self.alloc(b["s"], (p, "s"))
+        elif self.temporary:                  # the engine's unfused: silu(gate) lives until a is made
             self.alloc(b["a"])
-            self.alloc(b["a"], (p, "a"))
-            if self.lean(p):
-                self.free(b["a"])             # else autograd keeps silu(gate) for mul's backward
-        else:
-            self.alloc(b["a"], (p, "a"))
-        self.now += t.act
+        self.alloc(b["a"], (p, "a"))
+        if self.temporary and lean:
+            self.free(b["a"])
+        self.now += t.act if lean else t.act_plain
         self.saved(p, "h", k + 1)
         self.save_point(k + 2)
         self.alloc(self.out)
@@ -261,10 +265,10 @@ class _Step:
         # fc2's backward: a (kept, fetched or recomputed from h), da, dw2
         if self.d(p, "a") == "recompute":
             self.need(p, "h")
-            if self.swiglu:
+            if self.temporary:
                 self.alloc(b["a"])
             self.alloc(b["a"], (p, "a"))
-            if self.swiglu:
+            if self.temporary:
                 self.free(b["a"])
             self.now += t.recompute
         else:
@@ -279,10 +283,10 @@ class _Step:
         self.grad_done(dw2)
         if self.swiglu and not self.lean(p):
             self.plain_act_backward(p)
-        else:                                 # dh and one temporary [M, F] (swiglu), then h and da go
+        else:                                 # dh (and one [M, F] scratch unfused), then h and da go
             self.need(p, "h")
             self.alloc(b["h"])
-            if self.swiglu:
+            if self.temporary:
                 self.alloc(b["a"])
                 self.free(b["a"])
             self.now += t.act_bwd if self.lean(p) else t.act_bwd_plain  # gelu: h only either way
@@ -306,7 +310,7 @@ class _Step:
         self.alloc(f)                         # d up = da * silu(gate)
         self.alloc(f)                         # d silu = da * up
         self.free(f)                          # da
-        self.free(f)                          # silu(gate), saved by mul
+        self.free(f, (p, "s"))                # silu(gate), saved by mul
         self.alloc(f)                         # d gate = silu_backward(d silu, gate)
         self.free(f)                          # d silu
         self.free(self.b["h"], (p, "h"))      # gate and up, views of h, were the last holders

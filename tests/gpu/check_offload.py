@@ -93,9 +93,11 @@ def _poison(pool):
 
 def _plans(dtype, activation="swiglu"):
     shape = MLPShape(hidden=H, ffn_hidden=F, m=ROWS[0], activation=activation, dtype_bytes=dtype.itemsize,
-                     num_layers=LAYERS)
+                     num_layers=LAYERS, fused_activation=DEV.type == "cuda")
     everything = {"x": "offload", "h": "offload", "a": "offload"}
+    lean = {"x": "keep", "h": "keep", "a": "keep", "s": "recompute"} if activation == "swiglu" else everything
     return {"offload_all": plan_offload(shape, RATES, forced=everything),
+            "recompute_s": plan_offload(shape, RATES, forced=lean),
             "recompute": plan_offload(shape, RATES, forced={"x": "offload", "h": "offload", "a": "recompute"}),
             "planner": plan_offload(shape, RATES),
             "depth2": plan_offload(shape, RATES, forced=everything, prefetch_depth=2),
@@ -229,7 +231,8 @@ def _peaks():
     # CUDA: tensors of 16-56 MiB, so that the allocator's rounding stays small; CPU dry run: tiny
     dtype, h, f, rows, layers = (torch.bfloat16, 1024, 3584, 8192, 8) if DEV.type == "cuda" else \
         (torch.float32, 64, 224, 96, 6)
-    shape = MLPShape(hidden=h, ffn_hidden=f, m=rows, num_layers=layers, dtype_bytes=dtype.itemsize)
+    shape = MLPShape(hidden=h, ffn_hidden=f, m=rows, num_layers=layers, dtype_bytes=dtype.itemsize,
+                     fused_activation=DEV.type == "cuda")
     torch.manual_seed(0)
     mlps = [BenchMLP(h, f, device=DEV, dtype=dtype) for _ in range(layers)]
     params = [p for m in mlps for p in m.parameters()]
@@ -251,8 +254,10 @@ def _peaks():
             _run(mlps, engine, x, dy, [])
         return run
 
-    plans = {"keep": plan_offload(shape, RATES, forced={"x": "keep", "h": "keep", "a": "keep"}),
-             "recompute": plan_offload(shape, RATES, forced={"x": "keep", "h": "keep", "a": "recompute"}),
+    keep = {"x": "keep", "h": "keep", "a": "keep", "s": "keep"}
+    plans = {"keep": plan_offload(shape, RATES, forced=keep),
+             "recompute": plan_offload(shape, RATES, forced=keep | {"a": "recompute"}),
+             "recompute_s": plan_offload(shape, RATES, forced=keep | {"s": "recompute"}),
              "offload_all": plan_offload(shape, RATES, forced={"x": "offload", "h": "offload", "a": "offload"}),
              "planner": plan_offload(shape, RATES)}
     report, wrong = [], []
@@ -285,7 +290,7 @@ def _graph():
     _same_weights(ours, plain)
     p_plain = [p for m in plain for p in m.parameters()]
     p_ours = [p for m in ours for p in m.parameters()]
-    shape = MLPShape(hidden=H, ffn_hidden=F, m=ROWS[0], num_layers=LAYERS)
+    shape = MLPShape(hidden=H, ffn_hidden=F, m=ROWS[0], num_layers=LAYERS, fused_activation=DEV.type == "cuda")
     plan = plan_offload(shape, RATES, forced={"x": "offload", "h": "offload", "a": "recompute"})
     with HostPool(host_bytes(plan), device=DEV) as pool:
         engine = OffloadEngine(plan, pool=pool)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Activation offload on ONE GPU, in one call of at most $TOTAL_S seconds (default 450, under the device
-# tool's 8 minutes): the CUDA path's checks, eager and inside a CUDA graph, with every variant's peak
+# tool's 8 minutes): the one-kernel swiglu against ATen's (tests/gpu/check_swiglu.py), the CUDA path's checks, eager and inside a CUDA graph, with every variant's peak
 # against the step model (tests/gpu/check_offload.py, PASS/FAIL lines), then launch.offload_bench at
 # realistic depth with the time left: llama8b 16 and 32 layers at M = 4096, llama70b 8 layers at M = 4096,
 # llama8b 32 layers at M = 8192 (cheapest first; a point that does not fit the time left is skipped with a
@@ -8,7 +8,7 @@
 # and predicted, copy GB/s; the planner's budget sweep (auto, +0 %, +1 %, +5 %) for the Pareto plot.
 #   bash tests/gpu/run_offload.sh          (POINTS=..., BUDGETS=..., TOTAL_S=... to change them)
 # Expected on one H200: ~1 min of checks, ~3-4 min of benchmark, ~5 min in all.
-# $OUT (default ./out) gets: summary.txt, offload_bench.json (commit and command inside; rewritten after
+# $OUT (default ./out) gets: summary.txt, swiglu_check.json, offload_bench.json (commit and command inside; rewritten after
 # every point), offload_bench.png (peak and activation peak against step time) and offload_logs.tgz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,6 +29,8 @@ status=0
 cat "$SUMMARY"
 
 start=$SECONDS
+timeout 90 python3 -m tests.gpu.check_swiglu --json "$OUT/swiglu_check.json" > "$RES/check_swiglu.log" 2>&1 || status=1
+grep -E "^(PASS|FAIL|SKIP)|checks passed" "$RES/check_swiglu.log" | cut -c1-500 | tee -a "$SUMMARY"
 timeout 120 python3 -m tests.gpu.check_offload > "$RES/check_offload.log" 2>&1 || status=1
 grep -E "^(PASS|FAIL|SKIP)|checks passed" "$RES/check_offload.log" | cut -c1-500 | tee -a "$SUMMARY"
 echo "checks: $((SECONDS - start)) s" | tee -a "$SUMMARY"

@@ -379,11 +379,11 @@ def _tp_mlp_report(rank, world):
 def test_tp_mlp_offload_report_has_both_steps_the_plan_and_k(two_ranks):
     for by_arg in _result(two_ranks, "report"):
         forced = by_arg["h,a=recompute"]
-        assert forced["offload_plan"] == ["L0.x=keep", "L0.h=offload", "L0.a=recompute"], forced
+        assert forced["offload_plan"] == ["L0.x=keep", "L0.h=offload", "L0.a=recompute", "L0.s=keep"], forced
         assert forced["offload_engine"]["offloaded"] > 0 and forced["offload_engine"]["recomputed"] > 0
         assert forced["offload_engine"]["demand_fetches"] == 0
         for row in by_arg.values():
             assert row["t_step_offload_off_ms"] > 0 and row["t_step_offload_on_ms"] > 0
             assert row["offload_time_ratio"] > 0 and row["offload_d2h_gbps"] > 0
             assert row["k_comm_probe_offload_off"] == row["k_comm_probe_offload_on"] == 1.0
-            assert row["table_lines"] == 2 + 3 + 1 and row["peak_offload_on_bytes"] is None  # CPU: no peak
+            assert row["table_lines"] == 2 + 4 + 1 and row["peak_offload_on_bytes"] is None  # CPU: no peak

@@ -30,8 +30,8 @@ def test_offload_bench_runs_every_variant_on_cpu_and_predicts_every_peak(tmp_pat
     doc, stdout, out = _run(tmp_path, "--points", "tiny:3:96", "--budget", "auto,+0%,0.8x")
     assert {"device", "commit", "command", "rows", "points", "notes", "host_pool"} <= set(doc)
     variants = [r["variant"] for r in doc["rows"]]
-    assert variants == ["none", "none_again", "keep", "recompute", "offload_all", "planner", "planner[+0%]",
-                        "planner[0.8x]"], variants
+    assert variants == ["none", "none_again", "keep", "recompute", "recompute_s", "offload_all", "planner",
+                        "planner[+0%]", "planner[0.8x]"], variants
     for row in doc["rows"]:
         assert row["bitwise"] is True, row
         assert row["t_step_ms"] > 0 and row["spread"] >= 0 and row["pred_step_ms"] > 0
@@ -40,6 +40,9 @@ def test_offload_bench_runs_every_variant_on_cpu_and_predicts_every_peak(tmp_pat
     by = {r["variant"]: r for r in doc["rows"]}
     assert by["offload_all"]["engine"]["offloaded"] > 0 and by["offload_all"]["demand_fetches"] == 0
     assert by["recompute"]["engine"]["recomputed"] > 0 and by["recompute"]["engine"]["offloaded"] == 0
+    # the engine's activation alone: nothing moved, silu(gate) not saved (less than keep at the activation peak)
+    assert by["recompute_s"]["engine"]["offloaded"] == 0 and by["recompute_s"]["engine"]["recomputed"] == 0
+    assert by["recompute_s"]["act_peak_bytes"] < by["keep"]["act_peak_bytes"]
     assert by["planner[0.8x]"]["peak_bytes"] <= 0.8 * by["none"]["peak_bytes"]
     assert by["keep"]["peak_bytes"] == by["none"]["peak_bytes"]  # keeping everything runs the plain stack
     point = doc["points"][0]

@@ -58,6 +58,7 @@ offload:
     ("pacing: sometimes", "offload.pacing", "none | stagger"),
     ("decisions: {x: recompute}", "offload.decisions.x", "keep | offload"),
     ("decisions: {a: vanish}", "offload.decisions.a", "keep | offload | recompute"),
+    ("decisions: {s: offload}", "offload.decisions.s", "keep | recompute"),
     ("decisions: [a]", "offload.decisions", "a mapping"),
     ("candidates: [h]\n  decisions: {a: recompute}", "offload.decisions.a", "candidates (h)"),
     ("prefetch: 2", "offload.prefetch", "allowed: budget_bytes, max_added, candidates"),
@@ -88,6 +89,7 @@ def test_the_cli_form():
     assert parse_offload_arg("none").enabled is False
     cfg = parse_offload_arg("h, a=recompute")
     assert cfg.candidates == ("h", "a") and cfg.forced == {"h": "offload", "a": "recompute"}
-    for bad in ("q", "h,h", "x=recompute", ""):
+    assert parse_offload_arg("h, s").forced == {"h": "offload", "s": "recompute"}  # s can only be recomputed
+    for bad in ("q", "h,h", "x=recompute", "s=offload", ""):
         with pytest.raises(ConfigError):
             parse_offload_arg(bad)

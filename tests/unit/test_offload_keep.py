@@ -26,7 +26,7 @@ from overlap.offload.planner import MLPShape, Rates, plan_offload
 
 H, F, M, LAYERS = 64, 224, 16, 4
 RATES = Rates(d2h_gbps=50, h2d_gbps=50)
-KEEP = {"x": "keep", "h": "keep", "a": "keep"}
+KEEP = {"x": "keep", "h": "keep", "a": "keep", "s": "keep"}
 
 
 def _stack():
@@ -160,6 +160,35 @@ def test_keeping_everything_runs_the_ops_and_nodes_of_the_plain_stack(activation
     with HostPool(1 << 20, device="cpu") as pool:
         _, moved = _traced(mlps, OffloadEngine(plan, pool=pool).forward, x, dy)
     assert moved.count("SavedInputActivationBackward") == 1, moved
+
+
+
+def test_recomputing_s_runs_the_engines_activation_with_the_plain_stacks_gradients():
+    torch.manual_seed(0)
+    mlps = _stack()
+    x, dy = torch.randn(M, H), torch.randn(M, H)
+    plan = plan_offload(_shape(), RATES, forced=KEEP)
+    plan = dataclasses.replace(plan, decisions=tuple((p, n, "recompute" if n == "s" and p in (0, 2) else d)
+                                                     for p, n, d in plan.decisions))
+
+    def grads(forward):
+        for p in (p for m in mlps for p in m.parameters()):
+            p.grad = None
+        x_req = x.clone().requires_grad_(True)
+        y = x_req
+        for i, m in enumerate(mlps):
+            y = forward(i, m, y)
+        y.backward(dy)
+        return [x_req.grad] + [p.grad.clone() for m in mlps for p in m.parameters()]
+
+    plain = grads(lambda i, m, y: m(y))
+    with HostPool(1 << 20, device="cpu") as pool:
+        engine = OffloadEngine(plan, pool=pool)
+        _, nodes = _traced(mlps, engine.forward, x, dy)
+        lean = grads(engine.forward)
+        assert engine.stats()["kept"] == 2 * 3 * LAYERS  # two steps; s is not a saved tensor of the hooks
+    assert nodes.count("SavedInputActivationBackward") == 2 and nodes.count("SiluBackward0") == LAYERS - 2
+    assert all(torch.equal(a, b) for a, b in zip(lean, plain))
 
 
 def microbenchmark(steps: int = 200, layers: int = 16) -> dict:

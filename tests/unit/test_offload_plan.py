@@ -13,13 +13,14 @@ from overlap.offload._shapes import grad_bytes, layer_times
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
 SHAPE = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2)
 RATES = Rates(d2h_gbps=55, h2d_gbps=55, gemm_tflops=700, hbm_gbps=3000)
-OPTIONS = {"x": ("keep", "offload"), "h": ("keep", "offload"), "a": ("keep", "offload", "recompute")}
+OPTIONS = {"x": ("keep", "offload"), "h": ("keep", "offload"), "a": ("keep", "offload", "recompute"),
+           "s": ("keep", "recompute")}
 # a llama8b layer at M = 4096 as measured on one H200 (ms)
 MEASURED = dict(d2h_gbps=54, h2d_gbps=54, fc1_ms=1.45, fc2_ms=0.72, act_ms=0.378, act_bwd_ms=0.6)
 
 
 def every_plan(shape):
-    """Every per-(layer, tensor) assignment: 12 per layer."""
+    """Every per-(layer, tensor) assignment: 24 per layer."""
     keys = [(p, n) for p in range(shape.num_layers) for n in OPTIONS]
     for combo in itertools.product(*(OPTIONS[n] for _, n in keys)):
         yield dict(zip(keys, combo))
@@ -32,9 +33,9 @@ def brute_force(shape, rates, depth=1):
 
 def test_layer_times_and_bytes_follow_the_shapes():
     b = tensor_bytes(SHAPE)
-    assert b == {"x": 16384 * 4096 * 2, "h": 16384 * 28672 * 2, "a": 16384 * 14336 * 2}
+    assert b == {"x": 16384 * 4096 * 2, "h": 16384 * 28672 * 2, "a": 16384 * 14336 * 2, "s": 16384 * 14336 * 2}
     assert tensor_bytes(MLPShape(hidden=64, ffn_hidden=96, m=10, world_size=2, activation="gelu")) == \
-        {"x": 10 * 64 * 2, "h": 10 * 48 * 2, "a": 10 * 48 * 2}
+        {"x": 10 * 64 * 2, "h": 10 * 48 * 2, "a": 10 * 48 * 2, "s": 0}
     assert grad_bytes(SHAPE) == (4096 * 28672 * 2, 14336 * 4096 * 2)
     t = layer_times(SHAPE, RATES)
     assert t.fc1 == pytest.approx(2 * 16384 * 4096 * 28672 / 700e12 * 1e3)
@@ -84,7 +85,7 @@ def test_copies_never_speed_a_gemm_up_and_slow_only_the_gemms_they_overlap():
 
 def test_the_gradients_backward_allocates_set_a_lean_plans_peak():
     shape = MLPShape(hidden=4096, ffn_hidden=14336, m=4096, num_layers=16)
-    everything = {(p, n): "offload" for p in range(16) for n in OPTIONS}
+    everything = {(p, n): "offload" for p in range(16) for n in "xha"}
     sim = simulate(shape, Rates(**MEASURED), everything, 1)
     grads = 16 * sum(grad_bytes(shape))
     assert sim.peak_where.startswith("backward L") and sim.peak_bytes > grads > sim.act_peak_bytes
@@ -205,7 +206,7 @@ def test_pacing_offsets_are_per_rank_bounded_and_defer_copies():
         pacing_offset("stagger", 2, 2)
     with pytest.raises(OffloadPlanError, match="none | stagger"):
         pacing_offset("sometimes", 0, 2)
-    everything = {(p, n): "offload" for p in range(2) for n in OPTIONS}
+    everything = {(p, n): "offload" for p in range(2) for n in "xha"}
     fast = Rates(d2h_gbps=2000, h2d_gbps=2000, gemm_tflops=700, hbm_gbps=3000)  # copies land within a save point
     now, later = (simulate(SHAPE, fast, everything, 1, pacing_offset=o) for o in (0, 2))
     assert all(later.release_at[k] == -1 or later.release_at[k] >= now.release_at[k] >= 0
@@ -219,7 +220,7 @@ def test_the_table_explains_every_row():
     text = plan.table()
     lines = text.splitlines()
     assert lines[0] == "| tensor | MiB | decision | offload: copy ms; vs keep | recompute: ms; vs keep | evidence |"
-    assert len([line for line in lines if line.startswith("| L")]) == 3 * shape.num_layers
+    assert len([line for line in lines if line.startswith("| L")]) == 4 * shape.num_layers
     assert "| L0.x | 0.0 | keep | - | - | pool view: costs no memory |" in text
     assert "| L1.a | 448.0 | recompute |" in text and "forced by the caller" in text
     assert "| L0.h | 896.0 |" in text and "34.165; +" in text
@@ -281,3 +282,42 @@ def test_the_gemm_slows_by_the_k_of_the_copy_direction_it_overlaps():
     # each direction's copy lasts about as long: each k accounts for part of the added time, both for all of it
     assert keep < cheap_back < same and keep < cheap_out < same
     assert (cheap_back - keep) + (cheap_out - keep) == pytest.approx(same - keep, rel=0.05)
+
+
+def test_s_is_recomputed_where_the_engines_activation_is_faster_and_weighed_where_slower():
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=4096, num_layers=8, fused_activation=True)
+    b = tensor_bytes(shape)
+    # one kernel each way (CUDA, measured): faster than autograd's forward and backward
+    fast = Rates(**MEASURED | dict(act_ms=0.12, act_bwd_ms=0.22), act_plain_ms=0.34, act_bwd_plain_ms=0.64)
+    keep = simulate(shape, fast, {}, 1)
+    plan = plan_offload(shape, fast, max_added=0.0, candidates=("s",))
+    assert all(plan.decision(p, "s") == "recompute" for p in range(8))
+    assert plan.step_ms == pytest.approx(keep.step_ms + 8 * (0.22 + 0.12 - 0.64 - 0.34))  # faster
+    assert plan.act_peak_bytes <= keep.act_peak_bytes - 7 * b["s"]  # the top layer's s too: it is free
+    row = next(r for r in plan.rows if r.tensor == "L3.s")
+    assert row.recompute_ms == pytest.approx(0.22 + 0.12 - 0.64 - 0.34) and row.decision == "recompute"
+    # the engine's activation unfused (CPU): slower than autograd's, so s costs time and a budget limits it
+    slow = Rates(**MEASURED | dict(act_bwd_ms=0.89), act_plain_ms=0.378, act_bwd_plain_ms=0.70)
+    unfused = dataclasses.replace(shape, fused_activation=False)
+    assert plan_offload(unfused, slow, max_added=0.0, candidates=("s",)).added_ms == 0
+    some = plan_offload(unfused, slow, max_added=0.01, candidates=("s",))
+    n_rec = sum(d == "recompute" for _, _, d in some.decisions)
+    assert 0 < n_rec < 8 and some.added_ms == pytest.approx(n_rec * 0.19)
+    # s of a layer that already runs the engine's activation (h moved) saves nothing: never chosen with it
+    both = plan_offload(shape, fast, forced={"h": "offload"}, candidates=("h", "s"))
+    assert all(both.decision(p, "s") == "keep" for p in range(8))
+    gelu = MLPShape(hidden=64, ffn_hidden=96, m=16, activation="gelu")
+    with pytest.raises(OffloadPlanError, match="only swiglu saves"):
+        plan_offload(gelu, fast, forced={"s": "recompute"})
+
+
+def test_the_fused_activation_allocates_no_temporary():
+    rates = Rates(**MEASURED)
+    shape = MLPShape(hidden=4096, ffn_hidden=14336, m=4096, num_layers=1, grads="resident")
+    lean = {(0, "s"): "recompute"}
+    unfused = simulate(shape, rates, lean, 1)
+    fused = simulate(dataclasses.replace(shape, fused_activation=True), rates, lean, 1)
+    assert fused.step_ms == unfused.step_ms and fused.peak_bytes <= unfused.peak_bytes
+    # the plain stack allocates what autograd allocates either way
+    assert simulate(dataclasses.replace(shape, fused_activation=True), rates, {}, 1).peak_bytes == \
+        simulate(shape, rates, {}, 1).peak_bytes

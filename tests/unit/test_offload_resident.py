@@ -23,8 +23,8 @@ H, F, M, LAYERS = 64, 224, 96, 6   # llama8b's H:F, M != H so that no two tensor
 RATES = Rates(d2h_gbps=0.05, h2d_gbps=0.05, fc1_ms=1.45, fc2_ms=0.72, act_ms=0.378, act_bwd_ms=0.6)
 TOLERANCE = 0.05
 EVERYTHING = {"x": "offload", "h": "offload", "a": "offload"}
-VARIANTS = {"keep": dict(forced={"x": "keep", "h": "keep", "a": "keep"}),
-            "recompute": dict(forced={"x": "keep", "h": "keep", "a": "recompute"}),
+VARIANTS = {"keep": dict(forced={"x": "keep", "h": "keep", "a": "keep", "s": "keep"}),
+            "recompute": dict(forced={"x": "keep", "h": "keep", "a": "recompute", "s": "keep"}),
             "offload_all": dict(forced=EVERYTHING),
             "offload_all_depth2": dict(forced=EVERYTHING, prefetch_depth=2),
             "offload_all_paced": dict(forced=EVERYTHING, pacing_offset=2),
