@@ -166,9 +166,11 @@ def main(argv=None) -> int:
     status = check.summary()
     if "--json" in argv:
         path = argv[argv.index("--json") + 1]
+        from launch.output.report import command_line, git_commit
         with open(path, "w") as f:
-            json.dump({"checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in check.results],
-                       "times_ms": TIMES, "device": torch.cuda.get_device_name(DEV)}, f, indent=1)
+            checks = [{"name": n, "passed": ok, "detail": d} for n, ok, d in check.results]
+            json.dump({"commit": git_commit(), "command": command_line(), "checks": checks, "times_ms": TIMES,
+                       "device": torch.cuda.get_device_name(DEV)}, f, indent=1)
     return status
 
 

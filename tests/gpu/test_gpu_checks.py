@@ -1,6 +1,6 @@
 """The one-GPU correctness scripts as `gpu` tests: `check_fp8` (FP8 quantisers and GEMM, the chunk-wait mode,
-stream-K), `check_offload` (activation offload eager and in a CUDA graph) and `check_splitk` (the split-K
-GEMM). Each runs in its own process, as `tests/gpu/run_one_gpu.sh` runs it, and must exit 0 with no FAIL line."""
+stream-K), `check_offload` (activation offload eager and in a CUDA graph), `check_splitk` (the split-K
+GEMM) and `check_swiglu` (the one-kernel swiglu against ATen's). Each runs in its own process, as `tests/gpu/run_one_gpu.sh` runs it, and must exit 0 with no FAIL line."""
 
 import os
 import subprocess
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("script,limit_s", [("check_fp8", 300), ("check_offload", 300), ("check_splitk", 300)])
+@pytest.mark.parametrize("script,limit_s", [("check_fp8", 300), ("check_offload", 300), ("check_splitk", 300),
+                                             ("check_swiglu", 120)])
 def test_gpu_check_script_passes(script, limit_s):
     if not torch.cuda.is_available():
         pytest.fail("this check needs a CUDA GPU")   # never a silent skip
