@@ -22,14 +22,6 @@ from .checklist import Checks, expect, target_device
 
 DEV = torch.device("cuda", 0)  # set by main
 TIMES: dict = {}
-CHECKS: list = []
-
-
-def _register(name):
-    def wrap(fn):
-        CHECKS.append((name, fn))
-        return fn
-    return wrap
 
 
 def _unfused(h, grad_a):
@@ -71,31 +63,26 @@ def _all_values(dtype) -> str:
     return out[-1]
 
 
-@_register("bf16: every gate value, bitwise")
 def _bf16():
     return _all_values(torch.bfloat16)
 
 
-@_register("fp16: every gate value, bitwise")
 def _fp16():
     return _all_values(torch.float16)
 
 
-@_register("fp32: random values, bitwise")
 def _fp32():
     torch.manual_seed(3)
     h = torch.randn(512, 2 * 1000, device=DEV) * 4
     return _compare(h, torch.randn(512, 1000, device=DEV), "fp32")
 
 
-@_register("llama8b shape, padded row stride, bitwise")
 def _llama():
     torch.manual_seed(4)
     h = torch.randn(4096, 2 * 14336 + 64, device=DEV, dtype=torch.bfloat16)[:, :2 * 14336]
     return _compare(h, torch.randn(4096, 14336, device=DEV, dtype=torch.bfloat16), "4096 x 14336")
 
 
-@_register("inside a CUDA graph, bitwise, replayed on fresh data")
 def _graph():
     torch.manual_seed(5)
     h = torch.randn(1024, 2 * 2048, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -135,7 +122,6 @@ def _median_ms(fn, reps=20) -> float:
     return statistics.median(times)
 
 
-@_register("times at M 4096, F 14336, bf16")
 def _times():
     torch.manual_seed(6)
     h = torch.randn(4096, 2 * 14336, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -147,6 +133,16 @@ def _times():
     TIMES["backward_autograd_ms"] = _median_ms(lambda: torch.autograd.grad(a_plain, h, grad_a, retain_graph=True))
     TIMES["backward_fused_ms"] = _median_ms(lambda: torch.autograd.grad(a_lean, h, grad_a, retain_graph=True))
     return ", ".join(f"{k} {v:.3f}" for k, v in TIMES.items())
+
+
+CHECKS = (
+    ("bf16: every gate value, bitwise", _bf16),
+    ("fp16: every gate value, bitwise", _fp16),
+    ("fp32: random values, bitwise", _fp32),
+    ("llama8b shape, padded row stride, bitwise", _llama),
+    ("inside a CUDA graph, bitwise, replayed on fresh data", _graph),
+    ("times at M 4096, F 14336, bf16", _times),
+)
 
 
 def main(argv=None) -> int:
