@@ -259,6 +259,11 @@ def _summary(labels, rows, done, notes, out, plot, start) -> None:
               f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
               f"planner {point['planner_s']:.1f} s; model calibrated on none's step {point['none_step_ms']:.1f} ms "
               f"(compute x {point['compute_scale']:.3f})")
+        heat = point.get("heat", {})
+        if heat.get("measured"):
+            print(f"  heat: fc1 {heat['cool_gemm_ms']:.3f} ms cool, {heat['hot_gemm_ms']:.3f} ms at the power limit "
+                  f"(+{heat['gemm_heat']:.1%}); heats in {heat['heat_ms']:.0f} ms, cools in {heat['cool_ms']:.1f} ms, "
+                  f"memory-bound kernels hold {heat['mem_heat']:.2f}")
         print(point["planner_table"])
         for key, (value, target, met) in point["targets"].items():
             print(f"  target {key}: {value if value is None else round(value, 4)} (target {target}) "

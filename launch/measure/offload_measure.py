@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from overlap.offload.activation import SavedInputActivation, activation_forward, lean_activation_forward
 from overlap.offload.planner import Rates
+from overlap.offload.power import fit_heat
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000
@@ -67,7 +68,8 @@ class LiveBytes(TorchDispatchMode):
 
 
 class CopyRates(dict):
-    """d2h_gbps, h2d_gbps, k_copy_d2h, k_copy_h2d, k_gemm, copy_mb, measured_concurrency."""
+    """d2h_gbps, h2d_gbps (a backlog of the step's copies), k_copy_d2h, k_copy_h2d, k_gemm, copy_mb, backlog_mb,
+    measured_concurrency."""
 
 
 def _timed(fn, stream, reps: int, cuda: bool) -> list[float]:
@@ -131,18 +133,33 @@ def _side_stream() -> torch.cuda.Stream:
     return _SIDE[device]
 
 
-def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, reps: int = 5) -> CopyRates:
-    """Copy `host` <-> `device_buf` (same bytes; host pinned on CUDA) alone, and beside `gemm()` (a
-    callable running the step's largest GEMM on the current stream)."""
+def _backlog(dst: torch.Tensor, src: torch.Tensor, sizes: list[int], cuda: bool):
+    """Copies of the first `size` bytes of src into dst for each size, twice over, queued back to back."""
+    def run():
+        for size in sizes + sizes:
+            dst[:size].copy_(src[:size], non_blocking=cuda)
+    return run
+
+
+def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, sizes: list[int] | None = None,
+                   reps: int = 5) -> CopyRates:
+    """Copy `host` <-> `device_buf` (uint8, same bytes; host pinned on CUDA) alone, and beside `gemm()` (a
+    callable running the step's largest GEMM on the current stream). The bandwidth is a backlog's: copies
+    of `sizes` bytes (the step's tensors, capped at the buffer; default the buffer) queued back to back,
+    as the step queues them; k compares one buffer-sized copy beside the GEMM with the same copy alone."""
     cuda = device_buf.is_cuda
     nbytes = device_buf.numel() * device_buf.element_size()
+    sizes = [min(int(s), nbytes) for s in (sizes or [nbytes]) if s > 0] or [nbytes]
     stream = _side_stream() if cuda else None
     d2h = lambda: host.copy_(device_buf, non_blocking=cuda)  # noqa: E731
     h2d = lambda: device_buf.copy_(host, non_blocking=cuda)  # noqa: E731
-    out = CopyRates(copy_mb=nbytes / 2**20, measured_concurrency=False, k_copy_d2h=1.0, k_copy_h2d=1.0, k_gemm=1.0)
+    out = CopyRates(copy_mb=nbytes / 2**20, backlog_mb=[s / 2**20 for s in sizes], measured_concurrency=False,
+                    k_copy_d2h=1.0, k_copy_h2d=1.0, k_gemm=1.0)
+    backlog_bytes = 2 * sum(sizes)
+    for name, run in (("d2h", _backlog(host, device_buf, sizes, cuda)), ("h2d", _backlog(device_buf, host, sizes, cuda))):
+        out[f"{name}_gbps"] = backlog_bytes / statistics.median(_timed(run, stream, reps, cuda)) / 1e6
     d2h_ms = statistics.median(_timed(d2h, stream, reps, cuda))
     h2d_ms = statistics.median(_timed(h2d, stream, reps, cuda))
-    out["d2h_gbps"], out["h2d_gbps"] = nbytes / d2h_ms / 1e6, nbytes / h2d_ms / 1e6
     out["d2h_ms"], out["h2d_ms"] = d2h_ms, h2d_ms
     if not cuda or gemm is None:
         return out
@@ -160,6 +177,54 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, r
         out[f"k_copy_{name}"], out[f"k_gemm_{name}"] = k_copy, k_gemm
     out["k_gemm"] = max(out["k_gemm_d2h"], out["k_gemm_h2d"])
     out["measured_concurrency"] = True
+    return out
+
+
+HEAT_RUN_MS = 400.0      # back-to-back GEMMs from a cool GPU: long enough to reach the power limit
+HEAT_GAPS_MS = (2.0, 5.0, 15.0)
+HOT_RUN_MS = 80.0
+IDLE_S = 0.25            # a pause that cools the GPU completely
+
+
+def _each_timed(fns: list, n: int) -> tuple[list[float], torch.cuda.Event]:
+    """ms of each of n calls of fns[i % len(fns)], queued back to back behind a short device hold, and
+    the event that marks the end of the last."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    torch.cuda._sleep(HOLD_US * SLEEP_CYCLES_PER_US)  # the host queues all before the first starts
+    marks[0].record()
+    for i in range(n):
+        fns[i % len(fns)]()
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], marks[-1]
+
+
+def measure_heat(gemm, memory_bound, *, cuda: bool) -> dict:
+    """How the step's GEMM slows as the GPU reaches its power limit (see overlap/offload/power.py): per-GEMM
+    times back to back from a cool GPU, after idle gaps on a hot one, and alternating with the step's
+    memory-bound kernel; returns `fit_heat`'s numbers plus the samples. CPU: gemm_heat 0, unmeasured."""
+    if not cuda:
+        return {"gemm_heat": 0.0, "heat_ms": 50.0, "cool_ms": 5.0, "mem_heat": 0.0, "measured": False}
+    gemm_ms = statistics.median(_each_timed([gemm], 5)[0])
+    n_heat, n_hot = max(20, int(HEAT_RUN_MS / gemm_ms)), max(4, int(HOT_RUN_MS / gemm_ms))
+    time.sleep(IDLE_S)
+    heating = _each_timed([gemm], n_heat)[0]
+    cooling = []
+    for gap in HEAT_GAPS_MS:
+        hot, end = _each_timed([gemm], n_hot)
+        time.sleep(gap / 1e3)  # synchronised and nothing queued: the device idles
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gemm()
+        stop.record()
+        torch.cuda.synchronize()
+        cooling.append((hot[-1], end.elapsed_time(start), start.elapsed_time(stop)))
+    _each_timed([gemm], n_hot)
+    pairs = _each_timed([gemm, memory_bound], 2 * n_heat)[0]
+    out = fit_heat(heating, cooling, list(zip(pairs[0::2], pairs[1::2])))
+    out.update(measured=True, heating_ms=[round(t, 4) for t in heating[::max(1, n_heat // 40)]],
+               cooling=[[round(v, 4) for v in c] for c in cooling],
+               alternating_ms=[round(t, 4) for t in pairs[-8:]])
     return out
 
 
@@ -222,10 +287,14 @@ def peak_of(step, device: torch.device, prepare=None) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated(device) - before, before
 
 
-def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0) -> Rates:
+def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0, heat: dict | None = None) -> Rates:
     """Planner input: measured bandwidths, k (at least 1: below is noise; the GEMM's per copy direction) and
-    layer times (recompute of a = the activation forward), and the step's time outside the layers."""
-    return Rates(d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
+    layer times (recompute of a = the activation forward), the step's time outside the layers, and the
+    GPU's heat (`measure_heat`; default none)."""
+    heat = heat or {}
+    return Rates(gemm_heat=heat.get("gemm_heat", 0.0), heat_ms=heat.get("heat_ms", 50.0),
+                 cool_ms=heat.get("cool_ms", 5.0), mem_heat=heat.get("mem_heat", 0.0),
+                 d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
                  k_copy=max(1.0, copies["k_copy_d2h"], copies["k_copy_h2d"]),
                  k_gemm=max(1.0, copies.get("k_gemm_d2h", copies["k_gemm"])),
                  k_gemm_h2d=max(1.0, copies.get("k_gemm_h2d", copies["k_gemm"])),

@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 from ipc.errors import OverlapError
-from overlap.offload.activation import fused_swiglu_available
+from overlap.offload.activation import activation_forward, fused_swiglu_available
 from overlap.offload.engine import OffloadEngine
 from overlap.offload.host_pool import HostPool
 from overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
-                                    simulate)
+                                    simulate, tensor_bytes)
 from launch.measure.timing import bench_interleaved, progress
 
 from .bench_mlp import BenchMLP
-from .offload_measure import measure_copies, measure_layer_times, measure_ms, peak_of, rates_from
+from .offload_measure import measure_copies, measure_heat, measure_layer_times, measure_ms, peak_of, rates_from
 
 COPY_BYTES = 256 << 20
 HAND = {"keep": {"x": "keep", "h": "keep", "a": "keep", "s": "keep"},
@@ -67,19 +67,24 @@ class _Stack:
         return run
 
 
-def _machine(ctx, stack, host: HostPool) -> tuple:
-    """Copies and k beside fc1's GEMM, the layer's times, the optimizer step (its buffers freed on return)."""
-    x, w1 = stack.x, stack.mlps[0].fc1.weight.detach()
+def _machine(ctx, stack, host: HostPool, shape: MLPShape) -> tuple:
+    """Copies (a backlog of the step's tensor sizes) and k beside fc1's GEMM, the GPU's heat under that GEMM,
+    the layer's times, the optimizer step (its buffers freed on return)."""
+    mlp = stack.mlps[0]
+    x, w1 = stack.x, mlp.fc1.weight.detach()
     copy_host = host.slot("bench.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8)
     copy_dev = torch.empty(COPY_BYTES, dtype=torch.uint8, device=x.device)
     fc1_out = torch.empty(x.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
-    copies = measure_copies(copy_host, copy_dev, lambda: torch.mm(x, w1, out=fc1_out))
-    del copy_dev, fc1_out
-    times = measure_layer_times(stack.mlps[0], x)
+    fc1 = lambda: torch.mm(x, w1, out=fc1_out)  # noqa: E731
+    copies = measure_copies(copy_host, copy_dev, fc1, sizes=[b for n, b in tensor_bytes(shape).items() if n != "s"])
+    del copy_dev
+    heat = measure_heat(fc1, lambda: activation_forward(fc1_out, mlp.activation), cuda=x.is_cuda)
+    del fc1_out
+    times = measure_layer_times(mlp, x)
     stack.step(None, with_opt=False)()   # the optimizer needs grads
     times["optimizer_ms"] = measure_ms(stack.opt.step, ctx.device)
     stack.drop_grads()
-    return copies, times, rates_from(copies, times, step_extra_ms=times["optimizer_ms"])
+    return copies, heat, times, rates_from(copies, times, step_extra_ms=times["optimizer_ms"], heat=heat)
 
 
 def _plans(shape, rates, args, fixed, none_peak, local, notes) -> dict:
@@ -121,9 +126,9 @@ def run_point(ctx, spec, args, host: HostPool, local, deadline) -> tuple[list[di
     dev = ctx.device
     stack = _Stack(ctx, model, layers, m)
     host.reset_slots()
-    copies, times, rates = _machine(ctx, stack, host)
     shape = MLPShape(hidden=model["hidden"], ffn_hidden=model["ffn_hidden"], m=m, num_layers=layers,
                      fused_activation=fused_swiglu_available(dev, torch.bfloat16))
+    copies, heat, times, rates = _machine(ctx, stack, host, shape)
     # pieces measured alone add up to more than the step they run in: scale the model's compute to the
     # measured plain step (the slowest rank's), copies keep their measured bandwidth
     none_us = _max_over_ranks(ctx, [1e3 * measure_ms(stack.step(None), dev, reps=5)])[0]
@@ -136,7 +141,7 @@ def run_point(ctx, spec, args, host: HostPool, local, deadline) -> tuple[list[di
     plans = _plans(shape, rates, args, fixed, none_above + fixed, local, notes)
     planner_s = time.monotonic() - t0
     none_pred = simulate(shape, rates, {}, 1, fixed_bytes=fixed)
-    point = {"model": name, "M": m, "layers": layers, "copies": dict(copies), "layer_times_ms": times,
+    point = {"model": name, "M": m, "layers": layers, "copies": dict(copies), "heat": heat, "layer_times_ms": times,
              "none_step_ms": none_us / 1e3, "compute_scale": rates.compute_scale,
              "fixed_bytes": fixed, "grad_bytes": stack.grad_bytes, "planner_s": planner_s, "notes": notes,
              "planner_table": plans["planner"].table(), "frontier": list(plans["planner"].frontier)}

@@ -51,7 +51,8 @@ class Rates:
     (backward GEMMs: dgrad and wgrad each, default the forward GEMM's time), and `step_extra_ms` (optimizer
     and anything else in the step outside the layers). `compute_scale` multiplies every compute time (layer
     pieces and step_extra_ms, not the copies): pieces measured alone add up to more than the step they run
-    in, so `calibrate` sets it from a measured step without copies."""
+    in, so `calibrate` sets it from a measured step without copies. `gemm_heat`, `heat_ms`, `cool_ms` and
+    `mem_heat` describe the GPU's power limit (overlap/offload/power.py; gemm_heat 0: none)."""
     d2h_gbps: float
     h2d_gbps: float
     gemm_tflops: float = 700.0
@@ -70,12 +71,23 @@ class Rates:
     fc2_bwd_ms: float | None = None
     step_extra_ms: float = 0.0
     compute_scale: float = 1.0
+    gemm_heat: float = 0.0
+    heat_ms: float = 50.0
+    cool_ms: float = 5.0
+    mem_heat: float = 0.0
 
     def __post_init__(self):
         for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm", "compute_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
+        for name in ("heat_ms", "cool_ms"):
+            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) > 0:
+                raise OffloadPlanError(f"Rates.{name} must be a positive number, got {getattr(self, name)!r}")
+        if not isinstance(self.gemm_heat, (int, float)) or not 0 <= self.gemm_heat <= 1:
+            raise OffloadPlanError(f"Rates.gemm_heat must be a number in [0, 1], got {self.gemm_heat!r}")
+        if not isinstance(self.mem_heat, (int, float)) or not 0 <= self.mem_heat <= 1:
+            raise OffloadPlanError(f"Rates.mem_heat must be a number in [0, 1], got {self.mem_heat!r}")
         if self.k_gemm_h2d is not None and not (isinstance(self.k_gemm_h2d, (int, float)) and self.k_gemm_h2d > 0):
             raise OffloadPlanError(f"Rates.k_gemm_h2d must be a positive number or None, got {self.k_gemm_h2d!r}")
         for name in ("fc1_ms", "fc2_ms", "act_ms", "act_plain_ms", "act_bwd_ms", "recompute_ms", "act_bwd_plain_ms",

@@ -5,11 +5,13 @@ and one host-to-device copy queue (see overlap/offload/planner.py for how the pl
 no torch, no device.
 
 Time: the pieces of a layer (measured, or derived from the GEMM rate and HBM bandwidth; times
-`Rates.compute_scale`, see `calibrate`) run one after the other; a GEMM that runs while a copy queue is
-busy takes k_gemm (k_gemm_h2d under a host-to-device copy) times longer for the overlapping part (k below 1
-is measurement noise: copies never speed a GEMM up). A device-to-host copy starts when its tensor
-is complete (the op that saves it has run: x after fc1, h after the activation, a after fc2) and its queue is
-free, and lasts bytes / bandwidth * k_copy. Its device memory is released at the first later save point the
+`Rates.compute_scale`, see `calibrate`) run one after the other; a GEMM's time also grows with the GPU's
+heat (its power limit, overlap/offload/power.py: back-to-back GEMMs heat it, memory-bound kernels hold it,
+stalls cool it). A GEMM that runs while a copy queue is busy takes k_gemm (k_gemm_h2d under a host-to-device
+copy) times longer for the overlapping part (k below 1 is measurement noise: copies never speed a GEMM up).
+A device-to-host copy starts when its tensor is complete (the op that saves it has run: x after fc1, h
+after the activation, a after fc2) and its queue is free, and lasts bytes / bandwidth, k_copy times longer
+for the part that runs beside a GEMM (the queue behind it moves back as much). Its device memory is released at the first later save point the
 copy has landed by (plus a margin), else at the start of backward, which waits for it. Backward of layer p
 brings back the offloaded tensors of layers p..p-depth; a tensor's unpack waits for its copy.
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
                       layer_times, tensor_bytes)
 from .config import CANDIDATES
+from .power import Heat
 
 __all__: list[str] = []  # the planner re-exports what others use
 
@@ -51,29 +54,50 @@ class SimResult:
 
 
 class _Queue:
-    """One copy engine: FIFO busy intervals, and how much of a span they cover (spans come in time order)."""
+    """One copy engine: FIFO busy spans [start, end, key] in time order, how much of an interval they
+    cover, and their stretch under a GEMM (k_copy applies only while a GEMM runs beside the copy)."""
 
-    def __init__(self):
+    def __init__(self, k_copy: float, done: dict):
         self.spans: list = []
         self.free_at = 0.0
         self._first = 0
+        self.k, self.done = k_copy, done  # done: key -> end of its span, kept up to date
 
-    def issue(self, ready: float, ms: float) -> float:
+    def issue(self, ready: float, ms: float, key) -> float:
         start = max(ready, self.free_at)
         self.free_at = start + ms
-        self.spans.append((start, self.free_at))
+        self.spans.append([start, self.free_at, key])
+        self.done[key] = self.free_at
         return self.free_at
 
-    def covered(self, a: float, b: float) -> float:
+    def _from(self, a: float) -> int:
         spans, i = self.spans, self._first
         while i < len(spans) and spans[i][1] <= a:
             i += 1
         self._first = i
+        return i
+
+    def covered(self, a: float, b: float) -> float:
+        spans, i = self.spans, self._from(a)
         total = 0.0
         while i < len(spans) and spans[i][0] < b:
             total += min(b, spans[i][1]) - max(a, spans[i][0])
             i += 1
         return total
+
+    def under_gemm(self, a: float, b: float) -> None:
+        """A GEMM ran over [a, b]: the copies beside it took k times longer for that part, and the queue
+        behind them moves back by as much."""
+        if self.k <= 1.0:
+            return
+        late = 0.0
+        for span in self.spans[self._from(a):]:
+            overlap = max(0.0, min(b, span[1]) - max(a, span[0]))
+            span[0] += late
+            late += (self.k - 1.0) * overlap
+            span[1] += late
+            self.done[span[2]] = span[1]
+        self.free_at += late
 
 
 def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixed_bytes: int = 0,
@@ -94,8 +118,12 @@ def calibrate(shape: MLPShape, rates: Rates, measured_step_ms: float) -> Rates:
     measured bandwidth."""
     if not (isinstance(measured_step_ms, (int, float)) and measured_step_ms > 0):
         raise OffloadPlanError(f"calibrate: measured_step_ms={measured_step_ms!r}; allowed: a positive number")
-    model_ms = simulate(shape, rates, {}, 1).step_ms
-    return dataclasses.replace(rates, compute_scale=rates.compute_scale * measured_step_ms / model_ms)
+    for _ in range(8):  # the GEMMs' heat depends on their times: a few rounds settle it
+        ratio = measured_step_ms / simulate(shape, rates, {}, 1).step_ms
+        rates = dataclasses.replace(rates, compute_scale=rates.compute_scale * ratio)
+        if abs(ratio - 1.0) < 1e-6:
+            break
+    return rates
 
 
 class _Step:
@@ -112,10 +140,12 @@ class _Step:
         kc = max(1.0, rates.k_copy)
         self.kg = max(1.0, rates.k_gemm)
         self.kg_h2d = max(1.0, rates.k_gemm_h2d if rates.k_gemm_h2d is not None else rates.k_gemm)
-        self.d2h_ms = {n: self.b[n] / (rates.d2h_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
-        self.h2d_ms = {n: self.b[n] / (rates.h2d_gbps * 1e9) * 1e3 * kc for n in CANDIDATES}
-        self.d2h, self.h2d = _Queue(), _Queue()
+        self.d2h_ms = {n: self.b[n] / (rates.d2h_gbps * 1e9) * 1e3 for n in CANDIDATES}
+        self.h2d_ms = {n: self.b[n] / (rates.h2d_gbps * 1e9) * 1e3 for n in CANDIDATES}
+        self.landed, self.fetched_done = {}, {}
+        self.d2h, self.h2d = _Queue(kc, self.landed), _Queue(kc, self.fetched_done)
         self.now = self.stall = 0.0
+        self.heat = Heat(rates.gemm_heat, rates.heat_ms, rates.cool_ms, rates.mem_heat)
         self.run_step = self.run_res = self.peak_step = self.peak_res = 0
         self.where = self.where_step = self.where_res = ""
         self.i_step = self.i_res = 0
@@ -145,10 +175,26 @@ class _Step:
         self._add(0, -nbytes)       # accumulated into the resident gradient, then freed
 
     def gemm(self, ms):
+        ms = self.heat.gemm(ms)
         end = self.now + ms
         out, back = self.d2h.covered(self.now, end), self.h2d.covered(self.now, end)
         both = max(1.0, (out + back) / ms) if ms > 0 else 1.0  # both queues busy: one slowdown at a time
         self.now = end + ((self.kg - 1.0) * out + (self.kg_h2d - 1.0) * back) / both
+        if out:
+            self.d2h.under_gemm(end - ms, self.now)
+        if back:
+            self.h2d.under_gemm(end - ms, self.now)
+
+    def memory_bound(self, ms):
+        self.heat.memory_bound(ms)
+        self.now += ms
+
+    def wait_until(self, t):
+        """The compute stream idles until t (a copy it needs); the GPU cools meanwhile."""
+        if t > self.now:
+            self.stall += t - self.now
+            self.heat.idle(t - self.now)
+            self.now = t
 
     def d(self, p, n):
         return self.dec.get((p, n), "keep")
@@ -159,18 +205,18 @@ class _Step:
 
     # ----- the step
     def run(self, fixed_bytes) -> SimResult:
-        self.saved_at, self.landed, self.release, self.release_at = {}, {}, {}, {}
+        self.saved_at, self.release, self.release_at = {}, {}, {}
         self.deferred = []  # (due save point, key)
         self.pending = []   # offloaded, not yet released
         for p in range(self.L):
             self.forward(p)
         self.backward_begins()
-        self.fetched_done, self.needed, self.issued = {}, {}, set()
+        self.needed, self.issued = {}, set()
         self.boundary = None
         for p in reversed(range(self.L)):
             self.backward(p)
         self.free(self.out)  # the stack's output, held by the caller through backward
-        self.now += self.t.extra
+        self.memory_bound(self.t.extra)
         return self.result(fixed_bytes)
 
     def save_point(self, k):
@@ -186,7 +232,7 @@ class _Step:
                 self.copy_out(key)
 
     def copy_out(self, key):
-        self.landed[key] = self.d2h.issue(self.now, self.d2h_ms[key[1]])
+        self.d2h.issue(self.now, self.d2h_ms[key[1]], key)
         self.pending.append(key)
 
     def saved(self, p, n, k):
@@ -215,7 +261,7 @@ class _Step:
         self.alloc(b["a"], (p, "a"))
         if self.temporary and lean:
             self.free(b["a"])
-        self.now += t.act if lean else t.act_plain
+        self.memory_bound(t.act if lean else t.act_plain)
         self.saved(p, "h", k + 1)
         self.save_point(k + 2)
         self.alloc(self.out)
@@ -233,9 +279,7 @@ class _Step:
         self.where = f"backward L{self.L - 1}"
         unreleased, self.pending = self.pending, []
         if unreleased:
-            wait = max(self.landed[key] for key in unreleased)
-            self.stall += max(0.0, wait - self.now)
-            self.now = max(self.now, wait)
+            self.wait_until(max(self.landed[key] for key in unreleased))
             for key in unreleased:
                 self.release[key], self.release_at[key] = self.now, -1
                 self.free(self.b[key[1]], key)
@@ -243,9 +287,7 @@ class _Step:
     def need(self, p, n):
         self.needed.setdefault((p, n), self.now)
         if self.d(p, n) == "offload":
-            done = self.fetched_done[(p, n)]
-            self.stall += max(0.0, done - self.now)
-            self.now = max(self.now, done)
+            self.wait_until(self.fetched_done[(p, n)])
 
     def backward(self, p):
         b, t, L = self.b, self.t, self.L
@@ -258,7 +300,7 @@ class _Step:
                     if self.d(q, n) == "offload":
                         self.alloc(b[n], (q, n))
                         ready = max(b0, self.landed[(q, n)])
-                        self.fetched_done[(q, n)] = self.h2d.issue(ready, self.h2d_ms[n])
+                        self.h2d.issue(ready, self.h2d_ms[n], (q, n))
         if self.boundary is None:
             self.boundary = self.run_step
         dw1, dw2 = self.dw
@@ -270,7 +312,7 @@ class _Step:
             self.alloc(b["a"], (p, "a"))
             if self.temporary:
                 self.free(b["a"])
-            self.now += t.recompute
+            self.memory_bound(t.recompute)
         else:
             self.need(p, "a")
         self.alloc(b["a"])                    # da
@@ -289,7 +331,7 @@ class _Step:
             if self.temporary:
                 self.alloc(b["a"])
                 self.free(b["a"])
-            self.now += t.act_bwd if self.lean(p) else t.act_bwd_plain  # gelu: h only either way
+            self.memory_bound(t.act_bwd if self.lean(p) else t.act_bwd_plain)  # gelu: h only either way
             self.free(b["h"], (p, "h"))
             self.free(b["a"])                 # da
         # fc1's backward: x, dx, dw1
@@ -317,7 +359,7 @@ class _Step:
         self.alloc(self.b["h"])               # dh = cat(d gate, d up)
         self.free(f)
         self.free(f)
-        self.now += self.t.act_bwd_plain
+        self.memory_bound(self.t.act_bwd_plain)
 
     def result(self, fixed_bytes) -> SimResult:
         step = self.grads == "step"

@@ -49,7 +49,7 @@ else
   rc=$?
   [ "$rc" -ne 0 ] && { status=1; echo "!! offload_bench rc=$rc (124: cut by the outer timeout)" | tee -a "$SUMMARY"; }
   grep -vE "^\[overlap\]" "$RES/offload_bench.log" | grep -vE "^\| L[0-9]+\." | tail -200 >> "$SUMMARY"
-  grep -E "^= |target|^note:|copies D2H|^wrote" "$RES/offload_bench.log" | cut -c1-400
+  grep -E "^= |target|^note:|copies D2H|  heat:|^wrote" "$RES/offload_bench.log" | cut -c1-400
   tail -3 "$RES/offload_bench.err"
 fi
 [ -f "$OUT/offload_bench.png" ] || echo "!! no plot written" | tee -a "$SUMMARY"
