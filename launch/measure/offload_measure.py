@@ -156,7 +156,8 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, s
     out = CopyRates(copy_mb=nbytes / 2**20, backlog_mb=[s / 2**20 for s in sizes], measured_concurrency=False,
                     k_copy_d2h=1.0, k_copy_h2d=1.0, k_gemm=1.0)
     backlog_bytes = 2 * sum(sizes)
-    for name, run in (("d2h", _backlog(host, device_buf, sizes, cuda)), ("h2d", _backlog(device_buf, host, sizes, cuda))):
+    for name, run in (("d2h", _backlog(host, device_buf, sizes, cuda)),
+                      ("h2d", _backlog(device_buf, host, sizes, cuda))):
         out[f"{name}_gbps"] = backlog_bytes / statistics.median(_timed(run, stream, reps, cuda)) / 1e6
     d2h_ms = statistics.median(_timed(d2h, stream, reps, cuda))
     h2d_ms = statistics.median(_timed(h2d, stream, reps, cuda))

@@ -67,20 +67,25 @@ class _Stack:
         return run
 
 
-def _machine(ctx, stack, host: HostPool, shape: MLPShape) -> tuple:
-    """Copies (a backlog of the step's tensor sizes) and k beside fc1's GEMM, the GPU's heat under that GEMM,
-    the layer's times, the optimizer step (its buffers freed on return)."""
+def _probes(stack, host: HostPool, shape: MLPShape) -> tuple[dict, dict]:
+    """Copies (a backlog of the step's tensor sizes) and k beside fc1's GEMM, and the GPU's heat under that
+    GEMM (its buffers freed on return)."""
     mlp = stack.mlps[0]
     x, w1 = stack.x, mlp.fc1.weight.detach()
     copy_host = host.slot("bench.copy", COPY_BYTES).view((COPY_BYTES,), torch.uint8)
     copy_dev = torch.empty(COPY_BYTES, dtype=torch.uint8, device=x.device)
     fc1_out = torch.empty(x.shape[0], w1.shape[1], dtype=x.dtype, device=x.device)
     fc1 = lambda: torch.mm(x, w1, out=fc1_out)  # noqa: E731
-    copies = measure_copies(copy_host, copy_dev, fc1, sizes=[b for n, b in tensor_bytes(shape).items() if n != "s"])
-    del copy_dev
+    sizes = [b for n, b in tensor_bytes(shape).items() if n != "s"]
+    copies = measure_copies(copy_host, copy_dev, fc1, sizes=sizes)
     heat = measure_heat(fc1, lambda: activation_forward(fc1_out, mlp.activation), cuda=x.is_cuda)
-    del fc1_out
-    times = measure_layer_times(mlp, x)
+    return copies, heat
+
+
+def _machine(ctx, stack, host: HostPool, shape: MLPShape) -> tuple:
+    """The probes, the layer's times, the optimizer step."""
+    copies, heat = _probes(stack, host, shape)
+    times = measure_layer_times(stack.mlps[0], stack.x)
     stack.step(None, with_opt=False)()   # the optimizer needs grads
     times["optimizer_ms"] = measure_ms(stack.opt.step, ctx.device)
     stack.drop_grads()
