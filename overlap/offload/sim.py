@@ -11,8 +11,9 @@ stalls cool it). A GEMM that runs while a copy queue is busy takes k_gemm (k_gem
 copy) times longer for the overlapping part (k below 1 is measurement noise: copies never speed a GEMM up).
 A device-to-host copy starts when its tensor is complete (the op that saves it has run: x after fc1, h
 after the activation, a after fc2) and its queue is free, and lasts bytes / bandwidth, k_copy times longer
-for the part that runs beside a GEMM (the queue behind it moves back as much). Its device memory is released at the first later save point the
-copy has landed by (plus a margin), else at the start of backward, which waits for it. Backward of layer p
+for the part that runs beside a GEMM (the queue behind it moves back as much). Its device memory is
+released at the first later save point the copy has landed by (plus a margin), else at the start of
+backward, which waits for it. Backward of layer p
 brings back the offloaded tensors of layers p..p-depth; a tensor's unpack waits for its copy.
 
 Memory: every device tensor the step allocates, in program order (the op sequence of
