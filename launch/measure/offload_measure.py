@@ -1,11 +1,15 @@
 """The numbers the offload planner needs, measured on this machine (CUDA events; host clock on CPU).
 
-* copy bandwidth each way between a device buffer and a pinned host slot, on a high-priority side stream;
+* copy bandwidth each way between a device buffer and a pinned host slot, on a high-priority side stream
+  (a backlog of the step's tensor sizes, as the step queues them);
 * k of the copy under the step's GEMM and of the GEMM under copies (copy alone vs beside the GEMM, both
-  started together behind a short device hold so that both are queued before either starts);
-* the layer's own times: fc1 (with the gathered copy the column layer makes) and fc2 forward, their
-  backward (dgrad and wgrad), the engine's activation forward (= the cost of recomputing a) and backward,
-  and the plain module's (autograd's swiglu) forward and backward;
+  started together behind a short device hold so that both are queued before either starts; each rep
+  pairs the two runs next to each other);
+* the GPU's heat: how the step's GEMM slows at the power limit, heats, cools and sits beside memory-bound
+  kernels (`measure_heat`, fitted by overlap/offload/power.py);
+* the layer's own times on a cool GPU: fc1 (with the gathered copy the column layer makes) and fc2 forward,
+  their backward (dgrad and wgrad), the engine's activation forward (= the cost of recomputing a) and
+  backward, and the plain module's (autograd's swiglu) forward and backward;
 * the optimizer step (time outside the layers), and the peak device bytes of a step (CUDA: the caching
   allocator's counters; CPU: `LiveBytes`).
 On CPU the copies are memcpys and nothing runs concurrently: k is reported as 1.0, marked unmeasured.
@@ -142,7 +146,7 @@ def _backlog(dst: torch.Tensor, src: torch.Tensor, sizes: list[int], cuda: bool)
 
 
 def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, sizes: list[int] | None = None,
-                   reps: int = 5) -> CopyRates:
+                   reps: int = 7) -> CopyRates:
     """Copy `host` <-> `device_buf` (uint8, same bytes; host pinned on CUDA) alone, and beside `gemm()` (a
     callable running the step's largest GEMM on the current stream). The bandwidth is a backlog's: copies
     of `sizes` bytes (the step's tensors, capped at the buffer; default the buffer) queued back to back,
@@ -165,73 +169,80 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, s
     if not cuda or gemm is None:
         return out
     _pair(gemm, 1, d2h, 0)  # warm-up
-    # the GEMM alone, timed as beside the copies (queued behind the same hold): k compares like with like
     gemm_ms = statistics.median(_pair(gemm, 1, d2h, 0)[0] for _ in range(reps))
     out["gemm_ms"] = gemm_ms
+    # each ratio compares a pair of runs next to each other, queued behind the same hold: the GPU's heat
+    # drifts over the probe, and a k measured against an earlier batch would carry that drift
     for name, copy, alone in (("d2h", d2h, d2h_ms), ("h2d", h2d, h2d_ms)):
-        # the copy under the GEMM: enough GEMMs to outlast the copy by half
-        n_gemm = max(1, int(1.5 * alone / gemm_ms) + 1)
-        k_copy = statistics.median(_pair(gemm, n_gemm, copy, 1)[1] / alone for _ in range(reps))
-        # the GEMM under copies: enough copies to outlast one GEMM by half
-        n_copy = max(1, int(1.5 * gemm_ms / alone) + 1)
-        k_gemm = statistics.median(_pair(gemm, 1, copy, n_copy)[0] / gemm_ms for _ in range(reps))
-        out[f"k_copy_{name}"], out[f"k_gemm_{name}"] = k_copy, k_gemm
+        n_gemm = max(1, int(1.5 * alone / gemm_ms) + 1)   # GEMMs that outlast the copy by half
+        n_copy = max(1, int(1.5 * gemm_ms / alone) + 1)   # copies that outlast one GEMM by half
+        k_copy, k_gemm = [], []
+        for _ in range(reps):
+            k_copy.append(_pair(gemm, n_gemm, copy, 1)[1] / _pair(gemm, 0, copy, 1)[1])
+            k_gemm.append(_pair(gemm, 1, copy, n_copy)[0] / _pair(gemm, 1, copy, 0)[0])
+        out[f"k_copy_{name}"], out[f"k_gemm_{name}"] = statistics.median(k_copy), statistics.median(k_gemm)
     out["k_gemm"] = max(out["k_gemm_d2h"], out["k_gemm_h2d"])
     out["measured_concurrency"] = True
     return out
 
 
 HEAT_RUN_MS = 400.0      # back-to-back GEMMs from a cool GPU: long enough to reach the power limit
-HEAT_GAPS_MS = (2.0, 5.0, 15.0)
+HEAT_GAPS_MS = (2.0, 5.0, 15.0, 40.0)
 HOT_RUN_MS = 80.0
-IDLE_S = 0.25            # a pause that cools the GPU completely
+AFTER_GAP = 6            # GEMMs timed after each gap
+COOL_S = 0.25            # a pause that cools the GPU completely
+PIECE_COOL_S = 0.05      # before each layer piece: all are measured on a cool GPU (the model adds the heat)
 
 
-def _each_timed(fns: list, n: int) -> tuple[list[float], torch.cuda.Event]:
-    """ms of each of n calls of fns[i % len(fns)], queued back to back behind a short device hold, and
-    the event that marks the end of the last."""
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    torch.cuda._sleep(HOLD_US * SLEEP_CYCLES_PER_US)  # the host queues all before the first starts
+def _each_timed(calls: list) -> list[float]:
+    """ms of each call, queued back to back behind a short device hold (the host's launch cost hidden)."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+    torch.cuda._sleep(HOLD_US * SLEEP_CYCLES_PER_US)
     marks[0].record()
-    for i in range(n):
-        fns[i % len(fns)]()
-        marks[i + 1].record()
+    for call, mark in zip(calls, marks[1:]):
+        call()
+        mark.record()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], marks[-1]
+    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+
+
+def _idle(ms: float):
+    """A device-side pause: one thread spins, the SMs idle (as under a stream waiting on a copy)."""
+    return lambda: torch.cuda._sleep(int(ms * 1e3 * SLEEP_CYCLES_PER_US))
 
 
 def measure_heat(gemm, memory_bound, *, cuda: bool) -> dict:
     """How the step's GEMM slows as the GPU reaches its power limit (see overlap/offload/power.py): per-GEMM
-    times back to back from a cool GPU, after idle gaps on a hot one, and alternating with the step's
-    memory-bound kernel; returns `fit_heat`'s numbers plus the samples. CPU: gemm_heat 0, unmeasured."""
+    times back to back from a cool GPU, after device-side idle gaps on a hot one, and alternating with the
+    step's memory-bound kernel; returns `fit_heat`'s numbers plus the samples. CPU: gemm_heat 0, unmeasured."""
     if not cuda:
         return {"gemm_heat": 0.0, "heat_ms": 50.0, "cool_ms": 5.0, "mem_heat": 0.0, "measured": False}
-    gemm_ms = statistics.median(_each_timed([gemm], 5)[0])
+    gemm_ms = statistics.median(_each_timed([gemm] * 5))
     n_heat, n_hot = max(20, int(HEAT_RUN_MS / gemm_ms)), max(4, int(HOT_RUN_MS / gemm_ms))
-    time.sleep(IDLE_S)
-    heating = _each_timed([gemm], n_heat)[0]
+    time.sleep(COOL_S)
+    heating = _each_timed([gemm] * n_heat)
     cooling = []
     for gap in HEAT_GAPS_MS:
-        hot, end = _each_timed([gemm], n_hot)
-        time.sleep(gap / 1e3)  # synchronised and nothing queued: the device idles
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        gemm()
-        stop.record()
-        torch.cuda.synchronize()
-        cooling.append((hot[-1], end.elapsed_time(start), start.elapsed_time(stop)))
-    _each_timed([gemm], n_hot)
-    pairs = _each_timed([gemm, memory_bound], 2 * n_heat)[0]
+        times = _each_timed([gemm] * n_hot + [_idle(gap)] + [gemm] * AFTER_GAP)
+        cooling.append((times[n_hot - 1], times[n_hot], times[n_hot + 1:]))
+    pairs = _each_timed([gemm] * n_hot + [gemm, memory_bound] * n_heat)[n_hot:]
     out = fit_heat(heating, cooling, list(zip(pairs[0::2], pairs[1::2])))
     out.update(measured=True, heating_ms=[round(t, 4) for t in heating[::max(1, n_heat // 40)]],
-               cooling=[[round(v, 4) for v in c] for c in cooling],
+               cooling=[[round(last, 4), round(gap, 4), [round(t, 4) for t in after]] for last, gap, after in cooling],
                alternating_ms=[round(t, 4) for t in pairs[-8:]])
     return out
 
 
+def _cool_median(fn, reps: int) -> float:
+    """Median ms of `fn` called `reps` times back to back on a cool GPU, the host's launch cost hidden."""
+    time.sleep(PIECE_COOL_S)
+    return statistics.median(_each_timed([fn] * reps))
+
+
 def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     """Medians (ms) of one layer's pieces at this x: fc1 (gathered copy + GEMM) and fc2 GEMMs forward, their
-    backward (dgrad + wgrad), the engine's activation forward and backward, autograd's forward and backward."""
+    backward (dgrad + wgrad), the engine's activation forward and backward, autograd's forward and backward.
+    CUDA: each piece back to back behind a device hold on a cool GPU (the step model adds the heat)."""
     cuda = x.is_cuda
     stream = torch.cuda.current_stream() if cuda else None
     w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
@@ -257,7 +268,8 @@ def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     out = {}
     for name, fn in pieces.items():
         with torch.enable_grad() if name.startswith("act_bwd") else torch.no_grad():
-            out[name] = statistics.median(_timed(fn, stream, reps, cuda))
+            fn()  # warm-up
+            out[name] = _cool_median(fn, reps) if cuda else statistics.median(_timed(fn, stream, reps, cuda))
     return out
 
 

@@ -63,8 +63,8 @@ def fit_heat(heating: list[float], cooling: list[tuple[float, float, float]],
 
     * heating: back to back from a cool GPU (after an idle pause); the fastest of the first three is the
       cool time, the median of the last fifth the hot one; heat_ms fits the curve between;
-    * cooling: (time of the last GEMM of a hot run, the idle gap after it, the time of the GEMM after the
-      gap) per gap: cool_ms;
+    * cooling: (time of the last GEMM of a hot run, the idle gap after it, the times of the GEMMs after
+      the gap) per gap: cool_ms;
     * alternating: (GEMM ms, memory-bound kernel ms) pairs, in order, started on a hot GPU: mem_heat fits
       the GEMM times of the second half.
     Returns gemm_heat (0 when the GEMM does not slow by 1 % or more: no power model), heat_ms, cool_ms,
@@ -96,10 +96,10 @@ def fit_heat(heating: list[float], cooling: list[tuple[float, float, float]],
             heat = Heat(rise, tau_up, tau, 0.0)
             heat.level = level_of(last)
             heat.idle(gap)
-            err += (heat.gemm(cool) - after) ** 2
+            err += sum((heat.gemm(cool) - t) ** 2 for t in after)
         return err
 
-    tau_down = _best(_grid(0.1, 500.0, 160), cooling_error) if cooling else 5.0
+    tau_down = _best(_grid(0.1, 2000.0, 180), cooling_error) if cooling else 5.0
     half = alternating[len(alternating) // 2:]
 
     def alternating_error(mem):

@@ -57,11 +57,11 @@ def synthetic(noise, rng):
     h = heat(0.0)
     heating = [n(h.gemm(COOL_MS)) for _ in range(170)]
     cooling = []
-    for gap in (2.0, 5.0, 15.0):
+    for gap in (2.0, 5.0, 15.0, 40.0):
         h = heat(1.0)
         last = h.gemm(COOL_MS)
         h.idle(gap)
-        cooling.append((n(last), gap, n(h.gemm(COOL_MS))))
+        cooling.append((n(last), gap, [n(h.gemm(COOL_MS)) for _ in range(6)]))
     h, alternating = heat(1.0), []
     for _ in range(170):
         alternating.append((n(h.gemm(COOL_MS)), 0.3))
@@ -82,7 +82,7 @@ def test_the_fit_recovers_the_heat_of_synthetic_samples(seed):
 def test_a_gemm_that_does_not_slow_down_fits_no_heat_and_few_samples_are_refused():
     rng = random.Random(3)
     flat = [COOL_MS * (1 + rng.gauss(0, 0.001)) for _ in range(100)]
-    assert fit_heat(flat, [(COOL_MS, 5.0, COOL_MS)], [(COOL_MS, 0.3)] * 10)["gemm_heat"] == 0.0
+    assert fit_heat(flat, [(COOL_MS, 5.0, [COOL_MS])], [(COOL_MS, 0.3)] * 10)["gemm_heat"] == 0.0
     with pytest.raises(ValueError, match="heating samples"):
         fit_heat(flat[:5], [], [])
 
