@@ -125,3 +125,27 @@ def test_a_copy_is_k_copy_slower_only_where_a_gemm_runs_beside_it():
     copies_ms = 2 * base.moved_bytes / 20e9 * 1e3   # both ways
     assert base.stall_ms > 0.3 * copies_ms
     assert base.step_ms < stretched.step_ms < base.step_ms + 0.5 * (copies_ms - base.stall_ms)
+
+
+def test_the_cpu_probes_report_a_backlog_bandwidth_no_heat_and_rates_that_carry_the_heat():
+    import torch
+
+    from launch.measure.offload_measure import measure_copies, measure_heat, rates_from
+    host, dev = torch.randn(1 << 16).view(torch.uint8), torch.empty(1 << 18, dtype=torch.uint8)
+    copies = measure_copies(host, dev, sizes=[1 << 16, 1 << 20, 0], reps=2)
+    # sizes are capped at the buffer, empty ones dropped; on CPU nothing runs beside a GEMM
+    assert copies["backlog_mb"] == [1 / 16, 1 / 4] and copies["d2h_gbps"] > 0 and copies["h2d_gbps"] > 0
+    assert not copies["measured_concurrency"] and copies["k_copy_d2h"] == 1.0
+    heat = measure_heat(lambda: None, lambda: None, cuda=False)
+    assert heat["gemm_heat"] == 0.0 and not heat["measured"]
+    times = dict(fc1_ms=1.0, fc2_ms=0.5, act_ms=0.1, act_bwd_ms=0.2)
+    assert rates_from(copies, times).gemm_heat == 0.0
+    rates = rates_from(copies, times, heat=dict(HOT))
+    assert (rates.gemm_heat, rates.heat_ms, rates.cool_ms, rates.mem_heat) == (0.16, 60.0, 4.0, 0.4)
+
+
+def test_heat_numbers_are_validated():
+    from overlap.offload.planner import OffloadPlanError
+    for bad in (dict(gemm_heat=-0.1), dict(gemm_heat=2.0), dict(mem_heat=1.5), dict(heat_ms=0), dict(cool_ms=-1)):
+        with pytest.raises(OffloadPlanError, match="Rates."):
+            Rates(d2h_gbps=55, h2d_gbps=55, **bad)
