@@ -9,8 +9,9 @@ K_total / W, N = H) at the given TP sizes and M, in both layouts of B (`kn`: row
 
 Candidates: a short list per shape class (launch/measure/tune.py GEMM_CLASSES: few tiles -> smaller tiles, two
 CTAs per SM, stream-K; short K -> flattened loops, warp specialisation, split epilogue; large -> 128x256
-tiles and their variants), split-K where few 128x128 tiles meet a long K (SPLIT_K_CANDIDATES), the
-current table's choice and the hand heuristic; `--candidates` replaces the classes' lists.
+tiles and their variants), split-K where few 128x128 tiles meet a long K (SPLIT_K_CANDIDATES), stream-K
+where 128x256 tiles leave a partial wave among one to three (STREAM_K_CANDIDATES), the current table's
+choice and the hand heuristic; `--candidates` replaces the classes' lists.
 
 Phases, all inside the wall-time bound `--time-budget-s`:
 
@@ -47,8 +48,9 @@ from .measure.canary import CANARY_SHAPE, operands, run_canaries
 # The union of the shape classes' lists and the split-K candidates (launch/measure/tune.py): what `--candidates all`
 # means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:
-    from launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES
-    return tuple(dict.fromkeys(name for names in (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES) for name in names))
+    from launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES
+    lists = (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES)
+    return tuple(dict.fromkeys(name for names in lists for name in names))
 
 
 CANDIDATES = _all_classes()

@@ -120,6 +120,11 @@ SPLIT_K_CANDIDATES = tuple(f"{tile}sp{splits}" for tile in ("128x128x64w4s3", "1
                            for splits in (2, 4, 8))
 SPLIT_K_WAVES = 3
 SPLIT_K_MIN_K = 1024
+# Stream-K (`sk1`) besides a many-tile class's list where 128x256 tiles fill one to three waves and the last
+# is partial (llama70b.qkv at TP 8, M 4096: 160 tiles = one wave and 28 tiles, which plain tiles pay as two
+# waves): the last wave's tiles are split by K steps over every SM.
+STREAM_K_CANDIDATES = ("128x256x64w8s3sk1", "128x128x64w8s4sk1")
+STREAM_K_WAVES = 3
 _SECONDS_PER_CALL = 7e-4     # L2 flush, device hold (300 us), synchronisation and launch around one timed call
 _SECONDS_PER_POINT = 0.15    # operands, the cuBLAS reference, one checked call per candidate
 _ASSUMED_FLOPS = 600e12      # a pessimistic bf16 rate for the estimate
@@ -137,11 +142,19 @@ def splits_k(m: int, n: int, k: int, sms: int) -> bool:
     return -(-m // 128) * -(-n // 128) <= SPLIT_K_WAVES * sms and k >= SPLIT_K_MIN_K
 
 
+def streams_k(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether the stream-K candidates are tried for out[m, n] = a[m, k] @ b[k, n] on `sms` SMs: 128x256
+    tiles fill between one and STREAM_K_WAVES waves, the last one partial."""
+    tiles = -(-m // 128) * -(-n // 256)
+    return sms < tiles <= STREAM_K_WAVES * sms and tiles % sms != 0
+
+
 def gemm_candidates(m: int, n: int, k: int, sms: int, extra=()) -> tuple[str, ...]:
-    """The class's candidates, the split-K ones where they fit (`splits_k`), then `extra` (e.g. the current
-    table's choice), without repeats."""
+    """The class's candidates, the split-K ones where they fit (`splits_k`), the stream-K ones where they fit
+    (`streams_k`), then `extra` (e.g. the current table's choice), without repeats."""
     split = SPLIT_K_CANDIDATES if splits_k(m, n, k, sms) else ()
-    return tuple(dict.fromkeys(GEMM_CLASSES[shape_class(m, n, k, sms)] + split + tuple(extra)))
+    stream = STREAM_K_CANDIDATES if streams_k(m, n, k, sms) else ()
+    return tuple(dict.fromkeys(GEMM_CLASSES[shape_class(m, n, k, sms)] + split + stream + tuple(extra)))
 
 
 def tune_order(points, ms_order=M_ORDER):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from launch import gemm_bench, gemm_tune
-from launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, gemm_candidates, point_seconds, shape_class,
-                          splits_k, tune_order)
+from launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES, gemm_candidates,
+                                point_seconds, shape_class, splits_k, streams_k, tune_order)
 from launch.measure.shapes import ag_points, rs_points
 from overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
@@ -59,6 +59,24 @@ def test_split_k_candidates_are_tried_where_few_128_tiles_meet_a_long_k(m, n, k,
     assert splits_k(m, n, k, H200_SMS) == expected
     names = gemm_candidates(m, n, k, H200_SMS)
     assert all((name in names) == expected for name in SPLIT_K_CANDIDATES)
+
+
+@pytest.mark.parametrize("m,n,k,expected", [
+    (4096, 1280, 8192, True),    # llama70b.qkv at TP8: 160 tiles of 128x256, one wave and 28 tiles
+    (8192, 1280, 8192, True),    # 320 tiles: two waves and 56
+    (2048, 3072, 4096, True),    # short of 3 waves
+    (1024, 1280, 8192, False),   # 40 tiles: few_tiles has stream-K in its own list
+    (16384, 14336, 4096, False),  # many waves: the partial one matters little
+    (4224, 8448, 4096, False),   # 33 x 33 = 1089 tiles: above three waves
+])
+def test_stream_k_candidates_are_tried_where_128x256_tiles_leave_a_partial_wave_among_few(m, n, k, expected):
+    assert streams_k(m, n, k, H200_SMS) == expected
+    names = gemm_candidates(m, n, k, H200_SMS)
+    if shape_class(m, n, k, H200_SMS) != "few_tiles":
+        assert all((name in names) == expected for name in STREAM_K_CANDIDATES)
+    for name in STREAM_K_CANDIDATES:
+        blocks = GemmBlocks.parse(name)
+        assert blocks.stream_k == 1 and not blocks.problems() and name in gemm_tune.CANDIDATES
 
 
 def test_split_k_candidates_are_canonical_and_never_the_plain_choice():
