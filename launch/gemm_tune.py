@@ -45,8 +45,8 @@ from launch.cli.common import ArgumentParser, int_list, require, run_dir, run_la
 
 from .measure.canary import CANARY_SHAPE, operands, run_canaries
 
-# The union of the shape classes' lists and the split-K candidates (launch/measure/tune.py): what `--candidates all`
-# means and what launch.compile_check --candidates compiles.
+# The union of the shape classes' lists and the split-K and stream-K candidates (launch/measure/tune.py):
+# what `--candidates all` means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:
     from launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES
     lists = (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES)

@@ -246,6 +246,14 @@ def _brief(r) -> str:
             f"{r['time_vs_none']:.3f}")
 
 
+def _heat_line(heat: dict) -> str:
+    rms = " / ".join(f"{heat.get(k) or 0:.3f}" for k in ("heating_rms_ms", "cooling_rms_ms", "alternating_rms_ms"))
+    edge = f"; at the edge of its range: {', '.join(heat['at_bound'])}" if heat.get("at_bound") else ""
+    return (f"  heat: fc1 {heat['cool_gemm_ms']:.3f} ms cool, {heat['hot_gemm_ms']:.3f} ms at the power limit "
+            f"(+{heat['gemm_heat']:.1%}); heats in {heat['heat_ms']:.0f} ms, cools in {heat['cool_ms']:.1f} ms, "
+            f"memory-bound kernels hold {heat['mem_heat']:.2f}; fit rms {rms} ms{edge}")
+
+
 def _summary(labels, rows, done, notes, out, plot, start) -> None:
     for line in labels.header:
         print(line)
@@ -256,14 +264,12 @@ def _summary(labels, rows, done, notes, out, plot, start) -> None:
         c = point["copies"]
         print(f"\n{point['model']} L={point['layers']} M={point['M']}: copies D2H {c['d2h_gbps']:.1f} GB/s, H2D "
               f"{c['h2d_gbps']:.1f} GB/s, k_copy {c['k_copy_d2h']:.3f}/{c['k_copy_h2d']:.3f}, k_gemm "
-              f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads {point['grad_bytes'] / 2**30:.2f} GiB; "
+              f"{c['k_gemm']:.3f}; fixed {point['fixed_bytes'] / 2**30:.2f} GiB + grads "
+              f"{point['grad_bytes'] / 2**30:.2f} GiB; "
               f"planner {point['planner_s']:.1f} s; model calibrated on none's step {point['none_step_ms']:.1f} ms "
               f"(compute x {point['compute_scale']:.3f})")
-        heat = point.get("heat", {})
-        if heat.get("measured"):
-            print(f"  heat: fc1 {heat['cool_gemm_ms']:.3f} ms cool, {heat['hot_gemm_ms']:.3f} ms at the power limit "
-                  f"(+{heat['gemm_heat']:.1%}); heats in {heat['heat_ms']:.0f} ms, cools in {heat['cool_ms']:.1f} ms, "
-                  f"memory-bound kernels hold {heat['mem_heat']:.2f}")
+        if point.get("heat", {}).get("measured"):
+            print(_heat_line(point["heat"]))
         print(point["planner_table"])
         for key, (value, target, met) in point["targets"].items():
             print(f"  target {key}: {value if value is None else round(value, 4)} (target {target}) "

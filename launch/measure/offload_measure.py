@@ -7,7 +7,7 @@
   pairs the two runs next to each other);
 * the GPU's heat: how the step's GEMM slows at the power limit, heats, cools and sits beside memory-bound
   kernels (`measure_heat`, fitted by overlap/offload/power.py);
-* the layer's own times on a cool GPU: fc1 (with the gathered copy the column layer makes) and fc2 forward,
+* the layer's own times on a mostly cool GPU: fc1 (with the gathered copy the column layer makes) and fc2 forward,
   their backward (dgrad and wgrad), the engine's activation forward (= the cost of recomputing a) and
   backward, and the plain module's (autograd's swiglu) forward and backward;
 * the optimizer step (time outside the layers), and the peak device bytes of a step (CUDA: the caching
@@ -187,11 +187,12 @@ def measure_copies(host: torch.Tensor, device_buf: torch.Tensor, gemm=None, *, s
 
 
 HEAT_RUN_MS = 400.0      # back-to-back GEMMs from a cool GPU: long enough to reach the power limit
-HEAT_GAPS_MS = (2.0, 5.0, 15.0, 40.0)
+HEAT_GAPS_MS = (2.0, 5.0, 15.0, 40.0)   # nominal (a spin of 2000 cycles per us): the fit takes the measured gap
 HOT_RUN_MS = 80.0
 AFTER_GAP = 6            # GEMMs timed after each gap
 COOL_S = 0.25            # a pause that cools the GPU completely
-PIECE_COOL_S = 0.05      # before each layer piece: all are measured on a cool GPU (the model adds the heat)
+PIECE_COOL_S = 0.05      # before each layer piece: a mostly cool GPU (the model adds the heat; the calibration
+                         # on the measured plain step absorbs what a 50 ms pause leaves)
 
 
 def _each_timed(calls: list) -> list[float]:
@@ -242,7 +243,7 @@ def _cool_median(fn, reps: int) -> float:
 def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     """Medians (ms) of one layer's pieces at this x: fc1 (gathered copy + GEMM) and fc2 GEMMs forward, their
     backward (dgrad + wgrad), the engine's activation forward and backward, autograd's forward and backward.
-    CUDA: each piece back to back behind a device hold on a cool GPU (the step model adds the heat)."""
+    CUDA: each piece back to back behind a device hold after a 50 ms pause (the step model adds the heat)."""
     cuda = x.is_cuda
     stream = torch.cuda.current_stream() if cuda else None
     w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
@@ -268,8 +269,11 @@ def measure_layer_times(mlp, x: torch.Tensor, *, reps: int = 5) -> dict:
     out = {}
     for name, fn in pieces.items():
         with torch.enable_grad() if name.startswith("act_bwd") else torch.no_grad():
-            fn()  # warm-up
-            out[name] = _cool_median(fn, reps) if cuda else statistics.median(_timed(fn, stream, reps, cuda))
+            if cuda:
+                fn()  # warm-up (`_timed` does its own)
+                out[name] = _cool_median(fn, reps)
+            else:
+                out[name] = statistics.median(_timed(fn, stream, reps, cuda))
     return out
 
 

@@ -122,7 +122,8 @@ SPLIT_K_WAVES = 3
 SPLIT_K_MIN_K = 1024
 # Stream-K (`sk1`) besides a many-tile class's list where 128x256 tiles fill one to three waves and the last
 # is partial (llama70b.qkv at TP 8, M 4096: 160 tiles = one wave and 28 tiles, which plain tiles pay as two
-# waves): the last wave's tiles are split by K steps over every SM.
+# waves): the last wave's tiles are split by K steps over every SM. The rule counts 128x256 tiles for both
+# candidates (128x128 ones have twice as many, so their last wave is partial there too unless it is full).
 STREAM_K_CANDIDATES = ("128x256x64w8s3sk1", "128x128x64w8s4sk1")
 STREAM_K_WAVES = 3
 _SECONDS_PER_CALL = 7e-4     # L2 flush, device hold (300 us), synchronisation and launch around one timed call

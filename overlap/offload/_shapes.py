@@ -77,13 +77,11 @@ class Rates:
     mem_heat: float = 0.0
 
     def __post_init__(self):
-        for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm", "compute_scale"):
+        for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm", "compute_scale", "heat_ms",
+                     "cool_ms"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise OffloadPlanError(f"Rates.{name} must be a positive number, got {value!r}")
-        for name in ("heat_ms", "cool_ms"):
-            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) > 0:
-                raise OffloadPlanError(f"Rates.{name} must be a positive number, got {getattr(self, name)!r}")
         if not isinstance(self.gemm_heat, (int, float)) or not 0 <= self.gemm_heat <= 1:
             raise OffloadPlanError(f"Rates.gemm_heat must be a number in [0, 1], got {self.gemm_heat!r}")
         if not isinstance(self.mem_heat, (int, float)) or not 0 <= self.mem_heat <= 1:

@@ -66,7 +66,7 @@ def pacing_offset(pacing: str, local_rank: int, local_world: int) -> int:
 class PlanRow:
     tensor: str          # "L<p>.<name>"
     bytes: int
-    offload_ms: float    # D2H + H2D copy time at the measured rates (x k_copy)
+    offload_ms: float    # D2H + H2D copy time at the measured rates, x k_copy (as if wholly beside GEMMs)
     recompute_ms: float | None  # a: the activation forward; s: the engine's activation forward + backward
                                 # minus autograd's (s is recomputed inside it; negative when it is faster)
     decision: str

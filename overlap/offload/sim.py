@@ -31,6 +31,7 @@ optimizer state, resident gradients). Two peaks come out: `peak_bytes` in the sh
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
@@ -87,18 +88,28 @@ class _Queue:
         return total
 
     def under_gemm(self, a: float, b: float) -> None:
-        """A GEMM ran over [a, b]: the copies beside it took k times longer for that part, and the queue
-        behind them moves back by as much."""
+        """A GEMM ran over [a, b]: the copies beside it progressed at 1/k of their speed for that part (k as
+        measured: a copy wholly beside GEMMs takes k times longer), and the queue behind them starts later."""
         if self.k <= 1.0:
             return
-        late = 0.0
+        prev_end = -math.inf
         for span in self.spans[self._from(a):]:
-            overlap = max(0.0, min(b, span[1]) - max(a, span[0]))
-            span[0] += late
-            late += (self.k - 1.0) * overlap
-            span[1] += late
-            self.done[span[2]] = span[1]
-        self.free_at += late
+            start, end = span[0], span[1]
+            if start >= b and prev_end <= start:
+                break                          # past the GEMM and not pushed back: the rest stays
+            new_start = max(start, prev_end)
+            span[0], span[1] = new_start, self._end(new_start, end - start, a, b)
+            self.done[span[2]] = prev_end = span[1]
+        self.free_at = max(self.free_at, prev_end)
+
+    def _end(self, start: float, ms: float, a: float, b: float) -> float:
+        """When a copy of `ms` (at full speed) that starts at `start` ends, slowed k times inside [a, b]."""
+        if start >= b or start + ms <= a:
+            return start + ms
+        before = max(0.0, a - start)
+        inside_from, rest = max(start, a), ms - before
+        room = (b - inside_from) / self.k     # full-speed work done inside [a, b]
+        return inside_from + rest * self.k if rest <= room else b + rest - room
 
 
 def simulate(shape: MLPShape, rates: Rates, decisions: dict, depth: int, *, fixed_bytes: int = 0,
