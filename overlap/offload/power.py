@@ -65,6 +65,42 @@ COOL_GRID = _grid(0.1, 2000.0, 180)     # cool_ms candidates
 MEM_GRID = [i / 100 for i in range(101)]
 
 
+class _Residuals:
+    """Sums of squared differences (ms^2) between the samples of `fit_heat` and what `Heat` predicts."""
+
+    def __init__(self, heating, cooling, alternating, t_cool: float, rise: float):
+        self.heating, self.cooling, self.alternating = heating, cooling, alternating
+        self.t_cool, self.rise = t_cool, rise
+
+    def level_of(self, ms: float) -> float:
+        return min(1.0, max(0.0, (ms / self.t_cool - 1.0) / self.rise))
+
+    def of_heating(self, tau_up: float) -> float:
+        heat = Heat(self.rise, tau_up, 5.0, 0.0)
+        heat.level = 0.0
+        return sum((heat.gemm(self.t_cool) - t) ** 2 for t in self.heating)
+
+    def of_cooling(self, tau_up: float, tau_down: float) -> float:
+        err = 0.0
+        for last, gap, after in self.cooling:
+            heat = Heat(self.rise, tau_up, tau_down, 0.0)
+            heat.level = self.level_of(last)
+            heat.idle(gap)
+            err += sum((heat.gemm(self.t_cool) - t) ** 2 for t in after)
+        return err
+
+    def of_alternating(self, tau_up: float, tau_down: float, mem: float) -> float:
+        heat = Heat(self.rise, tau_up, tau_down, mem)
+        heat.level = 1.0
+        err = 0.0
+        for i, (gemm_ms, mem_ms) in enumerate(self.alternating):
+            model = heat.gemm(self.t_cool)
+            heat.memory_bound(mem_ms)
+            if i >= len(self.alternating) // 2:
+                err += (model - gemm_ms) ** 2
+        return err
+
+
 def fit_heat(heating: list[float], cooling: list[tuple[float, float, list[float]]],
              alternating: list[tuple[float, float]]) -> dict:
     """The four numbers of `Heat` from per-GEMM times (ms) of one GEMM on the machine:
@@ -88,44 +124,17 @@ def fit_heat(heating: list[float], cooling: list[tuple[float, float, list[float]
     if t_hot < 1.01 * t_cool:
         return out
     rise = min(MAX_GEMM_HEAT, t_hot / t_cool - 1.0)
-
-    def level_of(ms):
-        return min(1.0, max(0.0, (ms / t_cool - 1.0) / rise))
-
-    def heating_error(tau):
-        heat = Heat(rise, tau, 5.0, 0.0)
-        heat.level = 0.0
-        return sum((heat.gemm(t_cool) - t) ** 2 for t in heating)
-
-    def cooling_error(tau):
-        err = 0.0
-        for last, gap, after in cooling:
-            heat = Heat(rise, tau_up, tau, 0.0)
-            heat.level = level_of(last)
-            heat.idle(gap)
-            err += sum((heat.gemm(t_cool) - t) ** 2 for t in after)
-        return err
-
-    def alternating_error(mem):
-        heat = Heat(rise, tau_up, tau_down, mem)
-        heat.level = 1.0
-        err = 0.0
-        for i, (gemm_ms, mem_ms) in enumerate(alternating):
-            model = heat.gemm(t_cool)
-            heat.memory_bound(mem_ms)
-            if i >= len(alternating) // 2:
-                err += (model - gemm_ms) ** 2
-        return err
-
-    tau_up = min(HEAT_GRID, key=heating_error)
-    tau_down = min(COOL_GRID, key=cooling_error) if cooling else 5.0
-    mem = min(MEM_GRID, key=alternating_error) if alternating else 0.0
+    res = _Residuals(heating, cooling, alternating, t_cool, rise)
+    tau_up = min(HEAT_GRID, key=res.of_heating)
+    tau_down = min(COOL_GRID, key=lambda tau: res.of_cooling(tau_up, tau)) if cooling else 5.0
+    mem = min(MEM_GRID, key=lambda m: res.of_alternating(tau_up, tau_down, m)) if alternating else 0.0
     bounds = {"gemm_heat": (rise, 0.0, MAX_GEMM_HEAT), "heat_ms": (tau_up, HEAT_GRID[0], HEAT_GRID[-1]),
               "cool_ms": (tau_down, COOL_GRID[0], COOL_GRID[-1]), "mem_heat": (mem, MEM_GRID[0], MEM_GRID[-1])}
+    after = sum(len(c[2]) for c in cooling)
     out.update(gemm_heat=rise, heat_ms=tau_up, cool_ms=tau_down, mem_heat=mem,
                at_bound=[name for name, (value, lo, hi) in bounds.items() if value in (lo, hi)],
-               heating_rms_ms=_rms(heating_error(tau_up), len(heating)),
-               cooling_rms_ms=_rms(cooling_error(tau_down), sum(len(c[2]) for c in cooling)) if cooling else None,
-               alternating_rms_ms=(_rms(alternating_error(mem), len(alternating) - len(alternating) // 2)
-                                   if alternating else None))
+               heating_rms_ms=_rms(res.of_heating(tau_up), len(heating)),
+               cooling_rms_ms=_rms(res.of_cooling(tau_up, tau_down), after) if cooling else None,
+               alternating_rms_ms=(_rms(res.of_alternating(tau_up, tau_down, mem),
+                                        len(alternating) - len(alternating) // 2) if alternating else None))
     return out
