@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from overlap.offload.activation import SavedInputActivation, activation_forward, lean_activation_forward
 from overlap.offload.planner import Rates
-from overlap.offload.power import fit_heat
+from overlap.offload.power import NO_HEAT, fit_heat
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000
@@ -217,7 +217,7 @@ def measure_heat(gemm, memory_bound, *, cuda: bool) -> dict:
     times back to back from a cool GPU, after device-side idle gaps on a hot one, and alternating with the
     step's memory-bound kernel; returns `fit_heat`'s numbers plus the samples. CPU: gemm_heat 0, unmeasured."""
     if not cuda:
-        return {"gemm_heat": 0.0, "heat_ms": 50.0, "cool_ms": 5.0, "mem_heat": 0.0, "measured": False}
+        return {**NO_HEAT, "measured": False}
     gemm_ms = statistics.median(_each_timed([gemm] * 5))
     n_heat, n_hot = max(20, int(HEAT_RUN_MS / gemm_ms)), max(4, int(HOT_RUN_MS / gemm_ms))
     time.sleep(COOL_S)
@@ -308,9 +308,7 @@ def rates_from(copies: CopyRates, times: dict, *, step_extra_ms: float = 0.0, he
     """Planner input: measured bandwidths, k (at least 1: below is noise; the GEMM's per copy direction) and
     layer times (recompute of a = the activation forward), the step's time outside the layers, and the
     GPU's heat (`measure_heat`; default none)."""
-    heat = heat or {}
-    return Rates(gemm_heat=heat.get("gemm_heat", 0.0), heat_ms=heat.get("heat_ms", 50.0),
-                 cool_ms=heat.get("cool_ms", 5.0), mem_heat=heat.get("mem_heat", 0.0),
+    return Rates(**{name: (heat or NO_HEAT)[name] for name in NO_HEAT},
                  d2h_gbps=copies["d2h_gbps"], h2d_gbps=copies["h2d_gbps"],
                  k_copy=max(1.0, copies["k_copy_d2h"], copies["k_copy_h2d"]),
                  k_gemm=max(1.0, copies.get("k_gemm_d2h", copies["k_gemm"])),

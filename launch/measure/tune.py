@@ -131,22 +131,27 @@ _SECONDS_PER_POINT = 0.15    # operands, the cuBLAS reference, one checked call 
 _ASSUMED_FLOPS = 600e12      # a pessimistic bf16 rate for the estimate
 
 
+def _tiles(m: int, n: int, block_n: int) -> int:
+    """Output tiles of out[m, n] with BLOCK_M 128."""
+    return -(-m // 128) * -(-n // block_n)
+
+
 def shape_class(m: int, n: int, k: int, sms: int) -> str:
     """The candidate class of out[m, n] = a[m, k] @ b[k, n] on `sms` SMs (GEMM_CLASSES)."""
-    if -(-m // 128) * -(-n // 256) < sms:
+    if _tiles(m, n, 256) < sms:
         return "few_tiles"
     return "short_k" if k <= SHORT_K else "large"
 
 
 def splits_k(m: int, n: int, k: int, sms: int) -> bool:
     """Whether the split-K candidates are tried for out[m, n] = a[m, k] @ b[k, n] on `sms` SMs."""
-    return -(-m // 128) * -(-n // 128) <= SPLIT_K_WAVES * sms and k >= SPLIT_K_MIN_K
+    return _tiles(m, n, 128) <= SPLIT_K_WAVES * sms and k >= SPLIT_K_MIN_K
 
 
 def streams_k(m: int, n: int, k: int, sms: int) -> bool:
     """Whether the stream-K candidates are tried for out[m, n] = a[m, k] @ b[k, n] on `sms` SMs: 128x256
     tiles fill between one and STREAM_K_WAVES waves, the last one partial."""
-    tiles = -(-m // 128) * -(-n // 256)
+    tiles = _tiles(m, n, 256)
     return sms < tiles <= STREAM_K_WAVES * sms and tiles % sms != 0
 
 

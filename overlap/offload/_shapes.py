@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .host_pool import OffloadError
+from .power import NO_HEAT
 
 SAVE_POINTS_PER_LAYER = 3  # x, h, a
 RELEASE_MARGIN = 0.10      # release a copy's device memory only once 10 % past its predicted landing
@@ -71,10 +72,10 @@ class Rates:
     fc2_bwd_ms: float | None = None
     step_extra_ms: float = 0.0
     compute_scale: float = 1.0
-    gemm_heat: float = 0.0
-    heat_ms: float = 50.0
-    cool_ms: float = 5.0
-    mem_heat: float = 0.0
+    gemm_heat: float = NO_HEAT["gemm_heat"]
+    heat_ms: float = NO_HEAT["heat_ms"]
+    cool_ms: float = NO_HEAT["cool_ms"]
+    mem_heat: float = NO_HEAT["mem_heat"]
 
     def __post_init__(self):
         for name in ("d2h_gbps", "h2d_gbps", "gemm_tflops", "hbm_gbps", "k_copy", "k_gemm", "compute_scale", "heat_ms",

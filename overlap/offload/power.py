@@ -18,6 +18,7 @@ import math
 __all__: list[str] = []
 
 MAX_GEMM_HEAT = 1.0   # Rates accepts gemm_heat in [0, 1]: a fit above is clamped (and flagged)
+NO_HEAT = {"gemm_heat": 0.0, "heat_ms": 50.0, "cool_ms": 5.0, "mem_heat": 0.0}  # no power model (Rates' defaults)
 
 
 class Heat:
@@ -76,7 +77,7 @@ class _Residuals:
         return min(1.0, max(0.0, (ms / self.t_cool - 1.0) / self.rise))
 
     def of_heating(self, tau_up: float) -> float:
-        heat = Heat(self.rise, tau_up, 5.0, 0.0)
+        heat = Heat(self.rise, tau_up, NO_HEAT["cool_ms"], 0.0)  # cooling plays no part here
         heat.level = 0.0
         return sum((heat.gemm(self.t_cool) - t) ** 2 for t in self.heating)
 
@@ -119,14 +120,13 @@ def fit_heat(heating: list[float], cooling: list[tuple[float, float, list[float]
     t_cool = min(heating[:3])
     tail = sorted(heating[-max(2, len(heating) // 5):])
     t_hot = tail[len(tail) // 2]
-    out = {"cool_gemm_ms": t_cool, "hot_gemm_ms": t_hot, "gemm_heat": 0.0, "heat_ms": 50.0, "cool_ms": 5.0,
-           "mem_heat": 0.0, "at_bound": []}
+    out = {"cool_gemm_ms": t_cool, "hot_gemm_ms": t_hot, **NO_HEAT, "at_bound": []}
     if t_hot < 1.01 * t_cool:
         return out
     rise = min(MAX_GEMM_HEAT, t_hot / t_cool - 1.0)
     res = _Residuals(heating, cooling, alternating, t_cool, rise)
     tau_up = min(HEAT_GRID, key=res.of_heating)
-    tau_down = min(COOL_GRID, key=lambda tau: res.of_cooling(tau_up, tau)) if cooling else 5.0
+    tau_down = min(COOL_GRID, key=lambda tau: res.of_cooling(tau_up, tau)) if cooling else NO_HEAT["cool_ms"]
     mem = min(MEM_GRID, key=lambda m: res.of_alternating(tau_up, tau_down, m)) if alternating else 0.0
     bounds = {"gemm_heat": (rise, 0.0, MAX_GEMM_HEAT), "heat_ms": (tau_up, HEAT_GRID[0], HEAT_GRID[-1]),
               "cool_ms": (tau_down, COOL_GRID[0], COOL_GRID[-1]), "mem_heat": (mem, MEM_GRID[0], MEM_GRID[-1])}
