@@ -5,13 +5,13 @@ Computes what ``kernels/gemm_fp8.py`` computes, with the same operands and scale
     C[m, n] = sum_g (A[m, g-th 128 columns] . B[n, g-th 128 columns]) * a_scale[m, g] * b_scale[n // 128, g]
 
 A [M, K] and B [N, K] e4m3, rows contiguous, read through host tensor descriptors of blocks [128, 128] and
-[BLOCK_N, 128]; C [M, N] written through a descriptor of blocks [64, BLOCK_N]. TMA reads zeros past M, N
-and K and clips the store, so tails need no masks (only the A-scale loads are masked).
+[BLOCK_N, 128]; C [M, N] written through a descriptor of blocks [64, BLOCK_N]. The scales come through TMA
+too, into the same ring slot as the group's operands: the A scales as their [cdiv(K, 128), M] storage in
+boxes [1, 128] (the tile's rows of group g), the B scales [cdiv(N, 128), cdiv(K, 128)] in boxes [1, 4] (the
+aligned four groups holding g). TMA reads zeros past M, N and K and clips the store, so tails need no masks.
 
-    fp8_gluon_gemm_kernel[(num_programs,)](
-        a_desc, b_desc, c_desc, a_scales, b_scales, M, N, K,
-        a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
-        NUM_STAGES=..., num_warps=4)
+    fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
+                                           NUM_STAGES=..., num_warps=4)
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
@@ -22,6 +22,11 @@ lockstep, so the tensor cores idle meanwhile. Here three warp-specialised partit
 * two consumer warpgroups, each owning 64 rows of the 128-row tile: wait for the slot, MMA its 64 x BLOCK_N
   x 128 product into fresh registers, release the slot, promote. Nothing synchronises the two consumers,
   so one promotes while the other's MMA runs (DeepGEMM's arrangement); each stores its half of C.
+
+The scales are read from shared memory because a global load in the K loop stalls the promotion: ptxas
+multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA
+(on the H200 the promotion with scales loaded from global memory ran at 0.80-0.87 of torch._scaled_mm; the
+same loop without any scale at 1.05).
 
 Registers: a kernel of 4 + 4 + 1 warps runs 384 threads, so ptxas allocates at most 168 per thread even
 where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
@@ -56,27 +61,36 @@ def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M: gl.const
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K):
-    """The producer warp: TMA loads of every K group of this program's tiles into the ring, each slot
-    once both consumer warpgroups have released it."""
+def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready,
+                    empty, M, N, K):
+    """The producer warp: TMA loads of every K group of this program's tiles into the ring (A and B tiles, the
+    tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer warpgroups
+    have released it."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    B_SCALE_BOX: gl.constexpr = b_scale_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGE_BYTES: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                 + a_scale_desc.block_type.nbytes + b_scale_desc.block_type.nbytes)
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
     step = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
+        col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
         for k in range(num_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            mbarrier.expect(bar, STAGE_BYTES)
             tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
             tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
+            tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
+                                            b_scale_bufs.index(slot))
             step += 1
 
 
@@ -102,12 +116,17 @@ def _retire(product, empty, step, NUM_STAGES: gl.constexpr, OUTSTANDING: gl.cons
 
 
 @gluon.jit
-def _group_scales(a_scales_ptr, b_scales_ptr, rows, M, col_block_128, k, a_scale_stride_m, a_scale_stride_k,
-                  b_scale_stride_n, b_scale_stride_k):
-    # rows past M read scale 0: their products are never stored
-    a_scale = gl.load(a_scales_ptr + rows * a_scale_stride_m + k * a_scale_stride_k, mask=rows < M, other=0.0)
-    b_scale = gl.load(b_scales_ptr + col_block_128 * b_scale_stride_n + k * b_scale_stride_k)
-    return a_scale * b_scale
+def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layout: gl.constexpr):
+    """The group's scale of each of this warpgroup's rows (a_scale * b_scale), read from the ring slot: shared
+    memory, so the promotion never waits for a global load (rows past M read 0: their products are never
+    stored)."""
+    WG_M: gl.constexpr = a_scale_bufs.type.shape[1] // 2
+    B_SCALE_BOX: gl.constexpr = b_scale_bufs.type.shape[1]
+    a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
+    box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [4], [0])
+    b_box = b_scale_bufs.index(slot).load(box_layout)
+    in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
+    return a_scale * gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
 
 
 @gluon.jit
@@ -116,9 +135,7 @@ def _promote(acc, product, scale):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, ready, empty, a_scales_ptr, b_scales_ptr, first_row, M, col_block_128, num_k, step,
-                          a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
-                          HALF: gl.constexpr):
+def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, step, HALF: gl.constexpr):
     """The tile's K loop, each group's MMA retired before its promotion: the other warpgroup's MMA keeps
     the tensor cores busy meanwhile (128 registers of accumulator and product per thread for 64x128)."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
@@ -126,21 +143,19 @@ def _k_loop(a_bufs, b_bufs, ready, empty, a_scales_ptr, b_scales_ptr, first_row,
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    rows = first_row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma_layout))
     acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     for k in range(num_k):
         product = _issue_mma(a_bufs, b_bufs, ready, product, step + k, HALF, NUM_STAGES)
-        scale = _group_scales(a_scales_ptr, b_scales_ptr, rows, M, col_block_128, k, a_scale_stride_m,
-                              a_scale_stride_k, b_scale_stride_n, b_scale_stride_k)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k) % NUM_STAGES, k, HALF,
+                              gl.SliceLayout(1, mma_layout))
         product = _retire(product, empty, step + k, NUM_STAGES, 0)
         acc = _promote(acc, product, scale)
     return acc
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K,
-                   a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
+def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K,
                    HALF: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -154,10 +169,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b
     step = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
-        first_row = row_block * BLOCK_M + HALF * WG_M
-        col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, a_scales_ptr, b_scales_ptr, first_row, M, col_block_128, num_k,
-                      step, a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, HALF)
+        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, step, HALF)
         step += num_k
 
         tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
@@ -165,28 +177,23 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b
         out_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         _barrier()  # every warp's rows are in the staging tile before the store is issued
-        tma.async_copy_shared_to_global(c_desc, [first_row, col_block * BLOCK_N], out_smem)
+        tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N], out_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _mma_low(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
-             a_scale_stride_k, b_scale_stride_n, b_scale_stride_k):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
-                   a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, 0)
+def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, 0)
 
 
 @gluon.jit
-def _mma_high(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
-              a_scale_stride_k, b_scale_stride_n, b_scale_stride_k):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K, a_scale_stride_m,
-                   a_scale_stride_k, b_scale_stride_n, b_scale_stride_k, 1)
+def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, 1)
 
 
 @gluon.jit
-def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scales_ptr, b_scales_ptr, M, N, K,
-                          a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k,
-                          NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, NUM_STAGES: gl.constexpr,
+                          MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -195,9 +202,14 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scales_ptr, b_scales_ptr, M,
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
+    gl.static_assert(a_scale_desc.block_type.shape[0] == 1, "one K group of A scales per stage")
+    gl.static_assert(a_scale_desc.block_type.shape[1] == BLOCK_M, "A scales: one per row of the tile")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    B_SCALE_BOX: gl.constexpr = b_scale_desc.block_type.shape[1]
+    a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, 1, BLOCK_M], a_scale_desc.layout)
+    b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, 1, B_SCALE_BOX], b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -206,9 +218,13 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scales_ptr, b_scales_ptr, M,
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, a_scales_ptr, b_scales_ptr, M, N, K,
-                a_scale_stride_m, a_scale_stride_k, b_scale_stride_n, b_scale_stride_k)
-    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K)
+    # the consumers read the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of one row; a slot per row
+    a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
+    b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, B_SCALE_BOX], rows_layout)
+    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K)
+    load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
+                 M, N, K)
     gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args)], [4, 1],
                        [MMA_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):

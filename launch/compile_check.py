@@ -157,23 +157,25 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
 
 def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90):
     """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
-    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3 and C [64, BLOCK_N] bf16, unit scale strides."""
+    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes [1, 128] /
+    [1, 4] fp32."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel as fn
+    from overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, _shared_layout
 
     def descriptor(dtype: str, block: list[int]) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16}[dtype])
-        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
+        torch_dtype = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{_shared_layout(tuple(block), torch_dtype)!r}>"
 
-    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
-                 b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]), c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]), a_scales_ptr="*fp32:16",
-                 b_scales_ptr="*fp32:16", M="i32", N="i32", K="i32", a_scale_stride_k="i32", b_scale_stride_n="i32")
-    constexprs = dict(a_scale_stride_m=1, b_scale_stride_k=1, NUM_STAGES=blocks.num_stages, MMA_REGS=232,
-                      LOAD_REGS=40)
+    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]), b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
+                 c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
+                 a_scale_desc=descriptor("fp32", [1, blocks.block_m]), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
+                 M="i32", N="i32", K="i32")
+    constexprs = dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40)
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:

@@ -30,8 +30,10 @@ import torch
 from kernels.constants import SCALE_GROUP
 
 from .blocks import GemmBlocks, load_block_table
-from .fp8_gluon_launch import gluon_block_problems, launch_fp8_gluon_gemm
+from .fp8_gluon_launch import gluon_block_problems, gluon_operand_problems, launch_fp8_gluon_gemm
 from .fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
+
+SCALE_ROW_ALIGN = 4  # fp32 weight scales per row are padded to 16 bytes: the Gluon GEMM reads them with TMA
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "quantize_activation",
            "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
@@ -72,11 +74,14 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (the nn.Linear layout; bf16, fp16 or fp32, rows contiguous) -> (w8 [N, K] float8_e4m3fn,
-    w_scales [cdiv(N, 128), cdiv(K, 128)] float32 row-major), valid on the current stream."""
+    w_scales [cdiv(N, 128), cdiv(K, 128)] float32, rows contiguous and 16-byte aligned: the row stride is
+    cdiv(K, 128) rounded up to a multiple of 4, which TMA loads need), valid on the current stream."""
     _check_matrix("quantize_weight: w", w, _FLOAT_INPUTS)
     n, k = w.shape
     q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
-    scales = torch.empty(scale_groups(n), scale_groups(k), dtype=torch.float32, device=w.device)
+    groups = scale_groups(k)
+    padded = -(-groups // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+    scales = torch.empty(scale_groups(n), padded, dtype=torch.float32, device=w.device)[:, :groups]
     if n and k:
         launch_quantize_weight(w=w, q=q, scales=scales)
     return q, scales
@@ -184,6 +189,9 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
         out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
     if blocks is None:
         blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type)
+        if blocks.gluon and gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out):
+            # operands TMA cannot read (e.g. M % 4 != 0 scale rows): the table's plain blocks for this shape
+            blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type)
     if blocks.block_k != SCALE_GROUP or blocks.stream_k or (blocks.block_n > SCALE_GROUP and
                                                             blocks.block_n % SCALE_GROUP):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "

@@ -16,6 +16,8 @@ GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_fp8_gluon.py GROUP_M)
+GLUON_MAX_STAGES = 5          # 5 x (32 KiB of A and B + 528 bytes of scales) + 32 KiB of C staging <= 227 KiB
+B_SCALE_BOX = 4               # B scales per TMA load: 16 bytes, the smallest box; the group is one of them
 
 
 def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps: int, group_m: int,
@@ -25,17 +27,22 @@ def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps:
     for name, value, allowed in (("block_m", block_m, (GLUON_BLOCK_M,)), ("block_n", block_n, GLUON_BLOCK_NS),
                                  ("block_k", block_k, (SCALE_GROUP,)), ("num_warps", num_warps, (GLUON_NUM_WARPS,)),
                                  ("group_m", group_m, (GLUON_GROUP_M,)), ("programs_per_sm", programs_per_sm, (1,)),
-                                 ("num_stages", num_stages, (2, 3, 4, 5, 6))):
+                                 ("num_stages", num_stages, tuple(range(2, GLUON_MAX_STAGES + 1)))):
         if value not in allowed:
             out.append(f"gluon: {name} {value} not in {allowed}")
     return out
 
 
-def gluon_operand_problems(*, a8: torch.Tensor, w8: torch.Tensor, out: torch.Tensor) -> list[str]:
-    """TMA needs 16-byte aligned bases and row strides (e4m3: K % 16 == 0; bf16 C: N % 8 == 0)."""
+def gluon_operand_problems(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
+                           out: torch.Tensor) -> list[str]:
+    """TMA needs 16-byte aligned bases and row strides: e4m3 K % 16 == 0, bf16 C N % 8 == 0, the A scales
+    [cdiv(K, 128), M] storage of `quantize_activation` with M % 4 == 0, and B scale rows of a multiple of 4
+    (`quantize_weight` pads them)."""
     out_ = []
-    for name, t in (("a8", a8), ("w8", w8), ("out", out)):
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+    for name, t in (("a8", a8), ("w8", w8), ("out", out), ("a_scales.t()", a_scales.t()), ("w_scales", w_scales)):
+        if t.stride(-1) != 1:
+            out_.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
+        elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             out_.append(f"gluon: {name} needs a 16-byte aligned base and row stride (stride {t.stride(0)} x "
                         f"{t.element_size()} bytes)")
     return out_
@@ -45,8 +52,9 @@ def gluon_operand_problems(*, a8: torch.Tensor, w8: torch.Tensor, out: torch.Ten
 def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                torch.float32: gl.float32}[dtype]
+    if dtype == torch.float32:  # the scale boxes: one row, no swizzle
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
@@ -62,9 +70,10 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py)."""
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
-    problems = gluon_operand_problems(a8=a8, w8=w8, out=out) + gluon_block_problems(
-        block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP, num_warps=GLUON_NUM_WARPS,
-        group_m=GLUON_GROUP_M, num_stages=num_stages, programs_per_sm=1)
+    problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
+    problems += gluon_block_problems(block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP,
+                                     num_warps=GLUON_NUM_WARPS, group_m=GLUON_GROUP_M, num_stages=num_stages,
+                                     programs_per_sm=1)
     if problems:
         raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
     m, k = a8.shape
@@ -73,6 +82,5 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
     fp8_gluon_gemm_kernel[(programs,)](
         _descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), _descriptor(w8, (block_n, SCALE_GROUP)),
-        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), a_scales, w_scales, m, n, k,
-        a_scales.stride(0), a_scales.stride(1), w_scales.stride(0), w_scales.stride(1),
-        NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)
+        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _descriptor(a_scales.t(), (1, GLUON_BLOCK_M)),
+        _descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)

@@ -12,8 +12,8 @@ from overlap.gemm.blocks import GemmBlocks
 
 
 def test_the_gl_suffix_round_trips_and_is_not_plain():
-    blocks = GemmBlocks.parse("128x128x128w4s6gl")
-    assert blocks.gluon and blocks.name == "128x128x128w4s6gl"
+    blocks = GemmBlocks.parse("128x128x128w4s5gl")
+    assert blocks.gluon and blocks.name == "128x128x128w4s5gl"
     assert not blocks.plain, "the Gluon kernel has no chunk-wait mode: flag-waiting callers must not get it"
     assert not GemmBlocks.parse("128x128x128w4s6").gluon
     assert any(GemmBlocks.parse(name).gluon for name in FP8_CANDIDATES)
@@ -46,3 +46,31 @@ def test_fp8_gemm_refuses_gluon_blocks_for_the_chunk_waiting_consumer():
                          error_words=torch.zeros(4, dtype=torch.int32), error_code_base=0, timeout_s=1.0)
     with pytest.raises(ValueError, match="chunk_wait needs blocks without ws / fl / gl"):
         fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse("128x128x128w4s4gl"), chunk_wait=wait)
+
+
+def test_the_table_choice_falls_back_to_plain_blocks_where_tma_cannot_read_the_scales(monkeypatch):
+    """A table entry naming Gluon blocks is used only where TMA can read the operands (A scale rows are
+    16-byte aligned when M % 4 == 0); else the entry's plain blocks run."""
+    chosen = []
+
+    def choose(m, n, k, *, warp_specialize=True, device_type="cuda", gpu="h200"):
+        chosen.append(warp_specialize)
+        return GemmBlocks.parse("128x128x128w4s5gl" if warp_specialize else "16x32x128w4s1")
+
+    monkeypatch.setattr(fp8, "choose_fp8_blocks", choose)
+    ops = _operands(m=7)
+    out = fp8.fp8_gemm(**ops)  # plain blocks: runs here, under the interpreter
+    ref = fp8.scaled_mm_reference(**ops)
+    assert chosen == [True, False] and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    chosen.clear()
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # M 8: the Gluon blocks stay chosen
+        fp8.fp8_gemm(**_operands(m=8))
+    assert chosen == [True]
+
+
+def test_gluon_operand_problems_name_the_unaligned_scale_rows():
+    from overlap.gemm.fp8_gluon_launch import gluon_operand_problems
+
+    assert gluon_operand_problems(**_operands(m=8), out=torch.empty(8, 16, dtype=torch.bfloat16)) == []
+    problems = gluon_operand_problems(**_operands(m=6), out=torch.empty(6, 16, dtype=torch.bfloat16))
+    assert len(problems) == 1 and "a_scales.t() needs a 16-byte aligned" in problems[0]

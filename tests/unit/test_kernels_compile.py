@@ -25,7 +25,7 @@ from launch.compile_check import (compile_fp8_gemm, compile_gemm, compile_overla
 from overlap.gemm import GemmBlocks
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
-out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s6gl")))
+out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s5gl")))
 out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
