@@ -46,6 +46,8 @@ SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale gr
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
 GROUP_M = gl.constexpr(8)
+B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
+TMA_ALIGN = gl.constexpr(128)  # bytes: TMA's shared-memory destinations are aligned to this
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -69,7 +71,6 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    B_SCALE_BOX: gl.constexpr = b_scale_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     STAGE_BYTES: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
                                  + a_scale_desc.block_type.nbytes + b_scale_desc.block_type.nbytes)
@@ -90,7 +91,7 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
             tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
             tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
             tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
-                                            b_scale_bufs.index(slot))
+                                            b_scale_bufs.index(slot).slice(0, 1))
             step += 1
 
 
@@ -121,10 +122,9 @@ def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layou
     memory, so the promotion never waits for a global load (rows past M read 0: their products are never
     stored)."""
     WG_M: gl.constexpr = a_scale_bufs.type.shape[1] // 2
-    B_SCALE_BOX: gl.constexpr = b_scale_bufs.type.shape[1]
     a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
     box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [4], [0])
-    b_box = b_scale_bufs.index(slot).load(box_layout)
+    b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
     return a_scale * gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
 
@@ -207,9 +207,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    B_SCALE_BOX: gl.constexpr = b_scale_desc.block_type.shape[1]
+    gl.static_assert(b_scale_desc.block_type.shape[1] == B_SCALE_BOX, "B scales: boxes of B_SCALE_BOX groups")
     a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, 1, BLOCK_M], a_scale_desc.layout)
-    b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, 1, B_SCALE_BOX], b_scale_desc.layout)
+    # a B scale box (16 bytes) per 128 bytes: TMA writes shared memory at 128-byte aligned addresses only
+    b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, TMA_ALIGN // 16, B_SCALE_BOX],
+                                             b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -221,7 +223,7 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     # the consumers read the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of one row; a slot per row
     a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
-    b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, B_SCALE_BOX], rows_layout)
+    b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, TMA_ALIGN // 4], rows_layout)
     mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K)

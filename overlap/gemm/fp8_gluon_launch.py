@@ -16,8 +16,8 @@ GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_fp8_gluon.py GROUP_M)
-GLUON_MAX_STAGES = 5          # 5 x (32 KiB of A and B + 528 bytes of scales) + 32 KiB of C staging <= 227 KiB
-B_SCALE_BOX = 4               # B scales per TMA load: 16 bytes, the smallest box; the group is one of them
+GLUON_MAX_STAGES = 5          # 5 x (32 KiB of A and B + 640 bytes of scales) + 32 KiB of C staging <= 227 KiB
+B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
 
 
 def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps: int, group_m: int,
