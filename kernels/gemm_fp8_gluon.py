@@ -6,9 +6,11 @@ Computes what ``kernels/gemm_fp8.py`` computes, with the same operands and scale
 
 A [M, K] and B [N, K] e4m3, rows contiguous, read through host tensor descriptors of blocks [128, 128] and
 [BLOCK_N, 128]; C [M, N] written through a descriptor of blocks [64, BLOCK_N]. The scales come through TMA
-too, into the same ring slot as the group's operands: the A scales as their [cdiv(K, 128), M] storage in
-boxes [1, 128] (the tile's rows of group g), the B scales [cdiv(N, 128), cdiv(K, 128)] in boxes [1, 4] (the
-aligned four groups holding g). TMA reads zeros past M, N and K and clips the store, so tails need no masks.
+too, into the same ring slot as the group's operands: the A scales group-major (their [cdiv(K, 128), M]
+storage, as `quantize_activation` makes them) in boxes [1, 128], the tile's rows of group g, or row-major
+(an AllGather pool's [M, groups padded to 4]) in boxes [128, 4]; the B scales [cdiv(N, 128), cdiv(K, 128)]
+in boxes [1, 4], the aligned four groups holding g. TMA reads zeros past M, N and K and clips the store, so
+tails need no masks.
 
     fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
                                            NUM_STAGES=..., num_warps=4)
@@ -25,8 +27,8 @@ lockstep, so the tensor cores idle meanwhile. Here three warp-specialised partit
 
 The scales are read from shared memory because a global load in the K loop stalls the promotion: ptxas
 multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA
-(on the H200 the promotion with scales loaded from global memory ran at 0.80-0.87 of torch._scaled_mm; the
-same loop without any scale at 1.05).
+(loading one step ahead does not help for the same reason). Row-major A scales cost one more partition
+barrier per step (their column moves into the rows' layout through shared memory).
 
 Registers: a kernel of 4 + 4 + 1 warps runs 384 threads, so ptxas allocates at most 168 per thread even
 where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
@@ -47,7 +49,7 @@ SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale gr
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
 GROUP_M = gl.constexpr(8)
 B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
-TMA_ALIGN = gl.constexpr(128)  # bytes: TMA's shared-memory destinations are aligned to this
+SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignment of TMA's shared-memory writes
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -89,7 +91,11 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
             mbarrier.expect(bar, STAGE_BYTES)
             tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
             tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
-            tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
+            if a_scale_desc.block_type.shape[0] == 1:  # group-major storage [groups, M]: the group's row
+                tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
+            else:  # row-major [M, groups] (e.g. an AllGather pool): the tile's rows, the box holding the group
+                tma.async_copy_global_to_shared(a_scale_desc, [row_block * BLOCK_M, k - k % B_SCALE_BOX], bar,
+                                                a_scale_bufs.index(slot))
             tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
                                             b_scale_bufs.index(slot).slice(0, 1))
             step += 1
@@ -122,7 +128,13 @@ def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layou
     memory, so the promotion never waits for a global load (rows past M read 0: their products are never
     stored)."""
     WG_M: gl.constexpr = a_scale_bufs.type.shape[1] // 2
-    a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
+    if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
+        a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
+    else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column, moved into the rows' layout
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [4, 1], [1, 0])
+        boxes = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(rows_layout)
+        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, rows_layout)) == k % B_SCALE_BOX
+        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), layout)
     box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [4], [0])
     b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
@@ -202,15 +214,19 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
-    gl.static_assert(a_scale_desc.block_type.shape[0] == 1, "one K group of A scales per stage")
-    gl.static_assert(a_scale_desc.block_type.shape[1] == BLOCK_M, "A scales: one per row of the tile")
+    A_SCALE_BOX: gl.constexpr = a_scale_desc.block_type.shape
+    gl.static_assert(((A_SCALE_BOX[0] == 1) and (A_SCALE_BOX[1] == BLOCK_M))
+                     or ((A_SCALE_BOX[0] == BLOCK_M) and (A_SCALE_BOX[1] == B_SCALE_BOX)),
+                     "A scales: boxes [1, BLOCK_M] (group-major) or [BLOCK_M, B_SCALE_BOX] (row-major)")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     gl.static_assert(b_scale_desc.block_type.shape[1] == B_SCALE_BOX, "B scales: boxes of B_SCALE_BOX groups")
-    a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, 1, BLOCK_M], a_scale_desc.layout)
+    a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, A_SCALE_BOX[0], A_SCALE_BOX[1]],
+                                             a_scale_desc.layout)
     # a B scale box (16 bytes) per 128 bytes: TMA writes shared memory at 128-byte aligned addresses only
-    b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, TMA_ALIGN // 16, B_SCALE_BOX],
+    gl.static_assert(SLOT_FLOATS % B_SCALE_BOX == 0, "B scale slots hold whole boxes")
+    b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS // B_SCALE_BOX, B_SCALE_BOX],
                                              b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -222,8 +238,12 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
 
     # the consumers read the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of one row; a slot per row
-    a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
-    b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, TMA_ALIGN // 4], rows_layout)
+    if A_SCALE_BOX[0] == 1:
+        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
+    else:
+        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M, B_SCALE_BOX],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
     mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K)

@@ -155,10 +155,10 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
                               num_stages=blocks.num_stages, arch=arch)
 
 
-def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90):
+def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group_major: bool = True):
     """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
-    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes [1, 128] /
-    [1, 4] fp32."""
+    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
+    (group-major) or [128, 4] (row-major), B [1, 4]."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -171,9 +171,11 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90):
         torch_dtype = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{_shared_layout(tuple(block), torch_dtype)!r}>"
 
-    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]), b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
+    a_scale_box = [1, blocks.block_m] if a_scales_group_major else [blocks.block_m, B_SCALE_BOX]
+    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
+                 b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
                  c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
-                 a_scale_desc=descriptor("fp32", [1, blocks.block_m]), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
+                 a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
                  M="i32", N="i32", K="i32")
     constexprs = dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40)
     signature, attrs, constants = {}, {}, {}

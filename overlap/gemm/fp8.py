@@ -7,7 +7,8 @@ Layouts (those of cuBLAS's blockwise `torch._scaled_mm`, so one set of tensors f
   row per 128-wide K group, stored group-major: a view with strides (1, M) of a [cdiv(K, 128), M] tensor
   (`scale_a` of `torch._scaled_mm` as is);
 * a weight w [N, K] (nn.Linear) becomes w8 [N, K] e4m3 and `w_scales` [cdiv(N, 128), cdiv(K, 128)] fp32,
-  row-major -- one scale per 128x128 block (`scale_b` is `w_scales.t()`, next to `w8.t()`).
+  row-major with rows padded to a multiple of 4 scales (16 bytes, for TMA) -- one scale per 128x128 block
+  (`scale_b` is `w_scales.t()`, next to `w8.t()`).
 
     x8, x_scales = quantize_activation(x)
     w8, w_scales = cache.get(weight)                     # Fp8WeightCache: once per optimizer step
@@ -33,11 +34,11 @@ from .blocks import GemmBlocks, load_block_table
 from .fp8_gluon_launch import gluon_block_problems, gluon_operand_problems, launch_fp8_gluon_gemm
 from .fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
 
-SCALE_ROW_ALIGN = 4  # fp32 weight scales per row are padded to 16 bytes: the Gluon GEMM reads them with TMA
+SCALE_ROW_ALIGN = 4  # stored rows of fp32 scales are padded to 16 bytes: the Gluon GEMM reads them with TMA
 
-__all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "quantize_activation",
-           "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference", "quantize_activation_reference",
-           "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
+__all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "padded_scale_groups",
+           "quantize_activation", "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference",
+           "quantize_activation_reference", "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,6 +48,11 @@ _OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
 def scale_groups(size: int) -> int:
     """Scale groups of `size` elements (one per 128, the last possibly partial)."""
     return -(-size // SCALE_GROUP)
+
+
+def padded_scale_groups(size: int) -> int:
+    """`scale_groups(size)` rounded up to SCALE_ROW_ALIGN: the row stride of stored scale rows (16 bytes)."""
+    return -(-scale_groups(size) // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
 
 
 def _check_matrix(name: str, t: torch.Tensor, dtypes) -> None:
@@ -79,9 +85,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_matrix("quantize_weight: w", w, _FLOAT_INPUTS)
     n, k = w.shape
     q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
-    groups = scale_groups(k)
-    padded = -(-groups // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
-    scales = torch.empty(scale_groups(n), padded, dtype=torch.float32, device=w.device)[:, :groups]
+    scales = torch.zeros(scale_groups(n), padded_scale_groups(k), dtype=torch.float32,
+                         device=w.device)[:, :scale_groups(k)]
     if n and k:
         launch_quantize_weight(w=w, q=q, scales=scales)
     return q, scales
@@ -183,15 +188,19 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     float8_e4m3fn, scales as `quantize_activation` / `quantize_weight` make them, any strides), on the
     current stream with `num_programs` persistent programs (default: every SM); `out` (rows contiguous,
     bf16 by default) is valid on the current stream when this returns. `chunk_wait` runs the AllGather
-    consumer mode (tiles wait for the chunks of a8 they read; blocks without warp specialisation)."""
+    consumer mode (tiles wait for the chunks of a8 they read; blocks without warp specialisation).
+    Gluon blocks (`gl`) read the operands with TMA (`gluon_operand_problems`): where they cannot, the
+    table's choice falls back to its plain blocks, and explicit `gl` blocks raise ValueError."""
     m, n, k = _check_gemm_operands(a8, a_scales, w8, w_scales, out)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
+    operand_problems = None
     if blocks is None:
         blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type)
-        if blocks.gluon and gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out):
-            # operands TMA cannot read (e.g. M % 4 != 0 scale rows): the table's plain blocks for this shape
-            blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type)
+        if blocks.gluon:
+            operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
+            if operand_problems:  # e.g. scale rows of M % 4 != 0: the table's plain blocks for this shape
+                blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type)
     if blocks.block_k != SCALE_GROUP or blocks.stream_k or (blocks.block_n > SCALE_GROUP and
                                                             blocks.block_n % SCALE_GROUP):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "
@@ -201,17 +210,21 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten or blocks.gluon):
         raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl / gl, got {blocks.name}")
     if blocks.gluon:
-        _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset)
+        if operand_problems is None:
+            operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
+        _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset, operand_problems)
     elif m and n:
         launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
                         num_programs=num_programs, tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
 
 
-def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset) -> None:
+def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset,
+                  operand_problems: list[str]) -> None:
     problems = gluon_block_problems(block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
                                     num_warps=blocks.num_warps, group_m=blocks.group_m,
                                     num_stages=blocks.num_stages, programs_per_sm=blocks.programs_per_sm)
+    problems += operand_problems
     if tile_row_offset:
         problems.append(f"tile_row_offset {tile_row_offset} (the Gluon kernel walks tiles from row block 0)")
     if not a8.is_cuda:
@@ -220,7 +233,7 @@ def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_progr
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(problems)}")
     if out.shape[0] and out.shape[1]:
         launch_fp8_gluon_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, block_n=blocks.block_n,
-                              num_stages=blocks.num_stages, num_programs=num_programs)
+                              num_stages=blocks.num_stages, num_programs=num_programs, checked=True)
 
 
 def _reference_groups(values: torch.Tensor, amax: torch.Tensor):

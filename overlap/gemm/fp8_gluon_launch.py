@@ -16,7 +16,7 @@ GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_fp8_gluon.py GROUP_M)
-GLUON_MAX_STAGES = 5          # 5 x (32 KiB of A and B + 640 bytes of scales) + 32 KiB of C staging <= 227 KiB
+GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB of C staging > 227 KiB
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
 
 
@@ -35,17 +35,24 @@ def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps:
 
 def gluon_operand_problems(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                            out: torch.Tensor) -> list[str]:
-    """TMA needs 16-byte aligned bases and row strides: e4m3 K % 16 == 0, bf16 C N % 8 == 0, the A scales
-    [cdiv(K, 128), M] storage of `quantize_activation` with M % 4 == 0, and B scale rows of a multiple of 4
-    (`quantize_weight` pads them)."""
+    """TMA needs rows that are contiguous, with 16-byte aligned bases and row strides: e4m3 K % 16 == 0, bf16
+    C N % 8 == 0; the A scales either group-major ([cdiv(K, 128), M] storage, as `quantize_activation`
+    makes them: M % 4 == 0) or row-major with rows padded to 4 scales (an AllGather pool's); the B scales
+    row-major with such rows (`quantize_weight` pads them)."""
     out_ = []
-    for name, t in (("a8", a8), ("w8", w8), ("out", out), ("a_scales.t()", a_scales.t()), ("w_scales", w_scales)):
+    for name, t in (("a8", a8), ("w8", w8), ("out", out), ("a_scales", _a_scale_rows(a_scales)),
+                    ("w_scales", w_scales)):
         if t.stride(-1) != 1:
             out_.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
         elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            out_.append(f"gluon: {name} needs a 16-byte aligned base and row stride (stride {t.stride(0)} x "
-                        f"{t.element_size()} bytes)")
+            out_.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at {t.data_ptr() % 16} "
+                        f"mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
     return out_
+
+
+def _a_scale_rows(a_scales: torch.Tensor) -> torch.Tensor:
+    """The A scales as TMA reads them: the [groups, M] storage when group-major, else as they are."""
+    return a_scales.t() if a_scales.stride(0) == 1 and a_scales.stride(1) != 1 else a_scales
 
 
 @functools.cache
@@ -64,23 +71,31 @@ def _descriptor(t: torch.Tensor, block: tuple[int, int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
 
 
+def _a_scale_descriptor(a_scales: torch.Tensor):
+    rows = _a_scale_rows(a_scales)
+    # group-major: a group's scales of the tile's 128 rows per load; row-major: the tile's rows, 4 groups
+    return _descriptor(rows, (1, GLUON_BLOCK_M) if rows is not a_scales else (GLUON_BLOCK_M, B_SCALE_BOX))
+
+
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                           out: torch.Tensor, block_n: int = 128, num_stages: int = 4,
-                          num_programs: int | None = None) -> None:
-    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py)."""
+                          num_programs: int | None = None, checked: bool = False) -> None:
+    """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py).
+    `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path)."""
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
-    problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
-    problems += gluon_block_problems(block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP,
-                                     num_warps=GLUON_NUM_WARPS, group_m=GLUON_GROUP_M, num_stages=num_stages,
-                                     programs_per_sm=1)
-    if problems:
-        raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
+    if not checked:
+        problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
+        problems += gluon_block_problems(block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP,
+                                         num_warps=GLUON_NUM_WARPS, group_m=GLUON_GROUP_M, num_stages=num_stages,
+                                         programs_per_sm=1)
+        if problems:
+            raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
     m, k = a8.shape
     n = w8.shape[0]
     tiles = -(-m // GLUON_BLOCK_M) * -(-n // block_n)
     programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
     fp8_gluon_gemm_kernel[(programs,)](
         _descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), _descriptor(w8, (block_n, SCALE_GROUP)),
-        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _descriptor(a_scales.t(), (1, GLUON_BLOCK_M)),
+        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
         _descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from symm_mem.regions import RegionSpec
 
-from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, scale_groups)
+from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, padded_scale_groups,
+                     scale_groups)
 from . import protocol
 from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .ag_consumers import AgConsumers
@@ -70,7 +71,9 @@ class AgGemm(AgConsumers, OpBase):
         self.gathered, *scales = (pool.reserve(*spec[:3], num_signals=spec.num_signals,
                                                num_device_flags=spec.num_device_flags, exclusive=True)
                                   for spec in specs)
-        self.scales = scales[0] if fp8 else None
+        # the scale rows padded to 16 bytes (the Gluon FP8 GEMM reads them with TMA): pulled whole, used as a view
+        self._scale_rows = scales[0] if fp8 else None
+        self.scales = self._scale_rows[:, :scale_groups(k)] if fp8 else None
         if fp8:
             self._weights = Fp8WeightCache()   # of w.t(): w8 [N, K] for w [K, N]
         self._gathered_ptr = self.gathered.data_ptr()
@@ -86,12 +89,13 @@ class AgGemm(AgConsumers, OpBase):
     def regions(*, name: str, world_size: int, max_m: int, k: int, dtype: torch.dtype, chunks_per_rank: int,
                 fp8: bool) -> list[RegionSpec]:
         """The pool regions an AgGemm reserves: the gathered rows [max_m, K] with the flags of
-        `protocol.AgFlags`, and with fp8 their scales [max_m, cdiv(K, 128)] fp32 (pulled with the rows)."""
+        `protocol.AgFlags`, and with fp8 their scales [max_m, cdiv(K, 128)] fp32, rows padded to a multiple of
+        4 scales (pulled with the rows)."""
         flags = protocol.AgFlags(f"{name}.a", world_size, chunks_per_rank)
         specs = [RegionSpec(flags.region, (max_m, k), torch.float8_e4m3fn if fp8 else dtype,
                             flags.num_signals, flags.num_device_flags)]
         if fp8:
-            specs.append(RegionSpec(f"{name}.s", (max_m, scale_groups(k)), torch.float32))
+            specs.append(RegionSpec(f"{name}.s", (max_m, padded_scale_groups(k)), torch.float32))
         return specs
 
     # ----- public --------------------------------------------------------------------------------------
@@ -299,7 +303,7 @@ class AgGemm(AgConsumers, OpBase):
             program.copy(COMM, self.gathered[lo:lo + count], source[lo:lo + count])
             if self.fp8:
                 scales = self.pool.peer(f"{self.name}.s", chunk.owner)
-                program.copy(COMM, self.scales[lo:lo + count], scales[lo:lo + count])
+                program.copy(COMM, self._scale_rows[lo:lo + count], scales[lo:lo + count])
             if fused:
                 program.set(COMM, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1])
             else:
@@ -309,5 +313,5 @@ class AgGemm(AgConsumers, OpBase):
         program.record(COMM, "gathered")
 
     def _release(self) -> None:
-        self.gathered = self.scales = None
+        self.gathered = self.scales = self._scale_rows = None
         self.chunk_flags = None

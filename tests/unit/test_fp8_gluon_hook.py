@@ -71,6 +71,26 @@ def test_the_table_choice_falls_back_to_plain_blocks_where_tma_cannot_read_the_s
 def test_gluon_operand_problems_name_the_unaligned_scale_rows():
     from overlap.gemm.fp8_gluon_launch import gluon_operand_problems
 
-    assert gluon_operand_problems(**_operands(m=8), out=torch.empty(8, 16, dtype=torch.bfloat16)) == []
-    problems = gluon_operand_problems(**_operands(m=6), out=torch.empty(6, 16, dtype=torch.bfloat16))
-    assert len(problems) == 1 and "a_scales.t() needs a 16-byte aligned" in problems[0]
+    out = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert gluon_operand_problems(**_operands(m=8), out=out) == []
+    problems = gluon_operand_problems(**_operands(m=6), out=out[:6])
+    assert len(problems) == 1 and "a_scales needs a 16-byte aligned" in problems[0]
+    ops = _operands(m=8, n=256)  # weight scales as a plain contiguous [2, 2]: rows of 8 bytes
+    problems = gluon_operand_problems(**(ops | {"w_scales": ops["w_scales"].contiguous()}),
+                                      out=torch.empty(8, 256, dtype=torch.bfloat16))
+    assert len(problems) == 1 and "w_scales needs a 16-byte aligned" in problems[0]
+
+
+def test_row_major_a_scales_with_padded_rows_are_read_as_they_are():
+    """An AllGather pool keeps the gathered scales row-major, rows padded to 4 (16 bytes): TMA reads those
+    rows directly (boxes [128, 4]); unpadded row-major rows are refused."""
+    from overlap.gemm.fp8_gluon_launch import _a_scale_rows, gluon_operand_problems
+
+    ops = _operands(m=8)
+    padded = torch.zeros(8, fp8.padded_scale_groups(256))[:, :2]
+    padded.copy_(ops["a_scales"])
+    out = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert _a_scale_rows(padded) is padded and _a_scale_rows(ops["a_scales"]).shape == (2, 8)
+    assert gluon_operand_problems(**(ops | {"a_scales": padded}), out=out) == []
+    problems = gluon_operand_problems(**(ops | {"a_scales": ops["a_scales"].contiguous()}), out=out)
+    assert len(problems) == 1 and "a_scales needs a 16-byte aligned" in problems[0]

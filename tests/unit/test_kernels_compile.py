@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json
-from launch.compile_check import (compile_fp8_gemm, compile_gemm, compile_overlap_kernels, compile_quantizers,
-                                  compile_swiglu, resource_usage)
+from launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_overlap_kernels,
+                                  compile_quantizers, compile_swiglu, resource_usage)
 from overlap.gemm import GemmBlocks
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
 out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s5gl")))
+out["fp8 gluon, row-major A scales"] = resource_usage(compile_fp8_gluon_gemm(GemmBlocks.parse("128x128x128w4s5gl"),
+                                                                             a_scales_group_major=False))
 out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
@@ -46,7 +48,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     usage = json.loads(lines[-1][len("RESULT "):])
-    assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon", "fp8 chunk wait",
+    assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
+                          "fp8 gluon, row-major A scales", "fp8 chunk wait",
                           "bf16 stream-K", "gemm epilogue 0 + chunk waits", "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
                           "swiglu backward"}
