@@ -94,3 +94,18 @@ def test_row_major_a_scales_with_padded_rows_are_read_as_they_are():
     assert gluon_operand_problems(**(ops | {"a_scales": padded}), out=out) == []
     problems = gluon_operand_problems(**(ops | {"a_scales": ops["a_scales"].contiguous()}), out=out)
     assert len(problems) == 1 and "a_scales needs a 16-byte aligned" in problems[0]
+
+
+def test_every_gluon_choice_of_the_fp8_table_and_the_candidates_is_runnable():
+    """A stale entry (e.g. a ring depth the kernel no longer fits) would otherwise fail only on the GPU."""
+    from overlap.gemm.blocks import load_block_table
+    from overlap.gemm.fp8_gluon_launch import gluon_block_problems
+
+    table = load_block_table("h200_fp8")
+    names = {e.blocks.name for e in table.entries} | {n for n in FP8_CANDIDATES if GemmBlocks.parse(n).gluon}
+    gluon = [GemmBlocks.parse(name) for name in sorted(names) if GemmBlocks.parse(name).gluon]
+    assert gluon, "the table names no Gluon blocks"
+    for b in gluon:
+        assert gluon_block_problems(block_m=b.block_m, block_n=b.block_n, block_k=b.block_k, num_warps=b.num_warps,
+                                    group_m=b.group_m, num_stages=b.num_stages,
+                                    programs_per_sm=b.programs_per_sm) == [], b.name
