@@ -155,21 +155,40 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
                               num_stages=blocks.num_stages, arch=arch)
 
 
-def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group_major: bool = True):
-    """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
-    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
-    (group-major) or [128, 4] (row-major), B [1, 4]."""
-    import torch
+def compile_gluon(fn, types: dict, constexprs: dict, *, num_warps: int, arch: int = 90):
+    """triton.compile of the Gluon kernel `fn` for sm_<arch> (types and constexprs as `compile_for_target`,
+    tensor descriptors written `tensordesc<dtype[block],layout>`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel as fn
+    signature, attrs, constants = {}, {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name], constants[(index,)] = "constexpr", constexprs[name]
+        else:
+            signature[name] = _typed(types[name], (index,), attrs)
+    source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def _gluon_descriptor(layout_of, dtype: str, block: list[int]) -> str:
+    import torch
+
+    torch_dtype = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16,
+                   "fp32": torch.float32}[dtype]
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout_of(tuple(block), torch_dtype)!r}>"
+
+
+def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group_major: bool = True):
+    """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
+    descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
+    (group-major) or [128, 4] (row-major), B [1, 4]."""
+    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
     from overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, _shared_layout
 
     def descriptor(dtype: str, block: list[int]) -> str:
-        torch_dtype = {"fp8e4nv": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{_shared_layout(tuple(block), torch_dtype)!r}>"
+        return _gluon_descriptor(_shared_layout, dtype, block)
 
     a_scale_box = [1, blocks.block_m] if a_scales_group_major else [blocks.block_m, B_SCALE_BOX]
     types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
@@ -177,18 +196,23 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
                  c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
                  a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
                  M="i32", N="i32", K="i32")
-    constexprs = dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40)
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name], constants[(index,)] = "constexpr", constexprs[name]
-        else:
-            signature[name], _, divisible = types[name].partition(":")
-            if divisible:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": blocks.num_warps, "num_stages": blocks.num_stages})
+    return compile_gluon(fp8_gluon_gemm_kernel, types, dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40),
+                         num_warps=blocks.num_warps, arch=arch)
+
+
+def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
+    """The Gluon bf16/fp16 GEMM (kernels/gemm_gluon.py) as overlap/gemm/gluon_launch.py launches it: host
+    descriptors of A [128, BLOCK_K], B [BLOCK_K, BLOCK_N] (or [BLOCK_N, BLOCK_K] transposed), C [64, BLOCK_N]."""
+    from kernels.gemm_gluon import gluon_gemm_kernel
+    from overlap.gemm.gluon_launch import _shared_layout
+
+    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+    types = dict(a_desc=_gluon_descriptor(_shared_layout, dtype, [bm, bk]),
+                 b_desc=_gluon_descriptor(_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
+                 c_desc=_gluon_descriptor(_shared_layout, dtype, [bm // 2, bn]), M="i32", N="i32", K="i32",
+                 tile_row_offset="i32")
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, MMA_REGS=232, LOAD_REGS=40)
+    return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
 def compile_quantizers(arch: int = 90) -> dict:
@@ -227,7 +251,8 @@ def _check(job):
     try:
         blocks = GemmBlocks.parse(name)
         if kind == "gemm":
-            compile = compile_split_k_gemm if blocks.split_k > 1 else compile_gemm
+            compile = (compile_gluon_gemm if blocks.gluon else compile_split_k_gemm if blocks.split_k > 1
+                       else compile_gemm)
             compiled = compile(blocks, b_transposed=extra)
         else:
             compiled = compile_fp8_gemm(blocks, wait_chunks=extra)

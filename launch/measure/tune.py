@@ -100,16 +100,19 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 # so that the next tile's loads overlap this tile's epilogue (short K); `o2` two CTAs per SM hide each
 # other's epilogue; `sk` stream-K splits the last partial wave by K steps (few tiles: 48-96 tiles on 132
 # SMs)). Every name compiles without spills for sm_90 with Triton 3.6 and 3.7 in both layouts.
+# The Gluon kernel (kernels/gemm_gluon.py: host descriptors, a TMA warp and two consumer warpgroups), tried
+# in every class: 128x64 tiles give narrow shapes twice the tiles of 128x128 ones.
+GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl")
 GEMM_CLASSES = {
     # fewer 128x256 tiles than SMs: the last (only) wave is partial
     "few_tiles": ("128x128x64w8s4", "128x128x64w4s4", "64x128x64w4s4o2", "128x128x64w8s4sk1", "128x256x64w8s3sk1",
-                  "64x128x64w4s4sk1", "128x256x64w8s3", "128x128x64w4s3es2o2"),
+                  "64x128x64w4s4sk1", "128x256x64w8s3", "128x128x64w4s3es2o2") + GLUON_CANDIDATES,
     # K <= 2048: the epilogue is a large share of each tile's time
     "short_k": ("128x256x64w8s3", "128x256x64w8s3fl", "128x256x64w4s3ws", "128x256x64w8s4es2", "128x128x64w8s4fl",
-                "128x128x64w4s3es2o2", "128x256x64w8s3sk1"),
+                "128x128x64w4s3es2o2", "128x256x64w8s3sk1") + GLUON_CANDIDATES,
     # many tiles, long K: throughput
     "large": ("128x256x64w8s3", "128x256x64w8s3g16", "128x256x64w4s3ws", "256x128x64w8s3", "128x256x64w8s4es2",
-              "128x256x64w8s3fl"),
+              "128x256x64w8s3fl") + GLUON_CANDIDATES,
 }
 SHORT_K = 2048
 # Split-K (kernels/gemm_splitk.py, `sp<S>`): each tile's K over S units, which the hardware schedules two or

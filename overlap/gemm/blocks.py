@@ -19,8 +19,9 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
-finish; for too few output tiles and long K), `gl` (FP8 only: the Gluon kernel, kernels/gemm_fp8_gluon.py;
-128xBNx128w4s<stages>, BN 64 or 128).
+finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and two consumer
+warpgroups: kernels/gemm_gluon.py, 128xBNxBKw4s<stages> with BN 64, 128 or 256 and BK 32 or 64; FP8:
+kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class GemmBlocks:
     stream_k: int = 0
     programs_per_sm: int = 1   # the default grid: this many persistent programs per SM (2: two CTAs share one)
     split_k: int = 1           # > 1: the split-K kernel, each tile's K steps over this many units
-    gluon: bool = False        # FP8 only: the Gluon kernel instead of the @triton.jit one
+    gluon: bool = False        # the Gluon kernel instead of the @triton.jit one
 
     @property
     def name(self) -> str:
@@ -120,6 +121,24 @@ class GemmBlocks:
             out.append("split-K (its own kernel) takes none of ws, fl, sk, o2, es2")
         if shared > SHARED_MEMORY_LIMIT:
             out.append(f"needs ~{shared} bytes of shared memory > {SHARED_MEMORY_LIMIT}")
+        if self.gluon and operand_bytes == 2:
+            out += self._gluon_problems()
+        return out
+
+    def _gluon_problems(self) -> list[str]:
+        """Why the Gluon bf16/fp16 kernel (kernels/gemm_gluon.py) cannot run these blocks."""
+        out = []
+        for name, allowed in (("block_m", (128,)), ("block_n", (64, 128, 256)), ("block_k", (32, 64)),
+                              ("num_warps", (4,)), ("group_m", (8,)), ("programs_per_sm", (1,))):
+            if getattr(self, name) not in allowed:  # two consumer warpgroups of 64 rows; GROUP_M fixed in the kernel
+                out.append(f"gluon: {name} {getattr(self, name)} not in {allowed}")
+        if self.num_stages < 2:
+            out.append(f"gluon: num_stages {self.num_stages} < 2")
+        for name in ("warp_specialize", "flatten", "stream_k"):
+            if getattr(self, name):
+                out.append(f"gluon: {name} is a @triton.jit option")
+        if self.split_k > 1 or self.epilogue_subtile != 1:
+            out.append("gluon: split-K and es2 are @triton.jit options")
         return out
 
 

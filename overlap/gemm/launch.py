@@ -109,6 +109,8 @@ def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_prog
     """
     from kernels.gemm import GemmConfig, persistent_gemm_kernel
 
+    if blocks.gluon:
+        raise ValueError(f"launch_gemm: blocks {blocks.name!r} name a Gluon kernel (triton_mm or fp8_gemm runs them)")
     if a.is_cuda:
         ensure_allocator()
     m, k = a.shape

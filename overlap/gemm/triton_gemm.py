@@ -13,6 +13,7 @@ import functools
 import torch
 
 from .blocks import GemmBlocks, choose_blocks
+from .gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from .launch import b_operand, launch_gemm
 from .splitk import launch_split_k
 
@@ -64,14 +65,29 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     (b row-major, or the transpose view of a row-major [N, K]); valid on the current stream. Blocks from
     `choose_blocks` for the layout and GPU unless given. A stream-K configuration uses a workspace private
     to the current stream (allocated on its first use there: warm up before a CUDA-graph capture); so does a
-    split-K one (`split_k > 1`: overlap/gemm/splitk.py, at most `num_programs` programs when given)."""
+    split-K one (`split_k > 1`: overlap/gemm/splitk.py, at most `num_programs` programs when given). Gluon
+    blocks (`gl`: kernels/gemm_gluon.py) read every operand through TMA: where one is not aligned for it, a
+    table's choice falls back to the entry's plain blocks, and explicit `blocks` raise."""
     m, k = a.shape
     n = b.shape[1]
     if out.shape != (m, n) or b.shape[0] != k:
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
-    b_transposed = b_operand(b)[2]
-    blocks = blocks or choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
-                                     sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    b_rows, _, b_transposed = b_operand(b)
+    chosen = blocks is None
+    if chosen:
+        blocks = choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
+                               sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+    if blocks.gluon:
+        problems = gluon_operand_problems(a, b_rows, out) if a.is_cuda else ["gluon: needs a CUDA device"]
+        problems += [] if chosen else blocks.problems()   # a table's entries were checked when it was loaded
+        if not problems:
+            launch_gluon_gemm(a=a, b=b_rows, b_transposed=b_transposed, out=out, blocks=blocks,
+                              num_programs=num_programs or num_sms(a.device), tile_row_offset=tile_row_offset)
+            return out
+        if not chosen:
+            raise ValueError(f"triton_mm: blocks {blocks.name!r}: {'; '.join(problems)}")
+        blocks = choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type, warp_specialize=False,
+                               sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
     if blocks.split_k > 1:
         launch_split_k(a=a, w=b, out=out, blocks=blocks, num_programs=num_programs, tile_row_offset=tile_row_offset)
         return out

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json
-from launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_overlap_kernels,
-                                  compile_quantizers, compile_swiglu, resource_usage)
+from launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_gluon_gemm,
+                                  compile_overlap_kernels, compile_quantizers, compile_swiglu, resource_usage)
 from overlap.gemm import GemmBlocks
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
@@ -30,6 +30,8 @@ out["fp8 gluon, row-major A scales"] = resource_usage(compile_fp8_gluon_gemm(Gem
                                                                              a_scales_group_major=False))
 out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
+out["bf16 gluon kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x256x64w4s3gl"), b_transposed=False))
+out["bf16 gluon nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x128x64w4s6gl"), b_transposed=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
 for name, c in compile_swiglu().items():
     ptx = c.asm["ptx"]  # ATen's arithmetic: IEEE divisions, libdevice's exp (its ex2 after a range reduction)
@@ -50,7 +52,7 @@ def test_new_kernels_compile_for_sm90_without_spills():
     usage = json.loads(lines[-1][len("RESULT "):])
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 chunk wait",
-                          "bf16 stream-K", "gemm epilogue 0 + chunk waits", "gemm epilogue 1", "gemm epilogue 2",
+                          "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "gemm epilogue 0 + chunk waits", "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
                           "swiglu backward"}
     assert all(usage[k]["div_rn"] and usage[k]["libdevice_exp"] for k in ("swiglu forward", "swiglu backward"))

@@ -1,0 +1,210 @@
+"""Persistent bf16/fp16 GEMM in Triton's Gluon dialect (Hopper: TMA, mbarrier, async wgmma), local epilogue.
+
+Computes ``C[M, N] = A[M, K] @ B[K, N]`` (fp32 accumulation, C in A's dtype), B either row-major [K, N] or the
+rows of an ``nn.Linear`` weight [N, K] (``weight.t()`` without a copy), all read through host tensor
+descriptors: A in blocks [128, BLOCK_K], B in [BLOCK_K, BLOCK_N] or [BLOCK_N, BLOCK_K], C written in
+[64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so tails need no masks.
+
+    gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset,
+                                       NUM_STAGES=..., B_TRANSPOSED=..., num_warps=4)
+
+Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
+persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
+the epilogue; here the descriptors come from the host and three warp-specialised partitions share the SM:
+
+* a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted),
+  running ahead into the next tile while the consumers store this one; it refills a slot once both
+  consumers released it (``empty``, two arrivals);
+* two consumer warpgroups, each owning 64 rows of the 128-row tile: chain async MMAs into one accumulator,
+  keep one in flight, release each slot as soon as the MMA reading it retired, then store their half of C
+  through shared memory with a TMA store that completes while the next tile's K loop runs.
+
+Tiles are walked persistently in GROUP_M = 8 swizzled order, row blocks rotated by ``tile_row_offset`` (as
+``persistent_gemm_kernel``).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+# Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
+# partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
+# of partition function (the B layout).
+GROUP_M = gl.constexpr(8)
+# the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
+    # GROUP_M row blocks share each B column panel while it is hot in L2; the rotation lets a caller start at
+    # the rows it needs first
+    tiles_per_group = GROUP_M * num_col_blocks
+    first_row_block = (tile_id // tiles_per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_row_blocks - first_row_block, GROUP_M)
+    index_in_group = tile_id % tiles_per_group
+    row_block = (first_row_block + index_in_group % rows_in_group + tile_row_offset) % num_row_blocks
+    return row_block, index_in_group // rows_in_group
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset,
+                    B_TRANSPOSED: gl.constexpr):
+    """The producer warp: TMA loads of every K step of this program's tiles into the ring, each slot once both
+    consumer warpgroups have released it."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        for k in range(num_k):
+            slot = step % NUM_STAGES
+            # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, STAGE_BYTES)
+            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
+            if B_TRANSPOSED:
+                tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _release(empty, step, NUM_STAGES: gl.constexpr):
+    _barrier()  # every warp of this warpgroup is past the MMA wait before the slot is released
+    mbarrier.arrive(empty.index(step % NUM_STAGES))
+
+
+@gluon.jit
+def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """acc += this warpgroup's 64 rows of A @ B over the tile's K steps; one MMA stays in flight, and each
+    step's slot is released once the MMA that read it retired."""
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    for k in range(num_k):
+        slot = (step + k) % NUM_STAGES
+        mbarrier.wait(ready.index(slot), ((step + k) // NUM_STAGES) & 1)
+        a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
+        if B_TRANSPOSED:
+            b_tile = b_bufs.index(slot).permute((1, 0))
+        else:
+            b_tile = b_bufs.index(slot)
+        acc = warpgroup_mma(a_half, b_tile, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        if k > 0:
+            _release(empty, step + k - 1, NUM_STAGES)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(empty, step + num_k - 1, NUM_STAGES)
+    return acc
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, HALF: gl.constexpr,
+                   B_TRANSPOSED: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    WG_M: gl.constexpr = BLOCK_M // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    out_smem = c_smem.index(HALF)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF, B_TRANSPOSED)
+        step += num_k
+
+        tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
+        _barrier()
+        out_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _barrier()  # every warp's rows are in the staging tile before the store is issued
+        tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N], out_smem)
+    tma.store_wait(pendings=0)
+
+
+# One function per (partition, B layout): partitions receive no compile-time arguments (see GROUP_M).
+@gluon.jit
+def _mma_low_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 0, False)
+
+
+@gluon.jit
+def _mma_high_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 1, False)
+
+
+@gluon.jit
+def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset):
+    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, False)
+
+
+@gluon.jit
+def _mma_low_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 0, True)
+
+
+@gluon.jit
+def _mma_high_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 1, True)
+
+
+@gluon.jit
+def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset):
+    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, True)
+
+
+@gluon.jit
+def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, NUM_STAGES: gl.constexpr,
+                      B_TRANSPOSED: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
+    gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
+    if B_TRANSPOSED:
+        gl.static_assert((b_desc.block_type.shape[0] == BLOCK_N) and (b_desc.block_type.shape[1] == BLOCK_K),
+                         "B [N, K]: blocks [BLOCK_N, BLOCK_K]")
+    else:
+        gl.static_assert((b_desc.block_type.shape[0] == BLOCK_K) and (b_desc.block_type.shape[1] == BLOCK_N),
+                         "B [K, N]: blocks [BLOCK_K, BLOCK_N]")
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    if B_TRANSPOSED:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset)
+    if B_TRANSPOSED:
+        gl.warp_specialize([(_mma_low_nk, mma_args), (_mma_high_nk, mma_args), (_load_nk, load_args)], [4, 1],
+                           [MMA_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([(_mma_low_kn, mma_args), (_mma_high_kn, mma_args), (_load_kn, load_args)], [4, 1],
+                           [MMA_REGS, LOAD_REGS])
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

@@ -1,0 +1,65 @@
+"""Launcher of the Gluon bf16/fp16 GEMM (kernels/gemm_gluon.py): the operands TMA can read, the host tensor
+descriptors, grid and argument order. `triton_mm` calls it for blocks named `...gl` (overlap/gemm/blocks.py
+checks which blocks the kernel runs)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .blocks import GemmBlocks
+
+GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
+GLUON_DTYPES = (torch.bfloat16, torch.float16)
+
+__all__ = ["gluon_operand_problems", "launch_gluon_gemm"]
+
+
+def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
+    """TMA reads rows that are contiguous, with 16-byte aligned bases and row strides (bf16: multiples of 8
+    elements). `b` is the row-major tensor as stored ([K, N], or [N, K] for a transposed weight)."""
+    problems = []
+    if not (a.dtype == b.dtype == out.dtype and a.dtype in GLUON_DTYPES):
+        problems.append(f"gluon: dtypes a {a.dtype}, b {b.dtype}, out {out.dtype}; allowed: one of {GLUON_DTYPES}")
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.stride(-1) != 1:
+            problems.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
+        elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            problems.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at "
+                            f"{t.data_ptr() % 16} mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
+    return problems
+
+
+@functools.cache
+def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
+
+
+def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, out: torch.Tensor, blocks: GemmBlocks,
+                      num_programs: int, tile_row_offset: int = 0) -> None:
+    """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
+    transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does)."""
+    from kernels.gemm_gluon import gluon_gemm_kernel
+
+    m, k = a.shape
+    n = out.shape[1]
+    if not (m and n):
+        return
+    if not k:  # no K step: the consumers would release a slot no load filled
+        out.zero_()
+        return
+    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+    tiles = -(-m // bm) * -(-n // bn)
+    gluon_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+        _descriptor(a, (bm, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
+        _descriptor(out, (bm // 2, bn)), m, n, k, tile_row_offset, NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)

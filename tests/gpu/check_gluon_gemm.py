@@ -1,0 +1,133 @@
+"""GPU correctness of the Gluon bf16 GEMM (kernels/gemm_gluon.py through overlap.triton_mm): one PASS/FAIL line
+per check with its error, exit status 1 on any FAIL.
+
+    python -m tests.gpu.check_gluon_gemm          # on the GPU machine (~30 s, mostly compiling)
+
+Checks, every output inside a NaN-filled buffer, against an fp64 product and torch.mm (relative Frobenius
+<= 1e-2): every Gluon candidate of the tuner in both weight layouts with M/N/K tails, A a view of a
+wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M, N], three calls
+bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
+(explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
+graph with new operands.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tests.gpu.checklist import Checks, expect, rel, target_device
+
+TOLERANCE = 1e-2
+TAIL_SHAPES = ((1000, 776, 1000), (136, 1288, 4104), (4096, 3072, 4096), (1, 8, 64))
+check = Checks()
+
+
+def main(argv=None) -> int:
+    dev = target_device(argv)
+    if dev is None or dev.type != "cuda":
+        print("FAIL Gluon kernels need a CUDA device (no interpreter)")
+        return 1
+    from launch.measure.tune import GLUON_CANDIDATES
+    from overlap.gemm import GemmBlocks, triton_mm
+    from overlap.gemm.blocks import choose_blocks
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def operands(m, n, k, layout, pad=24):
+        """A [M, K] as a view of a NaN-filled wider buffer (TMA must stop at K), B [K, N] row-major or the
+        transpose view of a row-major [N, K]."""
+        a = torch.full((m, k + pad), float("nan"), dtype=torch.bfloat16, device=dev)[:, :k]
+        a.copy_(torch.randn(m, k, generator=gen, device=dev))
+        w = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16()
+        return a, (w.t() if layout == "nk" else w.t().contiguous())
+
+    def run(a, b, blocks, **kwargs):
+        m, n = a.shape[0], b.shape[1]
+        frame = torch.full((m + 8, n + 16), float("nan"), dtype=torch.bfloat16, device=dev)
+        triton_mm(a, b, frame[:m, :n], blocks=blocks, **kwargs)
+        torch.cuda.synchronize(dev)
+        outside = (~torch.isnan(frame[:, n:])).sum().item() + (~torch.isnan(frame[m:, :n])).sum().item()
+        expect(outside == 0, f"{blocks.name if blocks else 'table'}: {outside} values written outside [M, N]")
+        return frame[:m, :n]
+
+    def verify(out, a, b, what):
+        expect(not torch.isnan(out).any(), f"{what}: NaN left in the output (a tile never stored, or NaN read)")
+        err, err_mm = rel(out, a.double() @ b.double()), rel(out, torch.mm(a, b))
+        expect(err <= TOLERANCE and err_mm <= TOLERANCE, f"{what}: {err:.3g} vs fp64, {err_mm:.3g} vs torch.mm")
+        return err
+
+    @check("every Gluon candidate, both layouts, M/N/K tails, NaN past K: right, nothing outside, bitwise x3")
+    def _():
+        worst = 0.0
+        for name in GLUON_CANDIDATES:
+            blocks = GemmBlocks.parse(name)
+            for m, n, k in TAIL_SHAPES:
+                for layout in ("kn", "nk"):
+                    a, b = operands(m, n, k, layout)
+                    outs = [run(a, b, blocks) for _ in range(3)]
+                    worst = max(worst, verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k}"))
+                    expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: repeats differ")
+        return f"{len(GLUON_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
+
+    @check("a grid capped below the tiles (persistent programs) with a row rotation")
+    def _():
+        blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
+        for programs, offset in ((3, 1), (100, 5), (132, 0)):
+            a, b = operands(4096, 1280, 1024, "nk")
+            verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
+                   f"programs={programs} offset={offset}")
+        return blocks.name
+
+    @check("K = 0 gives zeros, M = 0 launches nothing")
+    def _():
+        blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
+        a, b = torch.empty(64, 0, dtype=torch.bfloat16, device=dev), torch.empty(0, 256, dtype=torch.bfloat16,
+                                                                                 device=dev)
+        expect(torch.equal(run(a, b, blocks), torch.zeros(64, 256, dtype=torch.bfloat16, device=dev)), "K = 0")
+        run(torch.empty(0, 64, dtype=torch.bfloat16, device=dev), torch.randn(64, 256, device=dev).bfloat16(), blocks)
+        return "ok"
+
+    @check("operands TMA cannot read: explicit Gluon blocks refused, the table's choice falls back to plain")
+    def _():
+        m, n, k = 1024, 4096, 4096   # a shape whose table entry names Gluon blocks, if any does
+        a = torch.randn(m, k + 1, generator=gen, device=dev).bfloat16()[:, 1:]   # base 2 bytes past alignment
+        b = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16().t()
+        try:
+            run(a, b, GemmBlocks.parse(GLUON_CANDIDATES[0]))
+            raise AssertionError("misaligned A accepted by explicit Gluon blocks")
+        except ValueError as exc:
+            expect("16-byte aligned" in str(exc), f"unexpected refusal: {exc}")
+        chosen = choose_blocks(m, n, k, b_transposed=True)
+        verify(run(a, b, None), a, b, f"table choice {chosen.name} with misaligned A")
+        return f"table choice {chosen.name}"
+
+    @check("a captured CUDA graph replays right with new operands")
+    def _():
+        blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
+        a, b = operands(2048, 768, 4096, "nk")
+        out = torch.empty(2048, 768, dtype=torch.bfloat16, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            triton_mm(a, b, out, blocks=blocks)   # warm-up: compiles
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            triton_mm(a, b, out, blocks=blocks)
+        for replay in range(3):
+            fresh_a, fresh_b = operands(2048, 768, 4096, "nk")
+            a.copy_(fresh_a)
+            b.copy_(fresh_b)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            verify(out, a, b, f"replay {replay}")
+        return blocks.name
+
+    return check.summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
