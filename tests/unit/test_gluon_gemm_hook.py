@@ -1,0 +1,89 @@
+"""The Gluon bf16 GEMM's place behind triton_mm (its numerics are checked on the GPU by
+tests/gpu/check_gluon_gemm.py: Gluon kernels do not run under the interpreter)."""
+
+import re
+
+import pytest
+import torch
+import yaml
+
+from launch.measure.tune import GEMM_CLASSES, GLUON_CANDIDATES
+from overlap.gemm import BlockTableError, GemmBlocks, parse_block_table, triton_gemm, triton_mm
+from overlap.gemm.gluon_launch import gluon_operand_problems
+
+
+def test_gluon_candidates_are_valid_bf16_blocks_in_every_class_and_not_plain():
+    for name in GLUON_CANDIDATES:
+        blocks = GemmBlocks.parse(name)
+        assert blocks.gluon and blocks.problems() == [], (name, blocks.problems())
+        assert not blocks.plain, "the Gluon kernel has no chunk-wait or scatter mode"
+    assert all(set(GLUON_CANDIDATES) <= set(names) for names in GEMM_CLASSES.values())
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("128x256x64w8s3gl", "num_warps 8 not in (4,)"),
+    ("64x128x64w4s4gl", "block_m 64 not in (128,)"),
+    ("128x32x64w4s4gl", "block_n 32 not in (64, 128, 256)"),
+    ("128x128x128w4s2gl", "block_k 128 not in (32, 64)"),
+    ("128x128x64w4s4g16gl", "group_m 16 not in (8,)"),
+    ("128x128x64w4s1gl", "num_stages 1 < 2"),
+    ("128x256x64w4s4gl", "shared memory"),
+])
+def test_blocks_name_what_the_gluon_kernel_cannot_run(name, problem):
+    assert any(problem in p for p in GemmBlocks.parse(name).problems()), GemmBlocks.parse(name).problems()
+
+
+def test_a_bf16_table_refuses_gluon_blocks_the_kernel_cannot_run():
+    raw = yaml.safe_load("num_sms: 132\nentries:\n  - {layout: nk, m: 1024, n: 768, k: 4096, "
+                         "blocks: 128x256x64w8s3gl, plain: 128x128x64w4s4}\n")
+    with pytest.raises(BlockTableError, match=re.escape("gluon: num_warps 8 not in (4,)")):
+        parse_block_table(raw, "t.yaml")
+    raw["entries"][0]["blocks"] = "128x256x64w4s3gl"
+    assert parse_block_table(raw, "t.yaml").entries[0].blocks.gluon
+
+
+def test_operand_problems_name_alignment_layout_and_dtype():
+    a = torch.empty(64, 72, dtype=torch.bfloat16)
+    b = torch.empty(72, 32, dtype=torch.bfloat16)
+    out = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert gluon_operand_problems(a, b, out) == []
+    assert any("16-byte aligned base" in p for p in gluon_operand_problems(a[:, 1:65], b[:64], out))
+    assert any("row stride 36 x 2 bytes" in p for p in gluon_operand_problems(torch.empty(64, 36).bfloat16(),
+                                                                               torch.empty(36, 32).bfloat16(), out))
+    assert any("contiguous rows" in p for p in gluon_operand_problems(a, b, torch.empty(32, 64).bfloat16().t()))
+    assert any("dtypes" in p for p in gluon_operand_problems(a.float(), b.float(), out.float()))
+
+
+def test_explicit_gluon_blocks_are_refused_off_cuda_and_when_invalid():
+    a, b = torch.randn(32, 64).bfloat16(), torch.randn(64, 16).bfloat16()
+    out = torch.empty(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        triton_mm(a, b, out, blocks=GemmBlocks.parse("128x128x64w4s4gl"))
+    with pytest.raises(ValueError, match=re.escape("num_warps 8 not in (4,)")):
+        triton_mm(a, b, out, blocks=GemmBlocks.parse("128x128x64w8s4gl"))
+
+
+def test_the_table_choice_falls_back_to_plain_blocks_where_the_gluon_kernel_cannot_run(monkeypatch):
+    """A table entry naming Gluon blocks runs only where TMA reads the operands; else (here: the CPU, where
+    no Gluon kernel runs) the entry's plain blocks compute the product under the interpreter."""
+    chosen = []
+
+    def choose(m, n, k, *, b_transposed=False, device_type="cuda", warp_specialize=True, sm_count=132, gpu=None):
+        chosen.append(warp_specialize)
+        return GemmBlocks.parse("128x128x64w4s4gl" if warp_specialize else "16x16x16w1s1")
+
+    monkeypatch.setattr(triton_gemm, "choose_blocks", choose)
+    a, w = torch.randn(40, 48).bfloat16(), torch.randn(24, 48).bfloat16()
+    out = torch.full((40, 24), float("nan"), dtype=torch.bfloat16)
+    triton_mm(a, w.t(), out)
+    assert chosen == [True, False]
+    torch.testing.assert_close(out.float(), a.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+
+
+def test_launch_gemm_refuses_gluon_blocks():
+    from overlap.gemm import launch_gemm
+
+    a, b = torch.randn(16, 16).bfloat16(), torch.randn(16, 16).bfloat16()
+    with pytest.raises(ValueError, match="name a Gluon kernel"):
+        launch_gemm(a=a, w=b, out=torch.empty(16, 16, dtype=torch.bfloat16), num_programs=1,
+                    blocks=GemmBlocks.parse("128x128x64w4s4gl"))
