@@ -5,8 +5,9 @@ rows of an ``nn.Linear`` weight [N, K] (``weight.t()`` without a copy), all read
 descriptors: A in blocks [128, BLOCK_K], B in [BLOCK_K, BLOCK_N] or [BLOCK_N, BLOCK_K], C written in
 [64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so tails need no masks.
 
-    gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset,
-                                       NUM_STAGES=..., B_TRANSPOSED=..., num_warps=4)
+    gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits,
+                                       workspace, counters, c_ptr, ldc, NUM_STAGES=..., B_TRANSPOSED=...,
+                                       num_warps=4)
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
 persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
@@ -21,6 +22,19 @@ the epilogue; here the descriptors come from the host and three warp-specialised
 
 Tiles are walked persistently in GROUP_M = 8 swizzled order, row blocks rotated by ``tile_row_offset`` (as
 ``persistent_gemm_kernel``).
+
+Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K instead. The first
+``num_whole_tiles`` tiles of the walk are whole work items; each remaining tile becomes ``splits`` items of
+consecutive K ranges (balanced: ``[s * steps // splits, (s + 1) * steps // splits)``, never empty), and
+program p takes items p, p + num_programs, ... in that order. A split item's warpgroup stores its fp32
+partial (its 64 rows, in the accumulator's own register layout: ``workspace[(unit * 2 + half)]``, unit = the
+item's index among the split items), then all 128 threads count on the (tile, half) counter (acq_rel, GPU
+scope); the warpgroup whose count completes ``splits * 128`` arrivals resets the counter to zero and sums
+the ``splits`` partials in split order (bitwise the same whoever arrives last) into C with plain stores.
+Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items * 2,
+64 * BLOCK_N], ``counters`` int32 [2 * split tiles], zero before the launch and left at zero; ``c_ptr`` and
+``ldc`` are C's base and row stride for those stores (the TMA store covers whole tiles). With ``splits == 1``
+every tile is whole and the split arguments are never read.
 """
 
 from triton.experimental import gluon
@@ -49,10 +63,26 @@ def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset,
+def _work_item(item, num_whole_tiles, splits, num_k):
+    """(tile, first K step, end K step, split unit or -1) of work item `item` (module docstring)."""
+    unit = item - num_whole_tiles
+    if unit < 0:
+        tile = item
+        first_k = unit * 0
+        end_k = num_k
+    else:
+        tile = num_whole_tiles + unit // splits
+        split = unit % splits
+        first_k = split * num_k // splits
+        end_k = (split + 1) * num_k // splits
+    return tile, first_k, end_k, unit
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
                     B_TRANSPOSED: gl.constexpr):
-    """The producer warp: TMA loads of every K step of this program's tiles into the ring, each slot once both
-    consumer warpgroups have released it."""
+    """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
+    both consumer warpgroups have released it."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -61,10 +91,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        for k in range(num_k):
+        for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
@@ -108,8 +140,55 @@ def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, 
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, HALF: gl.constexpr,
-                   B_TRANSPOSED: gl.constexpr):
+def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_col, M, N, WG_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` partials (slots first_slot,
+    first_slot + 2, ...) in split order, 64 columns at a time (a few registers per thread for any tile)."""
+    CHUNK: gl.constexpr = 64 if BLOCK_N > 64 else BLOCK_N
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
+    row_ok = gl.expand_dims(first_row + rows < M, 1)
+    out_rows = gl.expand_dims((first_row + rows).to(gl.int64) * ldc, 1)
+    for chunk in gl.static_range(BLOCK_N // CHUNK):
+        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
+        total = gl.zeros([WG_M, CHUNK], gl.float32, layout)
+        for split in range(splits):
+            slot = (first_slot + 2 * split).to(gl.int64) * (WG_M * BLOCK_N)
+            total += gl.load(workspace + slot + offsets, cache_modifier=".cg")  # L2: written by other SMs
+        mask = row_ok & gl.expand_dims(first_col + cols < N, 0)
+        gl.store(c_ptr + out_rows + gl.expand_dims(first_col + cols, 0), total.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc, first_row,
+                    first_col, M, N, HALF: gl.constexpr):
+    """Store this warpgroup's partial of a split item, count it; the last of the tile half's `splits` items sums
+    them into C (module docstring)."""
+    WG_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
+    gl.store(workspace + (unit * 2 + HALF).to(gl.int64) * (WG_M * BLOCK_N) + offsets, acc)
+    _barrier()  # every thread's partial stores before any thread's release
+    # every thread counts (release: its own stores and, through the barrier, the warpgroup's); the warpgroup
+    # holding the count that completes the tile half learns it from a max over its threads: a uniform branch
+    threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    counter = counters + (tile_id - num_whole_tiles) * 2 + HALF
+    ones = gl.full([128], 1, gl.int32, threads)
+    arrivals = gl.atomic_add(counter + (ones - 1), ones, sem="acq_rel", scope="gpu")
+    if gl.max(arrivals, axis=0) == splits * 128 - 1:
+        gl.store(counter, 0)  # zero again for the next launch: every item of this tile half has counted
+        first_unit = (tile_id - num_whole_tiles) * splits
+        _sum_partials(workspace, first_unit * 2 + HALF, splits, c_ptr, ldc, first_row + HALF * WG_M, first_col, M,
+                      N, WG_M, BLOCK_N)
+
+
+@gluon.jit
+def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args,
+                   HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -120,57 +199,67 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
+    num_whole_tiles, splits, workspace, counters, c_ptr, ldc = split_args
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF, B_TRANSPOSED)
-        step += num_k
-
-        tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
-        _barrier()
-        out_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _barrier()  # every warp's rows are in the staging tile before the store is issued
-        tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N], out_smem)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, end_k - first_k, step, HALF, B_TRANSPOSED)
+        step += end_k - first_k
+        if unit < 0:
+            tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
+            _barrier()
+            out_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _barrier()  # every warp's rows are in the staging tile before the store is issued
+            tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N],
+                                            out_smem)
+        else:
+            _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc,
+                            row_block * BLOCK_M, col_block * BLOCK_N, M, N, HALF)
     tma.store_wait(pendings=0)
 
 
 # One function per (partition, B layout): partitions receive no compile-time arguments (see GROUP_M).
 @gluon.jit
-def _mma_low_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 0, False)
+def _mma_low_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 0, False)
 
 
 @gluon.jit
-def _mma_high_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 1, False)
+def _mma_high_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 1, False)
 
 
 @gluon.jit
-def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset):
-    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, False)
+def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits):
+    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+                    False)
 
 
 @gluon.jit
-def _mma_low_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 0, True)
+def _mma_low_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 0, True)
 
 
 @gluon.jit
-def _mma_high_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
-    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, 1, True)
+def _mma_high_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 1, True)
 
 
 @gluon.jit
-def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset):
-    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, True)
+def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits):
+    _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+                    True)
 
 
-@gluon.jit
-def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, NUM_STAGES: gl.constexpr,
-                      B_TRANSPOSED: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+@gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
+def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, workspace, counters,
+                      c_ptr, ldc, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, MMA_REGS: gl.constexpr = 232,
+                      LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -197,8 +286,9 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, NUM_STAG
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
-    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset)
+    split_args = (num_whole_tiles, splits, workspace, counters, c_ptr, ldc)
+    mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits)
     if B_TRANSPOSED:
         gl.warp_specialize([(_mma_low_nk, mma_args), (_mma_high_nk, mma_args), (_load_nk, load_args)], [4, 1],
                            [MMA_REGS, LOAD_REGS])

@@ -20,7 +20,8 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
 finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and two consumer
-warpgroups: kernels/gemm_gluon.py, 128xBNxBKw4s<stages> with BN 64, 128 or 256 and BK 32 or 64; FP8:
+warpgroups: kernels/gemm_gluon.py, 128xBNxBKw4s<stages>[sk1] with BN 64, 128 or 256 and BK 32 or 64, `sk1`
+cutting the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py split_plan says; FP8:
 kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
@@ -134,9 +135,11 @@ class GemmBlocks:
                 out.append(f"gluon: {name} {getattr(self, name)} not in {allowed}")
         if self.num_stages < 2:
             out.append(f"gluon: num_stages {self.num_stages} < 2")
-        for name in ("warp_specialize", "flatten", "stream_k"):
+        for name in ("warp_specialize", "flatten"):
             if getattr(self, name):
                 out.append(f"gluon: {name} is a @triton.jit option")
+        if self.stream_k > 1:
+            out.append(f"gluon: stream_k {self.stream_k} not in (0, 1) (sk1: the last partial wave split by K)")
         if self.split_k > 1 or self.epilogue_subtile != 1:
             out.append("gluon: split-K and es2 are @triton.jit options")
         return out

@@ -9,11 +9,18 @@ import functools
 import torch
 
 from .blocks import GemmBlocks
+from .splitk import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
+# The split tail's cost model (`split_plan`): one SM's bf16 rate at full tensor-core use (~740 TFLOP/s on
+# 132 SMs), a split item's partial store and count, each partial the last arrival reads back.
+SM_FLOPS = 5.6e12
+SPLIT_ITEM_S = 1.0e-6
+SPLIT_READ_S = 0.5e-6
+MAX_SPLITS = 8
 
-__all__ = ["gluon_operand_problems", "launch_gluon_gemm"]
+__all__ = ["gluon_operand_problems", "launch_gluon_gemm", "split_plan"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -29,6 +36,30 @@ def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) 
             problems.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at "
                             f"{t.data_ptr() % 16} mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
     return problems
+
+
+@functools.lru_cache(maxsize=1024)
+def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> tuple[int, int]:
+    """(whole tiles, splits) for `tiles` output tiles on `programs` programs: the tiles of the last, partial
+    wave (all of them when there are fewer than programs) are cut into `splits` K ranges when the cost model
+    says that finishes sooner than whole tiles (splits 1: no split)."""
+    tail = tiles % programs
+    if tail == 0 or k_steps < 2:
+        return tiles, 1
+    tile_s = tile_flops / SM_FLOPS
+    best_s, best = tile_s, 1
+    for splits in range(2, min(MAX_SPLITS, k_steps) + 1):
+        waves = -(-tail * splits // programs)
+        seconds = waves * (tile_s / splits + SPLIT_ITEM_S) + splits * SPLIT_READ_S
+        if seconds < best_s:
+            best_s, best = seconds, splits
+    return (tiles - tail, best) if best > 1 else (tiles, 1)
+
+
+@functools.cache
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split arguments of a launch without a split tail (never read; typed as the real ones)."""
+    return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -48,7 +79,9 @@ def _descriptor(t: torch.Tensor, block: tuple[int, int]):
 def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, out: torch.Tensor, blocks: GemmBlocks,
                       num_programs: int, tile_row_offset: int = 0) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
-    transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does)."""
+    transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
+    Blocks with `sk1` cut the last partial wave by K (`split_plan`); their workspace and counters belong to
+    the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
     from kernels.gemm_gluon import gluon_gemm_kernel
 
     m, k = a.shape
@@ -60,6 +93,18 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
-    gluon_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+    programs = max(1, min(tiles, num_programs))
+    whole, splits = tiles, 1
+    if blocks.stream_k:
+        whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k)
+    if splits > 1:
+        split_tiles = tiles - whole
+        workspace, counters = stream_buffers(a.device, ("gluon_split", split_tiles, splits, bm, bn),
+                                             split_tiles * splits * bm * bn, 2 * split_tiles)
+        programs = min(num_programs, whole + split_tiles * splits)
+    else:
+        workspace, counters = _placeholders(a.device)
+    gluon_gemm_kernel[(programs,)](
         _descriptor(a, (bm, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
-        _descriptor(out, (bm // 2, bn)), m, n, k, tile_row_offset, NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+        _descriptor(out, (bm // 2, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters, out,
+        out.stride(0), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)

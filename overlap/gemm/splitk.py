@@ -19,18 +19,25 @@ _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace [tiles * S * BLOCK_M * BLOCK_N], int32 counters [tiles], zero) of the current stream."""
+    tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+    return stream_buffers(device, ("split_k", m, n, blocks.block_m, blocks.block_n, blocks.split_k),
+                          tiles * blocks.split_k * blocks.block_m * blocks.block_n, tiles)
+
+
+def stream_buffers(device: torch.device, key: tuple, workspace_elements: int,
+                   counter_words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 workspace, int32 counters, zero) for `key` on the current stream, allocated on first use."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, m, n, blocks.block_m, blocks.block_n, blocks.split_k)
-    if key not in _workspaces:
-        tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
-        _workspaces[key] = (
-            torch.empty(tiles * blocks.split_k * blocks.block_m * blocks.block_n, dtype=torch.float32, device=device),
-            torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _workspaces[key]
+    full_key = (device, stream) + key
+    if full_key not in _workspaces:
+        _workspaces[full_key] = (torch.empty(workspace_elements, dtype=torch.float32, device=device),
+                                 torch.zeros(counter_words, dtype=torch.int32, device=device))
+    return _workspaces[full_key]
 
 
 def release_split_k_workspaces() -> None:
-    """Forget every workspace (the caching allocator reuses the memory once no launch holds it)."""
+    """Forget every workspace, the Gluon GEMM's split-tail buffers too (the caching allocator reuses the memory
+    once no launch holds it)."""
     _workspaces.clear()
 
 

@@ -8,7 +8,7 @@ Checks, every output inside a NaN-filled buffer, against an fp64 product and tor
 wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M, N], three calls
 bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
 (explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
-graph with new operands.
+graph with new operands; split tails (`sk1`): 16 queued calls bitwise equal, the counters back at zero.
 """
 
 from __future__ import annotations
@@ -71,20 +71,44 @@ def main(argv=None) -> int:
                     expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: repeats differ")
         return f"{len(GLUON_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
+    @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
+    def _():
+        from overlap.gemm.gluon_launch import split_plan
+        from overlap.gemm.splitk import _workspaces
+
+        cases = []
+        for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),
+                                ("128x64x64w4s8sk1gl", (200, 1032, 4104))):
+            blocks = GemmBlocks.parse(name)
+            tiles = -(-m // 128) * -(-n // blocks.block_n)
+            whole, splits = split_plan(tiles, torch.cuda.get_device_properties(dev).multi_processor_count,
+                                       -(-k // 64), 2 * 128 * blocks.block_n * k)
+            expect(splits > 1, f"{name} M={m} N={n} K={k}: no split planned (the check would not test one)")
+            for layout in ("kn", "nk"):
+                a, b = operands(m, n, k, layout)
+                outs = [run(a, b, blocks) for _ in range(16)]
+                verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k}")
+                expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: queued calls differ")
+            cases.append(f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} x {splits}")
+        left = [key for key, (_, counters) in _workspaces.items() if "gluon_split" in key and counters.any()]
+        expect(not left, f"counters not back at zero: {left}")
+        return "; ".join(cases)
+
     @check("a grid capped below the tiles (persistent programs) with a row rotation")
     def _():
-        blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
-        for programs, offset in ((3, 1), (100, 5), (132, 0)):
-            a, b = operands(4096, 1280, 1024, "nk")
-            verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
-                   f"programs={programs} offset={offset}")
-        return blocks.name
+        for name in (GLUON_CANDIDATES[0], "128x128x64w4s6sk1gl"):
+            blocks = GemmBlocks.parse(name)
+            for programs, offset in ((3, 1), (100, 5), (132, 0)):
+                a, b = operands(4096, 1280, 1024, "nk")
+                verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
+                       f"{name} programs={programs} offset={offset}")
+        return "ok"
 
     @check("K = 0 gives zeros, M = 0 launches nothing")
     def _():
         blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
-        a, b = torch.empty(64, 0, dtype=torch.bfloat16, device=dev), torch.empty(0, 256, dtype=torch.bfloat16,
-                                                                                 device=dev)
+        a = torch.empty(64, 8, dtype=torch.bfloat16, device=dev)[:, :0]   # row stride 16 bytes: TMA-readable
+        b = torch.empty(0, 256, dtype=torch.bfloat16, device=dev)
         expect(torch.equal(run(a, b, blocks), torch.zeros(64, 256, dtype=torch.bfloat16, device=dev)), "K = 0")
         run(torch.empty(0, 64, dtype=torch.bfloat16, device=dev), torch.randn(64, 256, device=dev).bfloat16(), blocks)
         return "ok"

@@ -87,3 +87,24 @@ def test_launch_gemm_refuses_gluon_blocks():
     with pytest.raises(ValueError, match="name a Gluon kernel"):
         launch_gemm(a=a, w=b, out=torch.empty(16, 16, dtype=torch.bfloat16), num_programs=1,
                     blocks=GemmBlocks.parse("128x128x64w4s4gl"))
+
+
+def test_split_plan_cuts_only_a_partial_last_wave_and_only_when_it_pays():
+    from overlap.gemm.gluon_launch import split_plan
+
+    tile = 2 * 128 * 128 * 4096
+    assert split_plan(264, 132, 64, tile) == (264, 1), "full waves: nothing to split"
+    assert split_plan(48, 132, 64, tile) == (0, 2), "48 tiles on 132 SMs: two K halves fill 96"
+    whole, splits = split_plan(160, 132, 128, 2 * tile)
+    assert whole == 132 and 28 * splits <= 132 and splits > 2
+    assert split_plan(48, 132, 1, tile) == (48, 1), "one K step cannot be split"
+    assert split_plan(96, 132, 64, 2 * 128 * 64 * 4096) == (96, 1), "a cheap tile gains less than the fix-up"
+    for tiles in range(1, 600, 7):
+        whole, splits = split_plan(tiles, 132, 16, tile)
+        assert whole % 132 == 0 or splits == 1
+        assert 1 <= splits <= 8 and (splits == 1) == (whole == tiles)
+
+
+def test_sk1_is_the_only_stream_k_the_gluon_kernel_takes():
+    assert GemmBlocks.parse("128x128x64w4s6sk1gl").problems() == []
+    assert any("stream_k 2 not in (0, 1)" in p for p in GemmBlocks.parse("128x128x64w4s6sk2gl").problems())
