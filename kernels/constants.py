@@ -5,7 +5,7 @@ import time; the kernels read their `tl.constexpr` twins).
   M instead -- and the launcher stores CLEAR after the reader has seen it (overlap/ops/protocol.py).
 * SCALE_GROUP: the FP8 scale group -- one fp32 scale per 128 K columns of an activation row, per 128x128
   block of a weight; the FP8 GEMM's BLOCK_K (kernels/quant_fp8.py, kernels/gemm_fp8.py).
-* The epilogues of `persistent_gemm_kernel` (kernels/gemm.py).
+* The epilogues of `persistent_gemm_kernel` (kernels/gemm.py); the Gluon GEMM's most split pieces of a tile.
 """
 
 SET = 1
@@ -19,8 +19,10 @@ EPILOGUE_LOCAL = 0           # store the tile into C
 EPILOGUE_SCATTER = 1         # store it into its owner's partials buffer and release the row block's flag
 EPILOGUE_SCATTER_REDUCE = 2  # the same for the other owners' rows, then reduce the own rows into C
 
+GLUON_MAX_SPLITS = 8         # K pieces of a split tile in the Gluon GEMM's split tail (kernels/gemm_gluon.py)
+
 __all__ = ["SET", "CLEAR", "SCALE_GROUP", "ROW_BLOCK_M", "EPILOGUE_LOCAL", "EPILOGUE_SCATTER",
-           "EPILOGUE_SCATTER_REDUCE", "scatter_flags_per_source"]
+           "EPILOGUE_SCATTER_REDUCE", "GLUON_MAX_SPLITS", "scatter_flags_per_source"]
 
 
 def scatter_flags_per_source(rows_per_rank: int, block_m: int = ROW_BLOCK_M) -> int:

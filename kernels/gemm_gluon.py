@@ -28,9 +28,10 @@ Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K i
 consecutive K ranges (balanced: ``[s * steps // splits, (s + 1) * steps // splits)``, never empty), and
 program p takes items p, p + num_programs, ... in that order. A split item's warpgroup stores its fp32
 partial (its 64 rows, in the accumulator's own register layout: ``workspace[(unit * 2 + half)]``, unit = the
-item's index among the split items), then all 128 threads count on the (tile, half) counter (acq_rel, GPU
-scope); the warpgroup whose count completes ``splits * 128`` arrivals resets the counter to zero and sums
-the ``splits`` partials in split order (bitwise the same whoever arrives last) into C with plain stores.
+item's index among the split items), then counts on the (tile, half) counter (acq_rel, GPU scope); the
+warpgroup whose count completes ``splits`` arrivals resets the counter to zero and sums the ``splits``
+(at most ``GLUON_MAX_SPLITS``) partials in split order (bitwise the same whoever arrives last) into C with
+plain stores.
 Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items * 2,
 64 * BLOCK_N], ``counters`` int32 [2 * split tiles], zero before the launch and left at zero; ``c_ptr`` and
 ``ldc`` are C's base and row stride for those stores (the TMA store covers whole tiles). With ``splits == 1``
@@ -42,10 +43,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from . import constants
+
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
 # of partition function (the B layout).
 GROUP_M = gl.constexpr(8)
+MAX_SPLITS = gl.constexpr(constants.GLUON_MAX_SPLITS)  # split items per tile (the launcher's split_plan)
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -140,22 +144,36 @@ def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, 
 
 
 @gluon.jit
+def _partial(workspace, first_slot, split, splits, offsets, WG_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # zeros past `splits`: the loads of every split are issued together (one L2 round trip, not `splits`)
+    slot = (first_slot + 2 * split).to(gl.int64) * (WG_M * BLOCK_N)
+    return gl.load(workspace + slot + offsets, mask=(offsets >= 0) & (split < splits), other=0.0,
+                   cache_modifier=".cg")  # L2: written by other SMs
+
+
+@gluon.jit
 def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_col, M, N, WG_M: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-    """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` partials (slots first_slot,
-    first_slot + 2, ...) in split order, 64 columns at a time (a few registers per thread for any tile)."""
-    CHUNK: gl.constexpr = 64 if BLOCK_N > 64 else BLOCK_N
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` (<= MAX_SPLITS) partials (slots
+    first_slot, first_slot + 2, ...) in split order, 32 columns at a time."""
+    gl.static_assert(MAX_SPLITS == 8, "one load per possible split below")
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
     row_ok = gl.expand_dims(first_row + rows < M, 1)
     out_rows = gl.expand_dims((first_row + rows).to(gl.int64) * ldc, 1)
     for chunk in gl.static_range(BLOCK_N // CHUNK):
         cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
         offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
-        total = gl.zeros([WG_M, CHUNK], gl.float32, layout)
-        for split in range(splits):
-            slot = (first_slot + 2 * split).to(gl.int64) * (WG_M * BLOCK_N)
-            total += gl.load(workspace + slot + offsets, cache_modifier=".cg")  # L2: written by other SMs
+        p0 = _partial(workspace, first_slot, 0, splits, offsets, WG_M, BLOCK_N)
+        p1 = _partial(workspace, first_slot, 1, splits, offsets, WG_M, BLOCK_N)
+        p2 = _partial(workspace, first_slot, 2, splits, offsets, WG_M, BLOCK_N)
+        p3 = _partial(workspace, first_slot, 3, splits, offsets, WG_M, BLOCK_N)
+        p4 = _partial(workspace, first_slot, 4, splits, offsets, WG_M, BLOCK_N)
+        p5 = _partial(workspace, first_slot, 5, splits, offsets, WG_M, BLOCK_N)
+        p6 = _partial(workspace, first_slot, 6, splits, offsets, WG_M, BLOCK_N)
+        p7 = _partial(workspace, first_slot, 7, splits, offsets, WG_M, BLOCK_N)
+        total = ((((((p0 + p1) + p2) + p3) + p4) + p5) + p6) + p7  # split order: the same bits whoever is last
         mask = row_ok & gl.expand_dims(first_col + cols < N, 0)
         gl.store(c_ptr + out_rows + gl.expand_dims(first_col + cols, 0), total.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -172,14 +190,16 @@ def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, coun
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
     gl.store(workspace + (unit * 2 + HALF).to(gl.int64) * (WG_M * BLOCK_N) + offsets, acc)
-    _barrier()  # every thread's partial stores before any thread's release
-    # every thread counts (release: its own stores and, through the barrier, the warpgroup's); the warpgroup
-    # holding the count that completes the tile half learns it from a max over its threads: a uniform branch
+    _barrier()  # every thread's partial stores before the release
+    # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
+    # over the warpgroup hands its result to every thread (a uniform branch) after a partition barrier, which
+    # also orders every thread's partial loads after the acquire
     threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     counter = counters + (tile_id - num_whole_tiles) * 2 + HALF
-    ones = gl.full([128], 1, gl.int32, threads)
-    arrivals = gl.atomic_add(counter + (ones - 1), ones, sem="acq_rel", scope="gpu")
-    if gl.max(arrivals, axis=0) == splits * 128 - 1:
+    lane = gl.arange(0, 128, layout=threads)
+    arrivals = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, threads), mask=lane == 0,
+                             sem="acq_rel", scope="gpu")
+    if gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1:
         gl.store(counter, 0)  # zero again for the next launch: every item of this tile half has counted
         first_unit = (tile_id - num_whole_tiles) * splits
         _sum_partials(workspace, first_unit * 2 + HALF, splits, c_ptr, ldc, first_row + HALF * WG_M, first_col, M,

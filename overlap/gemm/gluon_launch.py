@@ -8,6 +8,8 @@ import functools
 
 import torch
 
+from kernels.constants import GLUON_MAX_SPLITS
+
 from .blocks import GemmBlocks
 from .splitk import stream_buffers
 
@@ -18,7 +20,6 @@ GLUON_DTYPES = (torch.bfloat16, torch.float16)
 SM_FLOPS = 5.6e12
 SPLIT_ITEM_S = 1.0e-6
 SPLIT_READ_S = 0.5e-6
-MAX_SPLITS = 8
 
 __all__ = ["gluon_operand_problems", "launch_gluon_gemm", "split_plan"]
 
@@ -48,7 +49,7 @@ def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> tupl
         return tiles, 1
     tile_s = tile_flops / SM_FLOPS
     best_s, best = tile_s, 1
-    for splits in range(2, min(MAX_SPLITS, k_steps) + 1):
+    for splits in range(2, min(GLUON_MAX_SPLITS, k_steps) + 1):
         waves = -(-tail * splits // programs)
         seconds = waves * (tile_s / splits + SPLIT_ITEM_S) + splits * SPLIT_READ_S
         if seconds < best_s:
