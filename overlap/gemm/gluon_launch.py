@@ -16,10 +16,12 @@ from .splitk import stream_buffers
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 # The split tail's cost model (`split_plan`): one SM's bf16 rate at full tensor-core use (~740 TFLOP/s on
-# 132 SMs), a split item's partial store and count, each partial the last arrival reads back.
+# 132 SMs), a split item's partial store and count, each partial the last arrival reads back (fitted to
+# forced splits of 128x128 and 128x256 tiles on an H200; the tuner still compares sk1 with whole tiles: the
+# model does not see L2 bandwidth, which limits 128x128 tiles on every SM).
 SM_FLOPS = 5.6e12
-SPLIT_ITEM_S = 1.0e-6
-SPLIT_READ_S = 0.5e-6
+SPLIT_ITEM_S = 3.0e-6
+SPLIT_READ_S = 1.0e-6
 
 __all__ = ["gluon_operand_problems", "launch_gluon_gemm", "split_plan"]
 
