@@ -10,6 +10,7 @@ import torch
 
 from kernels.constants import SCALE_GROUP
 
+from .launch import tma_row_problems
 from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
@@ -39,15 +40,8 @@ def gluon_operand_problems(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torc
     C N % 8 == 0; the A scales either group-major ([cdiv(K, 128), M] storage, as `quantize_activation`
     makes them: M % 4 == 0) or row-major with rows padded to 4 scales (an AllGather pool's); the B scales
     row-major with such rows (`quantize_weight` pads them)."""
-    out_ = []
-    for name, t in (("a8", a8), ("w8", w8), ("out", out), ("a_scales", _a_scale_rows(a_scales)),
-                    ("w_scales", w_scales)):
-        if t.stride(-1) != 1:
-            out_.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
-        elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            out_.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at {t.data_ptr() % 16} "
-                        f"mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
-    return out_
+    return tma_row_problems((("a8", a8), ("w8", w8), ("out", out), ("a_scales", _a_scale_rows(a_scales)),
+                             ("w_scales", w_scales)))
 
 
 def _a_scale_rows(a_scales: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
+from .launch import tma_row_problems
 from .splitk import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
@@ -32,13 +33,7 @@ def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) 
     problems = []
     if not (a.dtype == b.dtype == out.dtype and a.dtype in GLUON_DTYPES):
         problems.append(f"gluon: dtypes a {a.dtype}, b {b.dtype}, out {out.dtype}; allowed: one of {GLUON_DTYPES}")
-    for name, t in (("a", a), ("b", b), ("out", out)):
-        if t.stride(-1) != 1:
-            problems.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
-        elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            problems.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at "
-                            f"{t.data_ptr() % 16} mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
-    return problems
+    return problems + tma_row_problems((("a", a), ("b", b), ("out", out)))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -74,6 +74,19 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
+def tma_row_problems(named: tuple[tuple[str, torch.Tensor], ...]) -> list[str]:
+    """Why TMA cannot read each named 2-D tensor (empty when it can): contiguous rows, a 16-byte aligned base
+    and row stride. Messages name the tensor and start with "gluon:" (the Gluon kernels' launchers)."""
+    problems = []
+    for name, t in named:
+        if t.stride(-1) != 1:
+            problems.append(f"gluon: {name} needs contiguous rows (strides {t.stride()})")
+        elif t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            problems.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at "
+                            f"{t.data_ptr() % 16} mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
+    return problems
+
+
 class ChunkWait(NamedTuple):
     """The fused AllGather consumer: wait for each gathered chunk's device flag before reading its rows."""
     flags: torch.Tensor          # int32 [W * chunks_per_rank], owner-major, SET when the chunk is in place
