@@ -3,7 +3,7 @@
 Computes ``C[M, N] = A[M, K] @ B[K, N]`` (fp32 accumulation, C in A's dtype), B either row-major [K, N] or the
 rows of an ``nn.Linear`` weight [N, K] (``weight.t()`` without a copy), all read through host tensor
 descriptors: A in blocks [128, BLOCK_K], B in [BLOCK_K, BLOCK_N] or [BLOCK_N, BLOCK_K], C written in
-[64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so tails need no masks.
+[64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so whole tiles need no masks.
 
     gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits,
                                        workspace, counters, c_ptr, ldc, NUM_STAGES=..., B_TRANSPOSED=...,
@@ -31,11 +31,13 @@ partial (its 64 rows, in the accumulator's own register layout: ``workspace[(uni
 item's index among the split items), then counts on the (tile, half) counter (acq_rel, GPU scope); the
 warpgroup whose count completes ``splits`` arrivals resets the counter to zero and sums the ``splits``
 (at most ``GLUON_MAX_SPLITS``) partials in split order (bitwise the same whoever arrives last) into C with
-plain stores.
+plain masked stores.
 Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items * 2,
 64 * BLOCK_N], ``counters`` int32 [2 * split tiles], zero before the launch and left at zero; ``c_ptr`` and
 ``ldc`` are C's base and row stride for those stores (the TMA store covers whole tiles). With ``splits == 1``
-every tile is whole and the split arguments are never read.
+every tile is whole and the split arguments are never read. Preconditions (the launcher's): K >= 1 (a tile
+without K steps would release a ring slot no load filled) and 1 <= splits <= min(GLUON_MAX_SPLITS,
+cdiv(K, BLOCK_K)) (no empty piece; the last arrival reads at most that many partials).
 """
 
 from triton.experimental import gluon
@@ -72,7 +74,7 @@ def _work_item(item, num_whole_tiles, splits, num_k):
     unit = item - num_whole_tiles
     if unit < 0:
         tile = item
-        first_k = unit * 0
+        first_k = unit * 0  # an int32 like the other branch's (a literal 0 would be a constexpr)
         end_k = num_k
     else:
         tile = num_whole_tiles + unit // splits
@@ -155,9 +157,10 @@ def _partial(workspace, first_slot, split, splits, offsets, WG_M: gl.constexpr, 
 def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_col, M, N, WG_M: gl.constexpr,
                   BLOCK_N: gl.constexpr):
     """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` (<= MAX_SPLITS) partials (slots
-    first_slot, first_slot + 2, ...) in split order, 32 columns at a time."""
+    first_slot, first_slot + 2, ...) in split order, 16 columns at a time (every split's loads in flight at
+    once)."""
     gl.static_assert(MAX_SPLITS == 8, "one load per possible split below")
-    CHUNK: gl.constexpr = 16
+    CHUNK: gl.constexpr = 16  # 8 partials of 16 columns in registers at once (32 columns spilled)
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
     row_ok = gl.expand_dims(first_row + rows < M, 1)

@@ -20,7 +20,7 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
 finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and two consumer
-warpgroups: kernels/gemm_gluon.py, 128xBNxBKw4s<stages>[sk1] with BN 64, 128 or 256 and BK 32 or 64, `sk1`
+warpgroups: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, `sk1`
 cutting the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py split_plan says; FP8:
 kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
@@ -129,7 +129,7 @@ class GemmBlocks:
     def _gluon_problems(self) -> list[str]:
         """Why the Gluon bf16/fp16 kernel (kernels/gemm_gluon.py) cannot run these blocks."""
         out = []
-        for name, allowed in (("block_m", (128,)), ("block_n", (64, 128, 256)), ("block_k", (32, 64)),
+        for name, allowed in (("block_m", (128,)), ("block_n", (64, 128, 256)), ("block_k", (64,)),
                               ("num_warps", (4,)), ("group_m", (8,)), ("programs_per_sm", (1,))):
             if getattr(self, name) not in allowed:  # two consumer warpgroups of 64 rows; GROUP_M fixed in the kernel
                 out.append(f"gluon: {name} {getattr(self, name)} not in {allowed}")

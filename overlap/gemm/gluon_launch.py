@@ -97,8 +97,11 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k)
     if splits > 1:
         split_tiles = tiles - whole
-        workspace, counters = stream_buffers(a.device, ("gluon_split", split_tiles, splits, bm, bn),
-                                             split_tiles * splits * bm * bn, 2 * split_tiles)
+        if not 1 < splits <= min(GLUON_MAX_SPLITS, -(-k // bk)):  # the kernel's precondition: no empty piece
+            raise ValueError(f"launch_gluon_gemm: {splits} splits of {-(-k // bk)} K steps")
+        # one growing pair per stream: every launch leaves the counters at zero, launches on it run in order
+        workspace, counters = stream_buffers(a.device, ("gluon_split",), split_tiles * splits * bm * bn,
+                                             2 * split_tiles)
         programs = min(num_programs, whole + split_tiles * splits)
     else:
         workspace, counters = _placeholders(a.device)

@@ -14,7 +14,7 @@ import torch
 
 from .blocks import GemmBlocks
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_workspaces: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}   # every pair allocated, newest last
 
 
 def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,18 +26,24 @@ def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) 
 
 def stream_buffers(device: torch.device, key: tuple, workspace_elements: int,
                    counter_words: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 workspace, int32 counters, zero) for `key` on the current stream, allocated on first use."""
+    """(fp32 workspace of any contents, int32 counters at zero) of at least these sizes for `key` on the current
+    stream. A request larger than the buffers held allocates new ones of twice the old size at least (the old
+    ones stay held: a CUDA graph captured with them may still replay), so shapes that vary cost a few
+    allocations, not one per shape. Callers that share a key must leave the counters at zero."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     full_key = (device, stream) + key
-    if full_key not in _workspaces:
-        _workspaces[full_key] = (torch.empty(workspace_elements, dtype=torch.float32, device=device),
-                                 torch.zeros(counter_words, dtype=torch.int32, device=device))
-    return _workspaces[full_key]
+    held = _workspaces.get(full_key)
+    if held is None or held[-1][0].numel() < workspace_elements or held[-1][1].numel() < counter_words:
+        grown = (0, 0) if held is None else (2 * held[-1][0].numel(), 2 * held[-1][1].numel())
+        buffers = (torch.empty(max(workspace_elements, grown[0]), dtype=torch.float32, device=device),
+                   torch.zeros(max(counter_words, grown[1]), dtype=torch.int32, device=device))
+        _workspaces[full_key] = (held or []) + [buffers]
+    return _workspaces[full_key][-1]
 
 
 def release_split_k_workspaces() -> None:
     """Forget every workspace, the Gluon GEMM's split-tail buffers too (the caching allocator reuses the memory
-    once no launch holds it)."""
+    once no launch holds it): never while a CUDA graph captured with them may still replay."""
     _workspaces.clear()
 
 

@@ -8,7 +8,8 @@ Checks, every output inside a NaN-filled buffer, against an fp64 product and tor
 wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M, N], three calls
 bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
 (explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
-graph with new operands; split tails (`sk1`): 16 queued calls bitwise equal, the counters back at zero.
+graph with new operands; split tails (`sk1`): 16 queued calls bitwise equal, the counters back at zero, a grid
+capped so that each program holds several split pieces.
 """
 
 from __future__ import annotations
@@ -71,38 +72,50 @@ def main(argv=None) -> int:
                     expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: repeats differ")
         return f"{len(GLUON_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
+    def split_planned(name, m, n, k, programs=None):
+        from overlap.gemm.gluon_launch import split_plan
+
+        blocks = GemmBlocks.parse(name)
+        tiles = -(-m // 128) * -(-n // blocks.block_n)
+        whole, splits = split_plan(tiles, programs or torch.cuda.get_device_properties(dev).multi_processor_count,
+                                   -(-k // 64), 2 * 128 * blocks.block_n * k)
+        expect(splits > 1, f"{name} M={m} N={n} K={k}: no split planned (the check would not test one)")
+        return f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} x {splits}"
+
     @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
     def _():
-        from overlap.gemm.gluon_launch import split_plan
         from overlap.gemm.splitk import _workspaces
 
         cases = []
         for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),
                                 ("128x64x64w4s8sk1gl", (200, 1032, 4104))):
             blocks = GemmBlocks.parse(name)
-            tiles = -(-m // 128) * -(-n // blocks.block_n)
-            whole, splits = split_plan(tiles, torch.cuda.get_device_properties(dev).multi_processor_count,
-                                       -(-k // 64), 2 * 128 * blocks.block_n * k)
-            expect(splits > 1, f"{name} M={m} N={n} K={k}: no split planned (the check would not test one)")
+            cases.append(split_planned(name, m, n, k))
             for layout in ("kn", "nk"):
                 a, b = operands(m, n, k, layout)
-                outs = [run(a, b, blocks) for _ in range(16)]
+                outs = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(16)]
+                for out in outs:   # queued: no synchronisation between the calls
+                    triton_mm(a, b, out, blocks=blocks)
+                torch.cuda.synchronize(dev)
                 verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k}")
                 expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: queued calls differ")
-            cases.append(f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} x {splits}")
-        left = [key for key, (_, counters) in _workspaces.items() if "gluon_split" in key and counters.any()]
+        left = [key for key, pairs in _workspaces.items() if "gluon_split" in key
+                for _, counters in pairs if counters.any()]
         expect(not left, f"counters not back at zero: {left}")
         return "; ".join(cases)
 
     @check("a grid capped below the tiles (persistent programs) with a row rotation")
     def _():
-        for name in (GLUON_CANDIDATES[0], "128x128x64w4s6sk1gl"):
+        plans = []
+        for name, k in ((GLUON_CANDIDATES[0], 1024), ("128x128x64w4s6sk1gl", 8192)):
             blocks = GemmBlocks.parse(name)
             for programs, offset in ((3, 1), (100, 5), (132, 0)):
-                a, b = operands(4096, 1280, 1024, "nk")
+                if blocks.stream_k:   # with 3 programs, each holds whole tiles and split pieces
+                    plans.append(split_planned(name, 4096, 1280, k, programs))
+                a, b = operands(4096, 1280, k, "nk")
                 verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
                        f"{name} programs={programs} offset={offset}")
-        return "ok"
+        return "; ".join(plans)
 
     @check("K = 0 gives zeros, M = 0 launches nothing")
     def _():
@@ -115,7 +128,7 @@ def main(argv=None) -> int:
 
     @check("operands TMA cannot read: explicit Gluon blocks refused, the table's choice falls back to plain")
     def _():
-        m, n, k = 1024, 4096, 4096   # a shape whose table entry names Gluon blocks, if any does
+        m, n, k = 1024, 4096, 2048   # a shape whose table entry names Gluon blocks
         a = torch.randn(m, k + 1, generator=gen, device=dev).bfloat16()[:, 1:]   # base 2 bytes past alignment
         b = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16().t()
         try:
@@ -124,14 +137,17 @@ def main(argv=None) -> int:
         except ValueError as exc:
             expect("16-byte aligned" in str(exc), f"unexpected refusal: {exc}")
         chosen = choose_blocks(m, n, k, b_transposed=True)
+        expect(chosen.gluon, f"the table names {chosen.name} at {m}x{n}x{k}: the fallback would not be tested")
         verify(run(a, b, None), a, b, f"table choice {chosen.name} with misaligned A")
         return f"table choice {chosen.name}"
 
-    @check("a captured CUDA graph replays right with new operands")
+    @check("a captured CUDA graph (a split tail) replays right with new operands")
     def _():
-        blocks = GemmBlocks.parse(GLUON_CANDIDATES[0])
-        a, b = operands(2048, 768, 4096, "nk")
-        out = torch.empty(2048, 768, dtype=torch.bfloat16, device=dev)
+        blocks = GemmBlocks.parse("128x128x64w4s6sk1gl")
+        m, n, k = 1024, 768, 4096
+        plan = split_planned(blocks.name, m, n, k)
+        a, b = operands(m, n, k, "nk")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -141,14 +157,14 @@ def main(argv=None) -> int:
         with torch.cuda.graph(graph, stream=stream):
             triton_mm(a, b, out, blocks=blocks)
         for replay in range(3):
-            fresh_a, fresh_b = operands(2048, 768, 4096, "nk")
+            fresh_a, fresh_b = operands(m, n, k, "nk")
             a.copy_(fresh_a)
             b.copy_(fresh_b)
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize(dev)
             verify(out, a, b, f"replay {replay}")
-        return blocks.name
+        return plan
 
     return check.summary()
 

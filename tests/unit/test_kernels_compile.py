@@ -52,7 +52,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
     usage = json.loads(lines[-1][len("RESULT "):])
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 chunk wait",
-                          "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "gemm epilogue 0 + chunk waits", "gemm epilogue 1", "gemm epilogue 2",
+                          "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "gemm epilogue 0 + chunk waits",
+                          "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
                           "swiglu backward"}
     assert all(usage[k]["div_rn"] and usage[k]["libdevice_exp"] for k in ("swiglu forward", "swiglu backward"))
