@@ -73,24 +73,30 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, num_progra
     if out.shape != (m, n) or b.shape[0] != k:
         raise ValueError(f"triton_mm: shapes a{tuple(a.shape)} b{tuple(b.shape)} out{tuple(out.shape)} disagree")
     b_rows, _, b_transposed = b_operand(b)
+    sm_count = num_programs or num_sms(a.device)
     chosen = blocks is None
     if chosen:
-        blocks = choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
-                               sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+        blocks = _table_blocks(a, m, n, k, b_transposed, sm_count)
     if blocks.gluon:
         problems = gluon_operand_problems(a, b_rows, out) if a.is_cuda else ["gluon: needs a CUDA device"]
         problems += [] if chosen else blocks.problems()   # a table's entries were checked when it was loaded
         if not problems:
             launch_gluon_gemm(a=a, b=b_rows, b_transposed=b_transposed, out=out, blocks=blocks,
-                              num_programs=num_programs or num_sms(a.device), tile_row_offset=tile_row_offset)
+                              num_programs=sm_count, tile_row_offset=tile_row_offset)
             return out
         if not chosen:
             raise ValueError(f"triton_mm: blocks {blocks.name!r}: {'; '.join(problems)}")
-        blocks = choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type, warp_specialize=False,
-                               sm_count=num_programs or num_sms(a.device), gpu=gpu_name(a.device))
+        blocks = _table_blocks(a, m, n, k, b_transposed, sm_count, warp_specialize=False)
     if blocks.split_k > 1:
         launch_split_k(a=a, w=b, out=out, blocks=blocks, num_programs=num_programs, tile_row_offset=tile_row_offset)
         return out
     programs = num_programs or num_sms(a.device) * blocks.programs_per_sm
     launch_gemm(a=a, w=b, out=out, num_programs=programs, blocks=blocks, tile_row_offset=tile_row_offset)
     return out
+
+
+def _table_blocks(a: torch.Tensor, m: int, n: int, k: int, b_transposed: bool, sm_count: int,
+                  warp_specialize: bool = True) -> GemmBlocks:
+    """The block table's choice for this GEMM (`plain` blocks with warp_specialize=False)."""
+    return choose_blocks(m, n, k, b_transposed=b_transposed, device_type=a.device.type,
+                         warp_specialize=warp_specialize, sm_count=sm_count, gpu=gpu_name(a.device))
