@@ -16,7 +16,8 @@ the epilogue; here the descriptors come from the host and three warp-specialised
 * a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted),
   running ahead into the next tile while the consumers store this one; it refills a slot once both
   consumers released it (``empty``, two arrivals);
-* two consumer warpgroups, each owning 64 rows of the 128-row tile: chain async MMAs into one accumulator,
+* a consumer warpgroup per 64 rows of the tile (two for BLOCK_M 128; three for BLOCK_M 192, whose A comes in
+  three [64, BLOCK_K] boxes, Gluon shapes being powers of two): chain async MMAs into one accumulator,
   keep one in flight, release each slot as soon as the MMA reading it retired, then store their half of C
   through shared memory with a TMA store that completes while the next tile's K loop runs.
 
@@ -89,11 +90,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
                     B_TRANSPOSED: gl.constexpr):
     """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
     both consumer warpgroups have released it."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    NUM_STAGES: gl.constexpr = ready.type.shape[0]
+    A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES  # A boxes per stage (3 of 64 rows for BLOCK_M 192)
+    BLOCK_M: gl.constexpr = A_BOX * A_BOXES
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes * A_BOXES + b_desc.block_type.nbytes
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
@@ -108,7 +111,9 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, STAGE_BYTES)
-            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
+            for box in gl.static_range(A_BOXES):
+                tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M + box * A_BOX, k * BLOCK_K], bar,
+                                                a_bufs.index(slot * A_BOXES + box))
             if B_TRANSPOSED:
                 tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
             else:
@@ -126,12 +131,15 @@ def _release(empty, step, NUM_STAGES: gl.constexpr):
 def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """acc += this warpgroup's 64 rows of A @ B over the tile's K steps; one MMA stays in flight, and each
     step's slot is released once the MMA that read it retired."""
-    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    NUM_STAGES: gl.constexpr = ready.type.shape[0]
+    A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
     for k in range(num_k):
         slot = (step + k) % NUM_STAGES
         mbarrier.wait(ready.index(slot), ((step + k) // NUM_STAGES) & 1)
-        a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
+        if A_BOXES == 1:  # a [BLOCK_M, BLOCK_K] box: this warpgroup's 64 rows of it
+            a_half = a_bufs.index(slot).slice(HALF * 64, 64, dim=0)
+        else:  # one [64, BLOCK_K] box per warpgroup
+            a_half = a_bufs.index(slot * A_BOXES + HALF)
         if B_TRANSPOSED:
             b_tile = b_bufs.index(slot).permute((1, 0))
         else:
@@ -146,36 +154,39 @@ def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, 
 
 
 @gluon.jit
-def _partial(workspace, first_slot, split, splits, offsets, WG_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _partial(workspace, first_slot, split, splits, offsets, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             CONSUMERS: gl.constexpr):
     # zeros past `splits`: the loads of every split are issued together (one L2 round trip, not `splits`)
-    slot = (first_slot + 2 * split).to(gl.int64) * (WG_M * BLOCK_N)
+    slot = (first_slot + CONSUMERS * split).to(gl.int64) * (WG_M * BLOCK_N)
     return gl.load(workspace + slot + offsets, mask=(offsets >= 0) & (split < splits), other=0.0,
                    cache_modifier=".cg")  # L2: written by other SMs
 
 
 @gluon.jit
 def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_col, M, N, WG_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
     """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` (<= MAX_SPLITS) partials (slots
-    first_slot, first_slot + 2, ...) in split order, 16 columns at a time (every split's loads in flight at
+    first_slot, first_slot + CONSUMERS, ...) in split order, 16 columns at a time (every split's loads in flight at
     once)."""
     gl.static_assert(MAX_SPLITS == 8, "one load per possible split below")
-    CHUNK: gl.constexpr = 16  # 8 partials of 16 columns in registers at once (32 columns spilled)
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    # 8 partials of CHUNK columns in registers at once: 32 columns spilled with 168 registers a thread, 16 with
+    # the 152 left to the default partition when three consumers share the SM
+    CHUNK: gl.constexpr = 16 if CONSUMERS == 2 else 8
+    layout: gl.constexpr = gl.BlockedLayout([1, CHUNK // 4], [8, 4], [4, 1], [1, 0])
     rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
     row_ok = gl.expand_dims(first_row + rows < M, 1)
     out_rows = gl.expand_dims((first_row + rows).to(gl.int64) * ldc, 1)
     for chunk in gl.static_range(BLOCK_N // CHUNK):
         cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
         offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
-        p0 = _partial(workspace, first_slot, 0, splits, offsets, WG_M, BLOCK_N)
-        p1 = _partial(workspace, first_slot, 1, splits, offsets, WG_M, BLOCK_N)
-        p2 = _partial(workspace, first_slot, 2, splits, offsets, WG_M, BLOCK_N)
-        p3 = _partial(workspace, first_slot, 3, splits, offsets, WG_M, BLOCK_N)
-        p4 = _partial(workspace, first_slot, 4, splits, offsets, WG_M, BLOCK_N)
-        p5 = _partial(workspace, first_slot, 5, splits, offsets, WG_M, BLOCK_N)
-        p6 = _partial(workspace, first_slot, 6, splits, offsets, WG_M, BLOCK_N)
-        p7 = _partial(workspace, first_slot, 7, splits, offsets, WG_M, BLOCK_N)
+        p0 = _partial(workspace, first_slot, 0, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p1 = _partial(workspace, first_slot, 1, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p2 = _partial(workspace, first_slot, 2, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p3 = _partial(workspace, first_slot, 3, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p4 = _partial(workspace, first_slot, 4, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p5 = _partial(workspace, first_slot, 5, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p6 = _partial(workspace, first_slot, 6, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
+        p7 = _partial(workspace, first_slot, 7, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
         total = ((((((p0 + p1) + p2) + p3) + p4) + p5) + p6) + p7  # split order: the same bits whoever is last
         mask = row_ok & gl.expand_dims(first_col + cols < N, 0)
         gl.store(c_ptr + out_rows + gl.expand_dims(first_col + cols, 0), total.to(c_ptr.dtype.element_ty), mask=mask)
@@ -183,7 +194,7 @@ def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_co
 
 @gluon.jit
 def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc, first_row,
-                    first_col, M, N, HALF: gl.constexpr):
+                    first_col, M, N, HALF: gl.constexpr, CONSUMERS: gl.constexpr):
     """Store this warpgroup's partial of a split item, count it; the last of the tile half's `splits` items sums
     them into C (module docstring)."""
     WG_M: gl.constexpr = acc.type.shape[0]
@@ -192,31 +203,32 @@ def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, coun
     rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
-    gl.store(workspace + (unit * 2 + HALF).to(gl.int64) * (WG_M * BLOCK_N) + offsets, acc)
+    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + offsets, acc)
     _barrier()  # every thread's partial stores before the release
     # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
     # over the warpgroup hands its result to every thread (a uniform branch) after a partition barrier, which
     # also orders every thread's partial loads after the acquire
     threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    counter = counters + (tile_id - num_whole_tiles) * 2 + HALF
+    counter = counters + (tile_id - num_whole_tiles) * CONSUMERS + HALF
     lane = gl.arange(0, 128, layout=threads)
     arrivals = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, threads), mask=lane == 0,
                              sem="acq_rel", scope="gpu")
     if gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1:
         gl.store(counter, 0)  # zero again for the next launch: every item of this tile half has counted
         first_unit = (tile_id - num_whole_tiles) * splits
-        _sum_partials(workspace, first_unit * 2 + HALF, splits, c_ptr, ldc, first_row + HALF * WG_M, first_col, M,
-                      N, WG_M, BLOCK_N)
+        _sum_partials(workspace, first_unit * CONSUMERS + HALF, splits, c_ptr, ldc, first_row + HALF * WG_M,
+                      first_col, M, N, WG_M, BLOCK_N, CONSUMERS)
 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args,
                    HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] * (a_bufs.type.shape[0] // ready.type.shape[0])
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    WG_M: gl.constexpr = BLOCK_M // 2
+    WG_M: gl.constexpr = 64
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_row_blocks = gl.cdiv(M, BLOCK_M)
@@ -242,19 +254,24 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
                                             out_smem)
         else:
             _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc,
-                            row_block * BLOCK_M, col_block * BLOCK_N, M, N, HALF)
+                            row_block * BLOCK_M, col_block * BLOCK_N, M, N, HALF, CONSUMERS)
     tma.store_wait(pendings=0)
 
 
 # One function per (partition, B layout): partitions receive no compile-time arguments (see GROUP_M).
 @gluon.jit
-def _mma_low_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+def _mma0_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
     _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 0, False)
 
 
 @gluon.jit
-def _mma_high_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+def _mma1_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
     _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 1, False)
+
+
+@gluon.jit
+def _mma2_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 2, False)
 
 
 @gluon.jit
@@ -264,13 +281,18 @@ def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_off
 
 
 @gluon.jit
-def _mma_low_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+def _mma0_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
     _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 0, True)
 
 
 @gluon.jit
-def _mma_high_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+def _mma1_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
     _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 1, True)
+
+
+@gluon.jit
+def _mma2_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
+    _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 2, True)
 
 
 @gluon.jit
@@ -281,14 +303,17 @@ def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_off
 
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
 def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, workspace, counters,
-                      c_ptr, ldc, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, MMA_REGS: gl.constexpr = 232,
+                      c_ptr, ldc, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, CONSUMERS: gl.constexpr = 2,
                       LOAD_REGS: gl.constexpr = 40):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
+    A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
+    gl.static_assert(((CONSUMERS == 2) and (A_BOX == 128)) or ((CONSUMERS == 3) and (A_BOX == 64) and (BLOCK_N <= 128)),
+                     "two consumer warpgroups (A in [128, BLOCK_K] boxes), or three (BLOCK_M 192: shapes are powers "
+                     "of two, so A comes in three [64, BLOCK_K] boxes; BLOCK_N <= 128 for 157 registers a thread)")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
-    gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
+    gl.static_assert(c_desc.block_type.shape[0] == 64, "C is stored in 64-row slabs, one per consumer")
     if B_TRANSPOSED:
         gl.static_assert((b_desc.block_type.shape[0] == BLOCK_N) and (b_desc.block_type.shape[1] == BLOCK_K),
                          "B [N, K]: blocks [BLOCK_N, BLOCK_K]")
@@ -296,28 +321,38 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
         gl.static_assert((b_desc.block_type.shape[0] == BLOCK_K) and (b_desc.block_type.shape[1] == BLOCK_N),
                          "B [K, N]: blocks [BLOCK_K, BLOCK_N]")
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * (BLOCK_M // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
     if B_TRANSPOSED:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, 64, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     fence_async_shared()
 
     split_args = (num_whole_tiles, splits, workspace, counters, c_ptr, ldc)
     mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits)
+    # the 64K registers of the SM, shared: 3 consumer warpgroups get 160 each, 2 get 232 (setmaxnreg)
+    MMA_REGS: gl.constexpr = 232 if CONSUMERS == 2 else 152
     if B_TRANSPOSED:
-        gl.warp_specialize([(_mma_low_nk, mma_args), (_mma_high_nk, mma_args), (_load_nk, load_args)], [4, 1],
-                           [MMA_REGS, LOAD_REGS])
+        if CONSUMERS == 2:
+            gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_load_nk, load_args)], [4, 1],
+                               [MMA_REGS, LOAD_REGS])
+        else:
+            gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_mma2_nk, mma_args),
+                                (_load_nk, load_args)], [4, 4, 1], [MMA_REGS, MMA_REGS, LOAD_REGS])
     else:
-        gl.warp_specialize([(_mma_low_kn, mma_args), (_mma_high_kn, mma_args), (_load_kn, load_args)], [4, 1],
-                           [MMA_REGS, LOAD_REGS])
+        if CONSUMERS == 2:
+            gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_load_kn, load_args)], [4, 1],
+                               [MMA_REGS, LOAD_REGS])
+        else:
+            gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_mma2_kn, mma_args),
+                                (_load_kn, load_args)], [4, 4, 1], [MMA_REGS, MMA_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

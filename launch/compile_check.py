@@ -207,12 +207,12 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
     from overlap.gemm.gluon_launch import _shared_layout
 
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    types = dict(a_desc=_gluon_descriptor(_shared_layout, dtype, [bm, bk]),
+    types = dict(a_desc=_gluon_descriptor(_shared_layout, dtype, [128 if bm == 128 else 64, bk]),
                  b_desc=_gluon_descriptor(_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
-                 c_desc=_gluon_descriptor(_shared_layout, dtype, [bm // 2, bn]), M="i32", N="i32", K="i32",
+                 c_desc=_gluon_descriptor(_shared_layout, dtype, [64, bn]), M="i32", N="i32", K="i32",
                  tile_row_offset="i32", num_whole_tiles="i32", splits="i32", workspace="*fp32:16",
                  counters="*i32:16", c_ptr=f"*{dtype}:16", ldc="i32:16")
-    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, MMA_REGS=232, LOAD_REGS=40)
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, LOAD_REGS=40)
     return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 

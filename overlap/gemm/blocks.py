@@ -19,10 +19,10 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
-finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and two consumer
-warpgroups: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, `sk1`
-cutting the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py split_plan says; FP8:
-kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
+finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and a consumer
+warpgroup per 64 rows: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, or BLOCK_M 192
+with BN <= 128; `sk1` cuts the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py
+split_plan says; FP8: kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class GemmBlocks:
     def problems(self, operand_bytes: int = 2) -> list[str]:
         """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""
         out = []
-        for field, allowed in (("block_m", (16, 32, 64, 128, 256)), ("block_n", (16, 32, 64, 128, 256)),
+        for field, allowed in (("block_m", (16, 32, 64, 128, 256) + ((192,) if self.gluon else ())),
+                               ("block_n", (16, 32, 64, 128, 256)),
                                ("block_k", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)),
                                ("epilogue_subtile", (1, 2))):
             if getattr(self, field) not in allowed:
@@ -129,12 +130,14 @@ class GemmBlocks:
     def _gluon_problems(self) -> list[str]:
         """Why the Gluon bf16/fp16 kernel (kernels/gemm_gluon.py) cannot run these blocks."""
         out = []
-        for name, allowed in (("block_m", (128,)), ("block_n", (64, 128, 256)), ("block_k", (64,)),
+        for name, allowed in (("block_m", (128, 192)), ("block_n", (64, 128, 256)), ("block_k", (64,)),
                               ("num_warps", (4,)), ("group_m", (8,)), ("programs_per_sm", (1,))):
             if getattr(self, name) not in allowed:  # two consumer warpgroups of 64 rows; GROUP_M fixed in the kernel
                 out.append(f"gluon: {name} {getattr(self, name)} not in {allowed}")
         if self.num_stages < 2:
             out.append(f"gluon: num_stages {self.num_stages} < 2")
+        if self.block_m == 192 and self.block_n > 128:  # three consumer warpgroups: 157 registers per thread
+            out.append(f"gluon: block_n {self.block_n} > 128 with block_m 192")
         for name in ("warp_specialize", "flatten"):
             if getattr(self, name):
                 out.append(f"gluon: {name} is a @triton.jit option")

@@ -101,11 +101,12 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
             raise ValueError(f"launch_gluon_gemm: {splits} splits of {-(-k // bk)} K steps")
         # one growing pair per stream: every launch leaves the counters at zero, launches on it run in order
         workspace, counters = stream_buffers(a.device, ("gluon_split",), split_tiles * splits * bm * bn,
-                                             2 * split_tiles)
+                                             bm // 64 * split_tiles)   # a counter per tile and consumer
         programs = min(num_programs, whole + split_tiles * splits)
     else:
         workspace, counters = _placeholders(a.device)
     gluon_gemm_kernel[(programs,)](
-        _descriptor(a, (bm, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
-        _descriptor(out, (bm // 2, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters, out,
-        out.stride(0), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+        _descriptor(a, (128 if bm == 128 else 64, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
+        _descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters, out,
+        out.stride(0), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
+        num_warps=GLUON_NUM_WARPS)

@@ -32,6 +32,7 @@ out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x12
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
 out["bf16 gluon kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x256x64w4s3gl"), b_transposed=False))
 out["bf16 gluon nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x128x64w4s6gl"), b_transposed=True))
+out["bf16 gluon 192"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("192x128x64w4s4sk1gl"), b_transposed=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
 for name, c in compile_swiglu().items():
     ptx = c.asm["ptx"]  # ATen's arithmetic: IEEE divisions, libdevice's exp (its ex2 after a range reduction)
@@ -52,7 +53,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
     usage = json.loads(lines[-1][len("RESULT "):])
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 chunk wait",
-                          "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "gemm epilogue 0 + chunk waits",
+                          "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
+                          "gemm epilogue 0 + chunk waits",
                           "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
                           "swiglu backward"}
