@@ -6,7 +6,7 @@ descriptors: A in blocks [128, BLOCK_K], B in [BLOCK_K, BLOCK_N] or [BLOCK_N, BL
 [64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so whole tiles need no masks.
 
     gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                                       workspace, counters, c_ptr, ldc, NUM_STAGES=..., B_TRANSPOSED=...,
+                                       workspace, counters, NUM_STAGES=..., B_TRANSPOSED=..., CONSUMERS=...,
                                        num_warps=4)
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
@@ -28,17 +28,16 @@ Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K i
 ``num_whole_tiles`` tiles of the walk are whole work items; each remaining tile becomes ``splits`` items of
 consecutive K ranges (balanced: ``[s * steps // splits, (s + 1) * steps // splits)``, never empty), and
 program p takes items p, p + num_programs, ... in that order. A split item's warpgroup stores its fp32
-partial (its 64 rows, in the accumulator's own register layout: ``workspace[(unit * 2 + half)]``, unit = the
-item's index among the split items), then counts on the (tile, half) counter (acq_rel, GPU scope); the
-warpgroup whose count completes ``splits`` arrivals resets the counter to zero and sums the ``splits``
-(at most ``GLUON_MAX_SPLITS``) partials in split order (bitwise the same whoever arrives last) into C with
-plain masked stores.
-Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items * 2,
-64 * BLOCK_N], ``counters`` int32 [2 * split tiles], zero before the launch and left at zero; ``c_ptr`` and
-``ldc`` are C's base and row stride for those stores (the TMA store covers whole tiles). With ``splits == 1``
-every tile is whole and the split arguments are never read. Preconditions (the launcher's): K >= 1 (a tile
-without K steps would release a ring slot no load filled) and 1 <= splits <= min(GLUON_MAX_SPLITS,
-cdiv(K, BLOCK_K)) (no empty piece; the last arrival reads at most that many partials).
+partial (its 64 rows, in the accumulator's own register layout: ``workspace[unit * CONSUMERS + warpgroup]``,
+unit = the item's index among the split items), then counts on the (tile, warpgroup) counter (acq_rel, GPU
+scope); the warpgroup whose count completes ``splits`` arrivals zeroes the counter, reads the other partials
+back in the same register layout (one L2 round trip each), sums all ``splits`` in split order (bitwise the
+same whichever item arrives last) and stores C through its staging tile like a whole tile.
+Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items *
+CONSUMERS, 64 * BLOCK_N], ``counters`` int32 [CONSUMERS * split tiles], zero before the launch and left at zero.
+With ``splits == 1`` every tile is whole and the split arguments are never read. Preconditions (the
+launcher's): K >= 1 (a tile without K steps would release a ring slot no load filled) and 1 <= splits <=
+cdiv(K, BLOCK_K) (no empty piece).
 """
 
 from triton.experimental import gluon
@@ -46,13 +45,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from . import constants
-
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
 # of partition function (the B layout).
 GROUP_M = gl.constexpr(8)
-MAX_SPLITS = gl.constexpr(constants.GLUON_MAX_SPLITS)  # split items per tile (the launcher's split_plan)
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -154,56 +150,29 @@ def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, 
 
 
 @gluon.jit
-def _partial(workspace, first_slot, split, splits, offsets, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CONSUMERS: gl.constexpr):
-    # zeros past `splits`: the loads of every split are issued together (one L2 round trip, not `splits`)
-    slot = (first_slot + CONSUMERS * split).to(gl.int64) * (WG_M * BLOCK_N)
-    return gl.load(workspace + slot + offsets, mask=(offsets >= 0) & (split < splits), other=0.0,
-                   cache_modifier=".cg")  # L2: written by other SMs
+def _staging_free(out_smem):
+    tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
+    _barrier()
 
 
 @gluon.jit
-def _sum_partials(workspace, first_slot, splits, c_ptr, ldc, first_row, first_col, M, N, WG_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
-    """C[first_row + 64 rows, first_col + BLOCK_N cols] = the sum of `splits` (<= MAX_SPLITS) partials (slots
-    first_slot, first_slot + CONSUMERS, ...) in split order, 16 columns at a time (every split's loads in flight at
-    once)."""
-    gl.static_assert(MAX_SPLITS == 8, "one load per possible split below")
-    # 8 partials of CHUNK columns in registers at once: 32 columns spilled with 168 registers a thread, 16 with
-    # the 152 left to the default partition when three consumers share the SM
-    CHUNK: gl.constexpr = 16 if CONSUMERS == 2 else 8
-    layout: gl.constexpr = gl.BlockedLayout([1, CHUNK // 4], [8, 4], [4, 1], [1, 0])
-    rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
-    row_ok = gl.expand_dims(first_row + rows < M, 1)
-    out_rows = gl.expand_dims((first_row + rows).to(gl.int64) * ldc, 1)
-    for chunk in gl.static_range(BLOCK_N // CHUNK):
-        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
-        offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
-        p0 = _partial(workspace, first_slot, 0, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p1 = _partial(workspace, first_slot, 1, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p2 = _partial(workspace, first_slot, 2, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p3 = _partial(workspace, first_slot, 3, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p4 = _partial(workspace, first_slot, 4, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p5 = _partial(workspace, first_slot, 5, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p6 = _partial(workspace, first_slot, 6, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        p7 = _partial(workspace, first_slot, 7, splits, offsets, WG_M, BLOCK_N, CONSUMERS)
-        total = ((((((p0 + p1) + p2) + p3) + p4) + p5) + p6) + p7  # split order: the same bits whoever is last
-        mask = row_ok & gl.expand_dims(first_col + cols < N, 0)
-        gl.store(c_ptr + out_rows + gl.expand_dims(first_col + cols, 0), total.to(c_ptr.dtype.element_ty), mask=mask)
+def _store_staged(out_smem, c_desc, first_row, first_col):
+    """C[first_row + 64 rows, first_col + BLOCK_N cols] = the staging tile, by a TMA store (clipped at M and N)
+    that completes while the next item's K loop runs."""
+    fence_async_shared()
+    _barrier()  # every warp's rows are in the staging tile before the store is issued
+    tma.async_copy_shared_to_global(c_desc, [first_row, first_col], out_smem)
 
 
 @gluon.jit
-def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc, first_row,
-                    first_col, M, N, HALF: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Store this warpgroup's partial of a split item, count it; the last of the tile half's `splits` items sums
-    them into C (module docstring)."""
+def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF: gl.constexpr,
+                   CONSUMERS: gl.constexpr):
+    """Store this warpgroup's partial of a split item and count it; True (uniform over the warpgroup) for the
+    item whose count completes the tile half's `splits` arrivals, which also zeroes the counter again."""
     WG_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    layout: gl.constexpr = acc.type.layout
-    rows = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    offsets = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
-    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + offsets, acc)
+    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, BLOCK_N),
+             acc)
     _barrier()  # every thread's partial stores before the release
     # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
     # over the warpgroup hands its result to every thread (a uniform branch) after a partition barrier, which
@@ -213,11 +182,46 @@ def _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, coun
     lane = gl.arange(0, 128, layout=threads)
     arrivals = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, threads), mask=lane == 0,
                              sem="acq_rel", scope="gpu")
-    if gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1:
+    last = gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1
+    if last:
         gl.store(counter, 0)  # zero again for the next launch: every item of this tile half has counted
-        first_unit = (tile_id - num_whole_tiles) * splits
-        _sum_partials(workspace, first_unit * CONSUMERS + HALF, splits, c_ptr, ldc, first_row + HALF * WG_M,
-                      first_col, M, N, WG_M, BLOCK_N, CONSUMERS)
+    return last
+
+
+@gluon.jit
+def _fragment_offsets(like, ROW_STRIDE: gl.constexpr):
+    # row-major offsets of a block shaped and laid out as the accumulator `like`: each thread stores and loads
+    # its own fragments (8-byte pairs, a warp's access covering whole 32-byte sectors), no layout conversion
+    layout: gl.constexpr = like.type.layout
+    rows = gl.arange(0, like.type.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, like.type.shape[1], layout=gl.SliceLayout(0, layout))
+    return gl.expand_dims(rows * ROW_STRIDE, 1) + gl.expand_dims(cols, 0)
+
+
+@gluon.jit
+def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+    """out_smem = the sum of the tile half's `splits` partials (slots first_slot, first_slot + CONSUMERS, ...) in
+    split order, bitwise the same whichever item arrives last; N in sub-tiles of at most 128 columns, each
+    partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
+    SUB_N: gl.constexpr = 128 if BLOCK_N > 128 else BLOCK_N
+    # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
+    PAIRS: gl.constexpr = CONSUMERS == 2  # 232 registers a thread; three consumers get 152
+    slot_elements: gl.constexpr = WG_M * BLOCK_N
+    for sub in gl.static_range(BLOCK_N // SUB_N):
+        total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
+        parts = workspace + first_slot.to(gl.int64) * slot_elements + sub * SUB_N + _fragment_offsets(total, BLOCK_N)
+        if PAIRS:
+            for s in range(0, splits, 2):
+                first = gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")  # L2: other SMs'
+                second = gl.load(parts + (CONSUMERS * (s + 1)) * slot_elements, mask=s + 1 < splits, other=0.0,
+                                 cache_modifier=".cg")
+                total = (total + first) + second
+        else:
+            for s in range(splits):
+                total = total + gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")
+        out_smem.slice(sub * SUB_N, SUB_N, dim=1).store(total.to(out_smem.dtype))
 
 
 @gluon.jit
@@ -234,7 +238,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
-    num_whole_tiles, splits, workspace, counters, c_ptr, ldc = split_args
+    num_whole_tiles, splits, workspace, counters = split_args
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
@@ -244,17 +248,16 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
         acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
         acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, end_k - first_k, step, HALF, B_TRANSPOSED)
         step += end_k - first_k
+        first_row = row_block * BLOCK_M + HALF * WG_M
         if unit < 0:
-            tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
-            _barrier()
+            _staging_free(out_smem)
             out_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _barrier()  # every warp's rows are in the staging tile before the store is issued
-            tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N],
-                                            out_smem)
-        else:
-            _split_epilogue(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, c_ptr, ldc,
-                            row_block * BLOCK_M, col_block * BLOCK_N, M, N, HALF, CONSUMERS)
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
+            _staging_free(out_smem)
+            _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N,
+                          CONSUMERS)
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
     tma.store_wait(pendings=0)
 
 
@@ -303,7 +306,7 @@ def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_off
 
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
 def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, workspace, counters,
-                      c_ptr, ldc, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, CONSUMERS: gl.constexpr = 2,
+                      NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, CONSUMERS: gl.constexpr = 2,
                       LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
@@ -334,7 +337,7 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    split_args = (num_whole_tiles, splits, workspace, counters, c_ptr, ldc)
+    split_args = (num_whole_tiles, splits, workspace, counters)
     mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits)
     # the 64K registers of the SM, shared: 3 consumer warpgroups get 160 each, 2 get 232 (setmaxnreg)

@@ -211,7 +211,7 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
                  b_desc=_gluon_descriptor(_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
                  c_desc=_gluon_descriptor(_shared_layout, dtype, [64, bn]), M="i32", N="i32", K="i32",
                  tile_row_offset="i32", num_whole_tiles="i32", splits="i32", workspace="*fp32:16",
-                 counters="*i32:16", c_ptr=f"*{dtype}:16", ldc="i32:16")
+                 counters="*i32:16")
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, LOAD_REGS=40)
     return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 

@@ -107,6 +107,6 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         workspace, counters = _placeholders(a.device)
     gluon_gemm_kernel[(programs,)](
         _descriptor(a, (128 if bm == 128 else 64, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
-        _descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters, out,
-        out.stride(0), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
+        _descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
+        NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
         num_warps=GLUON_NUM_WARPS)
