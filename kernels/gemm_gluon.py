@@ -171,7 +171,7 @@ def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, count
     item whose count completes the tile half's `splits` arrivals, which also zeroes the counter again."""
     WG_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, BLOCK_N),
+    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0),
              acc)
     _barrier()  # every thread's partial stores before the release
     # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
@@ -189,29 +189,32 @@ def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, count
 
 
 @gluon.jit
-def _fragment_offsets(like, ROW_STRIDE: gl.constexpr):
-    # row-major offsets of a block shaped and laid out as the accumulator `like`: each thread stores and loads
-    # its own fragments (8-byte pairs, a warp's access covering whole 32-byte sectors), no layout conversion
+def _fragment_offsets(like, FIRST_COL: gl.constexpr):
+    """Workspace offsets of a [64, N] fp32 partial held in the wgmma accumulator layout of `like` (columns from
+    FIRST_COL): thread t's column pair p (8 bytes) at (p * 128 + t) * 2, so that one warp's access covers 256
+    contiguous bytes (two whole lines) where row-major offsets would touch eight lines for 32 bytes each.
+    In that layout warp w holds rows 16w + lane // 4 (+ 8), lane % 4 picks the column pair of each 8 columns."""
     layout: gl.constexpr = like.type.layout
     rows = gl.arange(0, like.type.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, like.type.shape[1], layout=gl.SliceLayout(0, layout))
-    return gl.expand_dims(rows * ROW_STRIDE, 1) + gl.expand_dims(cols, 0)
+    cols = FIRST_COL + gl.arange(0, like.type.shape[1], layout=gl.SliceLayout(0, layout))
+    row_part = ((rows % 16) // 8) * 256 + (rows // 16) * 64 + (rows % 8) * 8
+    return gl.expand_dims(row_part, 1) + gl.expand_dims((cols // 8) * 512 + cols % 8, 0)
 
 
 @gluon.jit
 def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CONSUMERS: gl.constexpr):
     """out_smem = the sum of the tile half's `splits` partials (slots first_slot, first_slot + CONSUMERS, ...) in
-    split order, bitwise the same whichever item arrives last; N in sub-tiles of at most 128 columns, each
-    partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
-    SUB_N: gl.constexpr = 128 if BLOCK_N > 128 else BLOCK_N
+    split order, bitwise the same whichever item arrives last; N in sub-tiles of 64 columns, each partial's
+    sub-tile one L2 round trip (two partials at once where the registers allow)."""
+    SUB_N: gl.constexpr = 64  # two partials and the running sum in registers at once
     # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
     PAIRS: gl.constexpr = CONSUMERS == 2  # 232 registers a thread; three consumers get 152
     slot_elements: gl.constexpr = WG_M * BLOCK_N
     for sub in gl.static_range(BLOCK_N // SUB_N):
         total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
-        parts = workspace + first_slot.to(gl.int64) * slot_elements + sub * SUB_N + _fragment_offsets(total, BLOCK_N)
+        parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N)
         if PAIRS:
             for s in range(0, splits, 2):
                 first = gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")  # L2: other SMs'

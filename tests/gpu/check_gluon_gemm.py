@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, rel, target_device
+from tests.gpu.checklist import Checks, expect, graph_replays_right, rel, target_device
 
 TOLERANCE = 1e-2
 TAIL_SHAPES = ((1000, 776, 1000), (136, 1288, 4104), (4096, 3072, 4096), (1, 8, 64))
@@ -148,22 +148,8 @@ def main(argv=None) -> int:
         plan = split_planned(blocks.name, m, n, k)
         a, b = operands(m, n, k, "nk")
         out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            triton_mm(a, b, out, blocks=blocks)   # warm-up: compiles
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            triton_mm(a, b, out, blocks=blocks)
-        for replay in range(3):
-            fresh_a, fresh_b = operands(m, n, k, "nk")
-            a.copy_(fresh_a)
-            b.copy_(fresh_b)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize(dev)
-            verify(out, a, b, f"replay {replay}")
+        graph_replays_right(lambda: triton_mm(a, b, out, blocks=blocks), a, b, out,
+                            lambda: operands(m, n, k, "nk"), verify)
         return plan
 
     return check.summary()

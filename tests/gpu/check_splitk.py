@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, rel, target_device
+from tests.gpu.checklist import Checks, expect, graph_replays_right, rel, target_device
 
 TOLERANCE = 1e-2
 check = Checks()
@@ -127,21 +127,8 @@ def main(argv=None) -> int:
             blocks = GemmBlocks.parse(names[0])
             a, b = operands(m, n, k, "nk")
             out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                triton_mm(a, b, out, blocks=blocks)   # warm-up: compiles, allocates this stream's workspace
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                triton_mm(a, b, out, blocks=blocks)
-            for replay in range(3):
-                fresh_a, fresh_b = operands(m, n, k, "nk")
-                a.copy_(fresh_a)
-                b.copy_(fresh_b)
-                out.fill_(float("nan"))
-                graph.replay()
-                verify(out, a, b, f"replay {replay}")
+            graph_replays_right(lambda: triton_mm(a, b, out, blocks=blocks), a, b, out,
+                                lambda: operands(m, n, k, "nk"), verify)
             return blocks.name
 
     return check.summary()

@@ -55,3 +55,27 @@ def rel(actual, expected) -> float:
 def expect(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)
+
+
+def graph_replays_right(run, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fresh_operands, verify, *,
+                        replays: int = 3) -> None:
+    """Capture `run()` (writing `out` from `a` and `b`) in a CUDA graph after one warm-up on the capture stream
+    (it compiles and allocates that stream's buffers), then replay it `replays` times, each with fresh operands
+    (`fresh_operands()` -> (a, b)) copied in and `out` NaN-poisoned; `verify(out, a, b, label)` checks each."""
+    device = out.device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        run()
+    for replay in range(replays):
+        fresh_a, fresh_b = fresh_operands()
+        a.copy_(fresh_a)
+        b.copy_(fresh_b)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        verify(out, a, b, f"replay {replay}")
