@@ -2,8 +2,9 @@
 
 Computes ``C[M, N] = A[M, K] @ B[K, N]`` (fp32 accumulation, C in A's dtype), B either row-major [K, N] or the
 rows of an ``nn.Linear`` weight [N, K] (``weight.t()`` without a copy), all read through host tensor
-descriptors: A in blocks [128, BLOCK_K], B in [BLOCK_K, BLOCK_N] or [BLOCK_N, BLOCK_K], C written in
-[64, BLOCK_N] halves. TMA reads zeros past M, N and K and clips the store, so whole tiles need no masks.
+descriptors: A in blocks [128, BLOCK_K] ([64, BLOCK_K] for 192-row tiles), B in [BLOCK_K, BLOCK_N] or
+[BLOCK_N, BLOCK_K], C written in [64, BLOCK_N] slabs, one per consumer warpgroup. TMA reads zeros past M, N
+and K and clips the store, so whole tiles need no masks.
 
     gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits,
                                        workspace, counters, NUM_STAGES=..., B_TRANSPOSED=..., CONSUMERS=...,
@@ -14,11 +15,11 @@ persistent GEMM builds its TMA descriptors on the device in every program and st
 the epilogue; here the descriptors come from the host and three warp-specialised partitions share the SM:
 
 * a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted),
-  running ahead into the next tile while the consumers store this one; it refills a slot once both
-  consumers released it (``empty``, two arrivals);
+  running ahead into the next tile while the consumers store this one; it refills a slot once every
+  consumer released it (``empty``, CONSUMERS arrivals);
 * a consumer warpgroup per 64 rows of the tile (two for BLOCK_M 128; three for BLOCK_M 192, whose A comes in
   three [64, BLOCK_K] boxes, Gluon shapes being powers of two): chain async MMAs into one accumulator,
-  keep one in flight, release each slot as soon as the MMA reading it retired, then store their half of C
+  keep one in flight, release each slot as soon as the MMA reading it retired, then store their 64-row slab of C
   through shared memory with a TMA store that completes while the next tile's K loop runs.
 
 Tiles are walked persistently in GROUP_M = 8 swizzled order, row blocks rotated by ``tile_row_offset`` (as
@@ -28,11 +29,12 @@ Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K i
 ``num_whole_tiles`` tiles of the walk are whole work items; each remaining tile becomes ``splits`` items of
 consecutive K ranges (balanced: ``[s * steps // splits, (s + 1) * steps // splits)``, never empty), and
 program p takes items p, p + num_programs, ... in that order. A split item's warpgroup stores its fp32
-partial (its 64 rows, in the accumulator's own register layout: ``workspace[unit * CONSUMERS + warpgroup]``,
-unit = the item's index among the split items), then counts on the (tile, warpgroup) counter (acq_rel, GPU
-scope); the warpgroup whose count completes ``splits`` arrivals zeroes the counter, reads the other partials
-back in the same register layout (one L2 round trip each), sums all ``splits`` in split order (bitwise the
-same whichever item arrives last) and stores C through its staging tile like a whole tile.
+partial (its 64 rows: ``workspace[unit * CONSUMERS + warpgroup]``, unit = the item's index among the split
+items; each thread its own accumulator fragments, in an order that gives every warp 256 contiguous bytes:
+``_fragment_offsets``), then counts on the (tile, warpgroup) counter (acq_rel, GPU scope); the warpgroup
+whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (64 columns
+and two partials per L2 round trip), sums them in split order (bitwise the same whichever item arrives last)
+and stores C through its staging tile like a whole tile.
 Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items *
 CONSUMERS, 64 * BLOCK_N], ``counters`` int32 [CONSUMERS * split tiles], zero before the launch and left at zero.
 With ``splits == 1`` every tile is whole and the split arguments are never read. Preconditions (the
@@ -85,7 +87,7 @@ def _work_item(item, num_whole_tiles, splits, num_k):
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
                     B_TRANSPOSED: gl.constexpr):
     """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
-    both consumer warpgroups have released it."""
+    every consumer warpgroup has released it."""
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -150,7 +152,7 @@ def _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF: gl.constexpr, 
 
 
 @gluon.jit
-def _staging_free(out_smem):
+def _staging_free():
     tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
     _barrier()
 
@@ -168,7 +170,7 @@ def _store_staged(out_smem, c_desc, first_row, first_col):
 def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF: gl.constexpr,
                    CONSUMERS: gl.constexpr):
     """Store this warpgroup's partial of a split item and count it; True (uniform over the warpgroup) for the
-    item whose count completes the tile half's `splits` arrivals, which also zeroes the counter again."""
+    item whose count completes the (tile, warpgroup)'s `splits` arrivals, which also zeroes the counter again."""
     WG_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0),
@@ -184,7 +186,7 @@ def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, count
                              sem="acq_rel", scope="gpu")
     last = gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1
     if last:
-        gl.store(counter, 0)  # zero again for the next launch: every item of this tile half has counted
+        gl.store(counter, 0)  # zero again for the next launch: every item of this (tile, warpgroup) has counted
     return last
 
 
@@ -204,9 +206,9 @@ def _fragment_offsets(like, FIRST_COL: gl.constexpr):
 @gluon.jit
 def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CONSUMERS: gl.constexpr):
-    """out_smem = the sum of the tile half's `splits` partials (slots first_slot, first_slot + CONSUMERS, ...) in
-    split order, bitwise the same whichever item arrives last; N in sub-tiles of 64 columns, each partial's
-    sub-tile one L2 round trip (two partials at once where the registers allow)."""
+    """out_smem = the sum of the (tile, warpgroup)'s `splits` partials (slots first_slot, first_slot +
+    CONSUMERS, ...) in split order, bitwise the same whichever item arrives last; N in sub-tiles of 64
+    columns, each partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
     SUB_N: gl.constexpr = 64  # two partials and the running sum in registers at once
     # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
@@ -253,11 +255,11 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
         if unit < 0:
-            _staging_free(out_smem)
+            _staging_free()
             out_smem.store(acc.to(c_desc.dtype))
             _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
         elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
-            _staging_free(out_smem)
+            _staging_free()
             _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N,
                           CONSUMERS)
             _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
@@ -317,7 +319,7 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     gl.static_assert(((CONSUMERS == 2) and (A_BOX == 128)) or ((CONSUMERS == 3) and (A_BOX == 64) and (BLOCK_N <= 128)),
                      "two consumer warpgroups (A in [128, BLOCK_K] boxes), or three (BLOCK_M 192: shapes are powers "
-                     "of two, so A comes in three [64, BLOCK_K] boxes; BLOCK_N <= 128 for 157 registers a thread)")
+                     "of two, so A comes in three [64, BLOCK_K] boxes; BLOCK_N <= 128 within 152 registers a thread)")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     gl.static_assert(c_desc.block_type.shape[0] == 64, "C is stored in 64-row slabs, one per consumer")
     if B_TRANSPOSED:
@@ -343,7 +345,8 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     split_args = (num_whole_tiles, splits, workspace, counters)
     mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits)
-    # the 64K registers of the SM, shared: 3 consumer warpgroups get 160 each, 2 get 232 (setmaxnreg)
+    # the 64K registers of the SM, shared (setmaxnreg): 2 consumer warpgroups get 232 each; 3 (416 threads with the
+    # producer warp: at most 157 each) get 152
     MMA_REGS: gl.constexpr = 232 if CONSUMERS == 2 else 152
     if B_TRANSPOSED:
         if CONSUMERS == 2:

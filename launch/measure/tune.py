@@ -100,10 +100,10 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 # so that the next tile's loads overlap this tile's epilogue (short K); `o2` two CTAs per SM hide each
 # other's epilogue; `sk` stream-K splits the last partial wave by K steps (few tiles: 48-96 tiles on 132
 # SMs)). Every name compiles without spills for sm_90 with Triton 3.6 and 3.7 in both layouts.
-# The Gluon kernel (kernels/gemm_gluon.py: host descriptors, a TMA warp and two consumer warpgroups), tried
+# The Gluon kernel (kernels/gemm_gluon.py: host descriptors, a TMA warp and a consumer warpgroup per 64 rows), tried
 # in every class: 128x64 tiles give narrow shapes twice the tiles of 128x128 ones; `sk1` cuts a partial last
 # wave's tiles by K (overlap/gemm/gluon_launch.py split_plan; a no-op where the waves are full); 192-row tiles
-# (three consumer warpgroups) make 132 tiles of 4096x768, 2048x1536 and 1024x3072 (one full wave).
+# (three consumer warpgroups) make 132 tiles of 4096x768 and 2048x1536 (one full wave).
 GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl",
                     "128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl", "128x64x64w4s8sk1gl", "192x128x64w4s4gl",
                     "192x128x64w4s4sk1gl")

@@ -132,11 +132,11 @@ class GemmBlocks:
         out = []
         for name, allowed in (("block_m", (128, 192)), ("block_n", (64, 128, 256)), ("block_k", (64,)),
                               ("num_warps", (4,)), ("group_m", (8,)), ("programs_per_sm", (1,))):
-            if getattr(self, name) not in allowed:  # two consumer warpgroups of 64 rows; GROUP_M fixed in the kernel
+            if getattr(self, name) not in allowed:  # a consumer warpgroup per 64 rows; GROUP_M fixed in the kernel
                 out.append(f"gluon: {name} {getattr(self, name)} not in {allowed}")
         if self.num_stages < 2:
             out.append(f"gluon: num_stages {self.num_stages} < 2")
-        if self.block_m == 192 and self.block_n > 128:  # three consumer warpgroups: 157 registers per thread
+        if self.block_m == 192 and self.block_n > 128:  # three consumer warpgroups: 152 registers per thread
             out.append(f"gluon: block_n {self.block_n} > 128 with block_m 192")
         for name in ("warp_specialize", "flatten"):
             if getattr(self, name):
