@@ -185,10 +185,11 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
     (group-major) or [128, 4] (row-major), B [1, 4]."""
     from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
-    from overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, _shared_layout
+    from overlap.gemm.fp8_gluon_launch import B_SCALE_BOX
+    from overlap.gemm.launch import tma_shared_layout
 
     def descriptor(dtype: str, block: list[int]) -> str:
-        return _gluon_descriptor(_shared_layout, dtype, block)
+        return _gluon_descriptor(tma_shared_layout, dtype, block)
 
     a_scale_box = [1, blocks.block_m] if a_scales_group_major else [blocks.block_m, B_SCALE_BOX]
     types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
@@ -204,12 +205,12 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
     """The Gluon bf16/fp16 GEMM (kernels/gemm_gluon.py) as overlap/gemm/gluon_launch.py launches it: host
     descriptors of A [128, BLOCK_K], B [BLOCK_K, BLOCK_N] (or [BLOCK_N, BLOCK_K] transposed), C [64, BLOCK_N]."""
     from kernels.gemm_gluon import gluon_gemm_kernel
-    from overlap.gemm.gluon_launch import _shared_layout
+    from overlap.gemm.launch import tma_shared_layout
 
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    types = dict(a_desc=_gluon_descriptor(_shared_layout, dtype, [128 if bm == 128 else 64, bk]),
-                 b_desc=_gluon_descriptor(_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
-                 c_desc=_gluon_descriptor(_shared_layout, dtype, [64, bn]), M="i32", N="i32", K="i32",
+    types = dict(a_desc=_gluon_descriptor(tma_shared_layout, dtype, [128 if bm == 128 else 64, bk]),
+                 b_desc=_gluon_descriptor(tma_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
+                 c_desc=_gluon_descriptor(tma_shared_layout, dtype, [64, bn]), M="i32", N="i32", K="i32",
                  tile_row_offset="i32", num_whole_tiles="i32", splits="i32", workspace="*fp32:16",
                  counters="*i32:16")
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, LOAD_REGS=40)

@@ -4,13 +4,12 @@ tile shapes) is checked here."""
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from kernels.constants import SCALE_GROUP
 
-from .launch import tma_row_problems
+from .launch import tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
@@ -49,26 +48,10 @@ def _a_scale_rows(a_scales: torch.Tensor) -> torch.Tensor:
     return a_scales.t() if a_scales.stride(0) == 1 and a_scales.stride(1) != 1 else a_scales
 
 
-@functools.cache
-def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
-    from triton.experimental.gluon import language as gl
-
-    if dtype == torch.float32:  # the scale boxes: one row, no swizzle
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-def _descriptor(t: torch.Tensor, block: tuple[int, int]):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
-
-
 def _a_scale_descriptor(a_scales: torch.Tensor):
     rows = _a_scale_rows(a_scales)
     # group-major: a group's scales of the tile's 128 rows per load; row-major: the tile's rows, 4 groups
-    return _descriptor(rows, (1, GLUON_BLOCK_M) if rows is not a_scales else (GLUON_BLOCK_M, B_SCALE_BOX))
+    return tma_descriptor(rows, (1, GLUON_BLOCK_M) if rows is not a_scales else (GLUON_BLOCK_M, B_SCALE_BOX))
 
 
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
@@ -90,6 +73,6 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     tiles = -(-m // GLUON_BLOCK_M) * -(-n // block_n)
     programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
     fp8_gluon_gemm_kernel[(programs,)](
-        _descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), _descriptor(w8, (block_n, SCALE_GROUP)),
-        _descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
-        _descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)
+        tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
+        tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
+        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)

@@ -11,7 +11,7 @@ import torch
 from kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
-from .launch import tma_row_problems
+from .launch import tma_descriptor, tma_row_problems
 from .splitk import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
@@ -60,20 +60,6 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
-@functools.cache
-def _shared_layout(block: tuple[int, int], dtype: torch.dtype):
-    from triton.experimental.gluon import language as gl
-
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-def _descriptor(t: torch.Tensor, block: tuple[int, int]):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
-
-
 def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, out: torch.Tensor, blocks: GemmBlocks,
                       num_programs: int, tile_row_offset: int = 0) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
@@ -106,7 +92,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     else:
         workspace, counters = _placeholders(a.device)
     gluon_gemm_kernel[(programs,)](
-        _descriptor(a, (128 if bm == 128 else 64, bk)), _descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
-        _descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
+        tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
+        tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
         num_warps=GLUON_NUM_WARPS)

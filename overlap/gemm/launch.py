@@ -9,6 +9,7 @@ layout, the TMA alignment check and the stream-K buffers.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -85,6 +86,25 @@ def tma_row_problems(named: tuple[tuple[str, torch.Tensor], ...]) -> list[str]:
             problems.append(f"gluon: {name} needs a 16-byte aligned base and row stride (base at "
                             f"{t.data_ptr() % 16} mod 16, row stride {t.stride(0)} x {t.element_size()} bytes)")
     return problems
+
+
+@functools.cache
+def tma_shared_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The shared-memory layout of a TMA box of `dtype` (the Gluon kernels' host descriptors): NVMMA's default
+    swizzle, except fp32 (the FP8 scale boxes: one row, no swizzle)."""
+    from triton.experimental.gluon import language as gl
+
+    if dtype == torch.float32:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def tma_descriptor(t: torch.Tensor, block: tuple[int, int]):
+    """A host TMA descriptor of the 2-D tensor `t` in boxes of `block` (its `tma_row_problems` empty)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), tma_shared_layout(block, t.dtype))
 
 
 class ChunkWait(NamedTuple):
