@@ -25,21 +25,21 @@ the epilogue; here the descriptors come from the host and three warp-specialised
 Tiles are walked persistently in GROUP_M = 8 swizzled order, row blocks rotated by ``tile_row_offset`` (as
 ``persistent_gemm_kernel``).
 
-Split tail (kernels/gemm_gluon_tail.py): a last wave that would leave SMs idle is cut by K instead. The first
-``num_whole_tiles`` tiles of the walk are whole (program p takes tiles p, p + num_programs, ...); the rest are
-cut into segments of K steps, either ``splits >= 1`` equal pieces per tile or, with ``splits == 0``,
-stream-K: every program gets an equal run of the tail's K steps. A segment's warpgroup stores its fp32
-partial (each thread its own accumulator fragments, in an order that gives every warp 256 contiguous bytes),
-then counts on the (tile, warpgroup) counter (acq_rel, GPU scope); the warpgroup whose count completes the
-tile's arrivals zeroes the counter, reads all of the tile's partials back (64 columns and two partials per
-L2 round trip), sums them in K order (bitwise the same whichever segment arrives last) and stores C through
-its staging tile like a whole tile.
-Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [units * CONSUMERS,
-64 * BLOCK_N] (units: tail tiles * splits, or num_programs + tail tiles for stream-K), ``counters`` int32
-[CONSUMERS * tail tiles], zero before the launch and left at zero. With every tile whole (splits == 1) the
-split arguments are never read. Preconditions (the launcher's): K >= 1 (a tile without K steps would release
-a ring slot no load filled); 1 <= splits <= cdiv(K, BLOCK_K) (no empty piece); stream-K: tail tiles *
-cdiv(K, BLOCK_K) >= num_programs (no empty run).
+Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K instead. The first
+``num_whole_tiles`` tiles of the walk are whole work items; each remaining tile becomes ``splits`` items of
+consecutive K ranges (balanced: ``[s * steps // splits, (s + 1) * steps // splits)``, never empty), and
+program p takes items p, p + num_programs, ... in that order. A split item's warpgroup stores its fp32
+partial (its 64 rows: ``workspace[unit * CONSUMERS + warpgroup]``, unit = the item's index among the split
+items; each thread its own accumulator fragments, in an order that gives every warp 256 contiguous bytes:
+``_fragment_offsets``), then counts on the (tile, warpgroup) counter (acq_rel, GPU scope); the warpgroup
+whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (64 columns
+and two partials per L2 round trip), sums them in split order (bitwise the same whichever item arrives last)
+and stores C through its staging tile like a whole tile.
+Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items *
+CONSUMERS, 64 * BLOCK_N], ``counters`` int32 [CONSUMERS * split tiles], zero before the launch and left at zero.
+With ``splits == 1`` every tile is whole and the split arguments are never read. Preconditions (the
+launcher's): K >= 1 (a tile without K steps would release a ring slot no load filled) and 1 <= splits <=
+cdiv(K, BLOCK_K) (no empty piece).
 """
 
 from triton.experimental import gluon
@@ -47,13 +47,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gemm_gluon_tail import barrier as _barrier
-from .gemm_gluon_tail import count_partial, sum_partials, tail_range, tail_segment
-
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
 # of partition function (the B layout).
 GROUP_M = gl.constexpr(8)
+# the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -69,10 +68,26 @@ def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
 
 
 @gluon.jit
-def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_id, first_k, end_k, step, num_row_blocks,
-               num_col_blocks, tile_row_offset, B_TRANSPOSED: gl.constexpr):
-    """TMA loads of K steps [first_k, end_k) of tile `tile_id` into the ring from position `step` on; returns the
-    position after them."""
+def _work_item(item, num_whole_tiles, splits, num_k):
+    """(tile, first K step, end K step, split unit or -1) of work item `item` (module docstring)."""
+    unit = item - num_whole_tiles
+    if unit < 0:
+        tile = item
+        first_k = unit * 0  # an int32 like the other branch's (a literal 0 would be a constexpr)
+        end_k = num_k
+    else:
+        tile = num_whole_tiles + unit // splits
+        split = unit % splits
+        first_k = split * num_k // splits
+        end_k = (split + 1) * num_k // splits
+    return tile, first_k, end_k, unit
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+                    B_TRANSPOSED: gl.constexpr):
+    """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
+    every consumer warpgroup has released it."""
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -80,45 +95,28 @@ def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_id, first_k, e
     A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES  # A boxes per stage (3 of 64 rows for BLOCK_M 192)
     BLOCK_M: gl.constexpr = A_BOX * A_BOXES
     STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes * A_BOXES + b_desc.block_type.nbytes
-    row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-    for k in range(first_k, end_k):
-        slot = step % NUM_STAGES
-        # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
-        mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, STAGE_BYTES)
-        for box in gl.static_range(A_BOXES):
-            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M + box * A_BOX, k * BLOCK_K], bar,
-                                            a_bufs.index(slot * A_BOXES + box))
-        if B_TRANSPOSED:
-            tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
-        step += 1
-    return step
-
-
-@gluon.jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    B_TRANSPOSED: gl.constexpr):
-    """The producer warp: TMA loads of every K step of this program's whole tiles and tail segments into the
-    ring, each slot once every consumer warpgroup has released it."""
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0] * (a_bufs.type.shape[0] // ready.type.shape[0])
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
-    num_tiles = num_row_blocks * num_col_blocks
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     step = 0
-    for tile_id in range(gl.program_id(0), num_whole_tiles, gl.num_programs(0)):
-        step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_id, 0, num_k, step, num_row_blocks,
-                          num_col_blocks, tile_row_offset, B_TRANSPOSED)
-    first, end, stride = tail_range(num_whole_tiles, num_tiles, num_k, splits)
-    for s in range(first, end, stride):
-        tile_id, first_k, end_k, _, _, _ = tail_segment(s, num_whole_tiles, num_tiles, num_k, splits)
-        step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_id, first_k, end_k, step,
-                          num_row_blocks, num_col_blocks, tile_row_offset, B_TRANSPOSED)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        for k in range(first_k, end_k):
+            slot = step % NUM_STAGES
+            # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, STAGE_BYTES)
+            for box in gl.static_range(A_BOXES):
+                tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M + box * A_BOX, k * BLOCK_K], bar,
+                                                a_bufs.index(slot * A_BOXES + box))
+            if B_TRANSPOSED:
+                tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
+            step += 1
 
 
 @gluon.jit
@@ -169,6 +167,69 @@ def _store_staged(out_smem, c_desc, first_row, first_col):
 
 
 @gluon.jit
+def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF: gl.constexpr,
+                   CONSUMERS: gl.constexpr):
+    """Store this warpgroup's partial of a split item and count it; True (uniform over the warpgroup) for the
+    item whose count completes the (tile, warpgroup)'s `splits` arrivals, which also zeroes the counter again."""
+    WG_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0),
+             acc)
+    _barrier()  # every thread's partial stores before the release
+    # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
+    # over the warpgroup hands its result to every thread (a uniform branch) after a partition barrier, which
+    # also orders every thread's partial loads after the acquire
+    threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    counter = counters + (tile_id - num_whole_tiles) * CONSUMERS + HALF
+    lane = gl.arange(0, 128, layout=threads)
+    arrivals = gl.atomic_add(counter + lane * 0, gl.full([128], 1, gl.int32, threads), mask=lane == 0,
+                             sem="acq_rel", scope="gpu")
+    last = gl.max(gl.where(lane == 0, arrivals, -1), axis=0) == splits - 1
+    if last:
+        gl.store(counter, 0)  # zero again for the next launch: every item of this (tile, warpgroup) has counted
+    return last
+
+
+@gluon.jit
+def _fragment_offsets(like, FIRST_COL: gl.constexpr):
+    """Workspace offsets of a [64, N] fp32 partial held in the wgmma accumulator layout of `like` (columns from
+    FIRST_COL): thread t's column pair p (8 bytes) at (p * 128 + t) * 2, so that one warp's access covers 256
+    contiguous bytes (two whole lines) where row-major offsets would touch eight lines for 32 bytes each.
+    In that layout warp w holds rows 16w + lane // 4 (+ 8), lane % 4 picks the column pair of each 8 columns."""
+    layout: gl.constexpr = like.type.layout
+    rows = gl.arange(0, like.type.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = FIRST_COL + gl.arange(0, like.type.shape[1], layout=gl.SliceLayout(0, layout))
+    row_part = ((rows % 16) // 8) * 256 + (rows // 16) * 64 + (rows % 8) * 8
+    return gl.expand_dims(row_part, 1) + gl.expand_dims((cols // 8) * 512 + cols % 8, 0)
+
+
+@gluon.jit
+def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+    """out_smem = the sum of the (tile, warpgroup)'s `splits` partials (slots first_slot, first_slot +
+    CONSUMERS, ...) in split order, bitwise the same whichever item arrives last; N in sub-tiles of 64
+    columns, each partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
+    SUB_N: gl.constexpr = 64  # two partials and the running sum in registers at once
+    # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
+    PAIRS: gl.constexpr = CONSUMERS == 2  # 232 registers a thread; three consumers get 152
+    slot_elements: gl.constexpr = WG_M * BLOCK_N
+    for sub in gl.static_range(BLOCK_N // SUB_N):
+        total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
+        parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N)
+        if PAIRS:
+            for s in range(0, splits, 2):
+                first = gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")  # L2: other SMs'
+                second = gl.load(parts + (CONSUMERS * (s + 1)) * slot_elements, mask=s + 1 < splits, other=0.0,
+                                 cache_modifier=".cg")
+                total = (total + first) + second
+        else:
+            for s in range(splits):
+                total = total + gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")
+        out_smem.slice(sub * SUB_N, SUB_N, dim=1).store(total.to(out_smem.dtype))
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args,
                    HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
@@ -183,30 +244,25 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
     num_whole_tiles, splits, workspace, counters = split_args
-    num_tiles = num_row_blocks * num_col_blocks
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
-    for tile_id in range(gl.program_id(0), num_whole_tiles, gl.num_programs(0)):
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF, B_TRANSPOSED)
-        step += num_k
-        _staging_free()
-        out_smem.store(acc.to(c_desc.dtype))
-        _store_staged(out_smem, c_desc, row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N)
-    first, end, stride = tail_range(num_whole_tiles, num_tiles, num_k, splits)
-    for s in range(first, end, stride):
-        tile_id, first_k, end_k, first_unit, index, count = tail_segment(s, num_whole_tiles, num_tiles, num_k,
-                                                                          splits)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
         acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, end_k - first_k, step, HALF, B_TRANSPOSED)
         step += end_k - first_k
-        counter_index = (tile_id - num_whole_tiles) * CONSUMERS + HALF
-        if count_partial(acc, (first_unit + index) * CONSUMERS + HALF, counter_index, count, workspace, counters):
+        first_row = row_block * BLOCK_M + HALF * WG_M
+        if unit < 0:
             _staging_free()
-            sum_partials(workspace, first_unit * CONSUMERS + HALF, count, out_smem, WG_M, BLOCK_N, CONSUMERS)
-            _store_staged(out_smem, c_desc, row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N)
+            out_smem.store(acc.to(c_desc.dtype))
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
+            _staging_free()
+            _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N,
+                          CONSUMERS)
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
     tma.store_wait(pendings=0)
 
 

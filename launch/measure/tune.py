@@ -103,11 +103,10 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 # The Gluon kernel (kernels/gemm_gluon.py: host descriptors, a TMA warp and a consumer warpgroup per 64 rows), tried
 # in every class: 128x64 tiles give narrow shapes twice the tiles of 128x128 ones; `sk1` cuts a partial last
 # wave's tiles by K (overlap/gemm/gluon_launch.py split_plan; a no-op where the waves are full); 192-row tiles
-# (three consumer warpgroups) make 132 tiles of 4096x768 and 2048x1536 (one full wave); `sk2` streams a
-# partial last wave's K steps evenly over the programs (stream-K).
+# (three consumer warpgroups) make 132 tiles of 4096x768 and 2048x1536 (one full wave).
 GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl",
                     "128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl", "128x64x64w4s8sk1gl", "192x128x64w4s4gl",
-                    "192x128x64w4s4sk1gl", "128x256x64w4s3sk2gl", "128x128x64w4s6sk2gl", "192x128x64w4s4sk2gl")
+                    "192x128x64w4s4sk1gl")
 GEMM_CLASSES = {
     # fewer 128x256 tiles than SMs: the last (only) wave is partial
     "few_tiles": ("128x128x64w8s4", "128x128x64w4s4", "64x128x64w4s4o2", "128x128x64w8s4sk1", "128x256x64w8s3sk1",

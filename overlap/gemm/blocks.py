@@ -141,9 +141,8 @@ class GemmBlocks:
         for name in ("warp_specialize", "flatten"):
             if getattr(self, name):
                 out.append(f"gluon: {name} is a @triton.jit option")
-        if self.stream_k > 2:
-            out.append(f"gluon: stream_k {self.stream_k} not in (0, 1, 2) (the last partial wave cut by K: sk1 into "
-                       "equal pieces per tile, sk2 into one even run of K steps per program)")
+        if self.stream_k > 1:
+            out.append(f"gluon: stream_k {self.stream_k} not in (0, 1) (sk1: the last partial wave split by K)")
         if self.split_k > 1 or self.epilogue_subtile != 1:
             out.append("gluon: split-K and es2 are @triton.jit options")
         return out

@@ -24,7 +24,7 @@ SM_FLOPS = 5.6e12
 SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
-__all__ = ["gluon_operand_problems", "launch_gluon_gemm", "split_plan", "stream_k_plan"]
+__all__ = ["gluon_operand_problems", "launch_gluon_gemm", "split_plan"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -54,21 +54,6 @@ def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> tupl
     return (tiles - tail, best) if best > 1 else (tiles, 1)
 
 
-@functools.lru_cache(maxsize=1024)
-def stream_k_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> int:
-    """Whole tiles before a stream-K tail (`sk2`): the tiles of the last, partial wave (all of them when there
-    are fewer than programs) become one even run of K steps per program, unless the cost model says whole
-    tiles finish sooner or the runs would be empty (fewer tail K steps than programs): then every tile."""
-    tail = tiles % programs
-    tile_s = tile_flops / SM_FLOPS
-    # a tile meets the runs of at most cdiv(programs, tail) + 1 programs: that many partials to read back
-    contributors = -(-programs // tail) + 1 if tail else 0
-    if not tail or tail * k_steps < programs or \
-            tail / programs * tile_s + SPLIT_ITEM_S + contributors * SPLIT_READ_S >= tile_s:
-        return tiles
-    return tiles - tail
-
-
 @functools.cache
 def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The split arguments of a launch without a split tail (never read; typed as the real ones)."""
@@ -79,9 +64,8 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
                       num_programs: int, tile_row_offset: int = 0) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
     transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
-    Blocks with `sk1` cut the last partial wave by K into equal pieces per tile (`split_plan`), `sk2` into one
-    even run of K steps per program (stream-K, `stream_k_plan`); their workspace and counters belong to the
-    current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
+    Blocks with `sk1` cut the last partial wave by K (`split_plan`); their workspace and counters belong to
+    the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
     from kernels.gemm_gluon import gluon_gemm_kernel
 
     m, k = a.shape
@@ -94,28 +78,17 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
     programs = max(1, min(tiles, num_programs))
-    k_steps = -(-k // bk)
     whole, splits = tiles, 1
-    if blocks.stream_k == 1:
-        whole, splits = split_plan(tiles, num_programs, k_steps, 2 * bm * bn * k)
-    elif blocks.stream_k == 2:
-        whole = stream_k_plan(tiles, num_programs, k_steps, 2 * bm * bn * k)
-        splits = 0 if whole < tiles else 1
-    if splits != 1:
-        tail_tiles = tiles - whole
-        if splits:
-            if not 1 < splits <= min(GLUON_MAX_SPLITS, k_steps):  # the kernel's precondition: no empty piece
-                raise ValueError(f"launch_gluon_gemm: {splits} splits of {k_steps} K steps")
-            units = tail_tiles * splits
-            programs = min(num_programs, whole + units)
-        else:  # stream-K: every program one run of the tail's K steps
-            programs = num_programs
-            if tail_tiles * k_steps < programs:  # the kernel's precondition: no empty run
-                raise ValueError(f"launch_gluon_gemm: {tail_tiles} x {k_steps} tail K steps for {programs} programs")
-            units = programs + tail_tiles
+    if blocks.stream_k:
+        whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k)
+    if splits > 1:
+        split_tiles = tiles - whole
+        if not 1 < splits <= min(GLUON_MAX_SPLITS, -(-k // bk)):  # the kernel's precondition: no empty piece
+            raise ValueError(f"launch_gluon_gemm: {splits} splits of {-(-k // bk)} K steps")
         # one growing pair per stream: every launch leaves the counters at zero, launches on it run in order
-        workspace, counters = stream_buffers(a.device, ("gluon_split",), units * bm * bn,
-                                             bm // 64 * tail_tiles)   # a counter per tile and consumer
+        workspace, counters = stream_buffers(a.device, ("gluon_split",), split_tiles * splits * bm * bn,
+                                             bm // 64 * split_tiles)   # a counter per tile and consumer
+        programs = min(num_programs, whole + split_tiles * splits)
     else:
         workspace, counters = _placeholders(a.device)
     gluon_gemm_kernel[(programs,)](

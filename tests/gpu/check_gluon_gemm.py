@@ -8,8 +8,8 @@ Checks, every output inside a NaN-filled buffer, against an fp64 product and tor
 wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M, N], three calls
 bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
 (explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
-graph with new operands; split tails (`sk1` equal pieces, `sk2` stream-K runs): 16 queued calls bitwise equal,
-the counters back at zero, a grid capped so that each program holds several split pieces or a run across tiles.
+graph with new operands; split tails (`sk1`): 16 queued calls bitwise equal, the counters back at zero, a grid
+capped so that each program holds several split pieces.
 """
 
 from __future__ import annotations
@@ -73,29 +73,22 @@ def main(argv=None) -> int:
         return f"{len(GLUON_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
     def split_planned(name, m, n, k, programs=None):
-        from overlap.gemm.gluon_launch import split_plan, stream_k_plan
+        from overlap.gemm.gluon_launch import split_plan
 
         blocks = GemmBlocks.parse(name)
-        tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
-        plan_args = (tiles, programs or torch.cuda.get_device_properties(dev).multi_processor_count, -(-k // 64),
-                     2 * blocks.block_m * blocks.block_n * k)
-        if blocks.stream_k == 2:
-            whole = stream_k_plan(*plan_args)
-            expect(whole < tiles, f"{name} M={m} N={n} K={k}: no stream-K tail planned (the check would not test one)")
-            return f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} streamed"
-        whole, splits = split_plan(*plan_args)
+        tiles = -(-m // 128) * -(-n // blocks.block_n)
+        whole, splits = split_plan(tiles, programs or torch.cuda.get_device_properties(dev).multi_processor_count,
+                                   -(-k // 64), 2 * 128 * blocks.block_n * k)
         expect(splits > 1, f"{name} M={m} N={n} K={k}: no split planned (the check would not test one)")
         return f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} x {splits}"
 
-    @check("split tails (sk1, sk2): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
+    @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
     def _():
         from overlap.gemm.splitk import _workspaces
 
         cases = []
         for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),
-                                ("128x64x64w4s8sk1gl", (200, 1032, 4104)), ("128x128x64w4s6sk2gl", (1024, 1280, 8192)),
-                                ("128x128x64w4s6sk2gl", (2048, 1280, 8192)), ("192x128x64w4s4sk2gl", (1000, 776, 4104)),
-                                ("128x256x64w4s3sk2gl", (136, 1288, 4104))):
+                                ("128x64x64w4s8sk1gl", (200, 1032, 4104))):
             blocks = GemmBlocks.parse(name)
             cases.append(split_planned(name, m, n, k))
             for layout in ("kn", "nk"):
@@ -114,10 +107,10 @@ def main(argv=None) -> int:
     @check("a grid capped below the tiles (persistent programs) with a row rotation")
     def _():
         plans = []
-        for name, k in ((GLUON_CANDIDATES[0], 1024), ("128x128x64w4s6sk1gl", 8192), ("128x128x64w4s6sk2gl", 8192)):
+        for name, k in ((GLUON_CANDIDATES[0], 1024), ("128x128x64w4s6sk1gl", 8192)):
             blocks = GemmBlocks.parse(name)
             for programs, offset in ((3, 1), (100, 5), (132, 0)):
-                if blocks.stream_k:   # with 3 programs, each holds whole tiles and split pieces or a K run
+                if blocks.stream_k:   # with 3 programs, each holds whole tiles and split pieces
                     plans.append(split_planned(name, 4096, 1280, k, programs))
                 a, b = operands(4096, 1280, k, "nk")
                 verify(run(a, b, blocks, num_programs=programs, tile_row_offset=offset), a, b,
@@ -148,18 +141,16 @@ def main(argv=None) -> int:
         verify(run(a, b, None), a, b, f"table choice {chosen.name} with misaligned A")
         return f"table choice {chosen.name}"
 
-    @check("a captured CUDA graph (a split tail, a stream-K tail) replays right with new operands")
+    @check("a captured CUDA graph (a split tail) replays right with new operands")
     def _():
-        plans = []
-        for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)),
-                                ("128x128x64w4s6sk2gl", (1024, 1280, 8192))):
-            blocks = GemmBlocks.parse(name)
-            plans.append(split_planned(blocks.name, m, n, k))
-            a, b = operands(m, n, k, "nk")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-            graph_replays_right(lambda: triton_mm(a, b, out, blocks=blocks), a, b, out,
-                                lambda: operands(m, n, k, "nk"), verify)
-        return "; ".join(plans)
+        blocks = GemmBlocks.parse("128x128x64w4s6sk1gl")
+        m, n, k = 1024, 768, 4096
+        plan = split_planned(blocks.name, m, n, k)
+        a, b = operands(m, n, k, "nk")
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+        graph_replays_right(lambda: triton_mm(a, b, out, blocks=blocks), a, b, out,
+                            lambda: operands(m, n, k, "nk"), verify)
+        return plan
 
     return check.summary()
 
