@@ -66,13 +66,14 @@ def _issue(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, off_m, off_n, first_
     NS: gl.constexpr = b0.shape[0]
     BN0: gl.constexpr = b0.shape[1]
     BK: gl.constexpr = b0.shape[2]
+    MULTICAST_A: gl.constexpr = gl.num_ctas() == 4   # a 2x2 cluster: the CTAs of a row pair share A
     if j < num_k:
         slot = j % NS
         bar = ready.index(slot)
         k = (first_k + j) * BK
         mbarrier.expect(bar, 2 * a_desc.nbytes_per_cta + b0_desc.nbytes_per_cta + b1_desc.nbytes_per_cta)
-        tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a0.index(slot))
-        tma.async_copy_global_to_shared(a_desc, [off_m + 128, k], bar, a1.index(slot))
+        tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a0.index(slot), multicast=MULTICAST_A)
+        tma.async_copy_global_to_shared(a_desc, [off_m + 128, k], bar, a1.index(slot), multicast=MULTICAST_A)
         tma.async_copy_global_to_shared(b0_desc, [off_n, k], bar, b0.index(slot), multicast=True)
         tma.async_copy_global_to_shared(b1_desc, [off_n + BN0, k], bar, b1.index(slot), multicast=True)
 
@@ -98,10 +99,13 @@ def _consumer(a_bufs, b0, b1, ready, c0_desc, c1_desc, c0_smem, c1_smem, M, N, K
     BN0: gl.constexpr = b0.shape[1]
     BN1: gl.constexpr = b1.shape[1]
     off_m, off_n, first_k, num_k, split = _work(M, N, K, BN0 + BN1, b0.shape[2])
+    CTAS_N: gl.constexpr = gl.num_ctas() // 2   # CTAs side by side along N (each holds 1 / CTAS_N of a B box)
     layout0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN0, 16], cga_layout=[[1, 0]])
+                                                      instr_shape=[16, BN0 // CTAS_N, 16],
+                                                      cga_layout=c0_desc.layout.cga_layout)
     layout1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN1, 16], cga_layout=[[1, 0]])
+                                                      instr_shape=[16, BN1 // CTAS_N, 16],
+                                                      cga_layout=c1_desc.layout.cga_layout)
     acc0 = gl.zeros([128, BN0], gl.float32, layout0)
     acc1 = gl.zeros([128, BN1], gl.float32, layout1)
     cluster.arrive()
@@ -141,7 +145,7 @@ def _consumer1(a0, a1, b0, b1, ready, c0_desc, c1_desc, c00, c01, c10, c11, M, N
 
 @gluon.jit
 def cluster_gemm_kernel(a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K, c_rows, NUM_STAGES: gl.constexpr):
-    gl.static_assert(gl.num_ctas() == 2, "launch with num_ctas=2")
+    gl.static_assert((gl.num_ctas() == 2) or (gl.num_ctas() == 4), "launch with num_ctas=2 or 4")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(a_desc.block_type.shape[0] == 128, "A in [128, BK] boxes (64 rows per CTA)")
     BK: gl.constexpr = a_desc.block_type.shape[1]

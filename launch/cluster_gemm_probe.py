@@ -38,11 +38,14 @@ class ClusterTile:
     bn0: int
     bn1: int
     splits: int = 1
+    ctas_n: int = 1        # 2: a 2x2 cluster, two CTAs along N as well (A multicast too)
 
     def __post_init__(self):
         for value in (self.bn0, self.bn1):
             if value < 16 or value > 256 or value & (value - 1):
                 raise ValueError(f"tile {self.name}: B boxes must be powers of two in [16, 256]")
+        if self.ctas_n not in (1, 2):
+            raise ValueError(f"tile {self.name}: CTAs along N must be 1 or 2")
         if self.splits < 1:
             raise ValueError(f"tile {self.name}: splits must be >= 1")
         if self.stages < 2:
@@ -50,7 +53,8 @@ class ClusterTile:
 
     @property
     def name(self) -> str:
-        return f"{self.bn0}+{self.bn1}" + (f"x{self.splits}" if self.splits > 1 else "")
+        return (f"{self.bn0}+{self.bn1}" + (f"x{self.splits}" if self.splits > 1 else "")
+                + (f"n{self.ctas_n}" if self.ctas_n > 1 else ""))
 
     @property
     def stages(self) -> int:
@@ -62,10 +66,11 @@ class ClusterTile:
 
     @classmethod
     def parse(cls, text: str) -> ClusterTile:
-        widths, _, splits = text.partition("x")
+        text_n, _, ctas_n = text.partition("n")
+        widths, _, splits = text_n.partition("x")
         bn0, plus, bn1 = widths.partition("+")
         try:
-            return cls(bn0=int(bn0), bn1=int(bn1), splits=int(splits or 1))
+            return cls(bn0=int(bn0), bn1=int(bn1), splits=int(splits or 1), ctas_n=int(ctas_n or 1))
         except ValueError as exc:
             raise ValueError(f"tile {text!r}: expected BN0+BN1 or BN0+BN1xS ({exc})") from None
 
@@ -89,7 +94,16 @@ def _descriptor(t: torch.Tensor, block: list[int], cga_layout):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-SPLIT_ROWS, BROADCAST = [[1, 0]], [[0, 0]]   # CGA layouts: rows halved over the two CTAs | both hold all
+def cluster_boxes(tile: ClusterTile) -> dict[str, tuple[list[int], list[list[int]]]]:
+    """(block, CGA layout) of each descriptor, at cluster level. CTA id bit 0 halves the rows (A, C); with
+    two CTAs along N, bit 1 halves the B boxes' rows and C's columns, and the two CTAs of a row pair share A."""
+    if tile.ctas_n == 1:
+        rows, broadcast, c_cga = [[1, 0]], [[0, 0]], [[1, 0]]
+    else:
+        rows, broadcast, c_cga = [[1, 0], [0, 0]], [[0, 0], [1, 0]], [[1, 0], [0, 1]]
+    n0, n1 = tile.bn0 * tile.ctas_n, tile.bn1 * tile.ctas_n
+    return {"a": ([128, BLOCK_K], rows), "b0": ([n0, BLOCK_K], broadcast), "b1": ([n1, BLOCK_K], broadcast),
+            "c0": ([128, n0], c_cga), "c1": ([128, n1], c_cga)}
 
 
 def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: ClusterTile):
@@ -104,13 +118,14 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
         raise ValueError(f"tile {tile.name}: K {k} has fewer than {tile.splits} steps of {BLOCK_K}")
     c_rows = -(-m // 256) * 256
     c = out if tile.splits == 1 else torch.empty(tile.splits * c_rows, n, dtype=torch.float32, device=a.device)
-    descriptors = (_descriptor(a, [128, BLOCK_K], SPLIT_ROWS), _descriptor(w, [tile.bn0, BLOCK_K], BROADCAST),
-                   _descriptor(w, [tile.bn1, BLOCK_K], BROADCAST), _descriptor(c, [128, tile.bn0], SPLIT_ROWS),
-                   _descriptor(c, [128, tile.bn1], SPLIT_ROWS))
-    grid = (-(-m // 256) * -(-n // (tile.bn0 + tile.bn1)), tile.splits)
+    boxes = cluster_boxes(tile)
+    descriptors = [_descriptor(t, *boxes[name]) for t, name in ((a, "a"), (w, "b0"), (w, "b1"), (c, "c0"), (c, "c1"))]
+    grid = (-(-m // 256) * -(-n // ((tile.bn0 + tile.bn1) * tile.ctas_n)), tile.splits)
+    num_ctas = 2 * tile.ctas_n
 
     def kernel():
-        cluster_gemm_kernel[grid](*descriptors, m, n, k, c_rows, NUM_STAGES=tile.stages, num_warps=4, num_ctas=2)
+        cluster_gemm_kernel[grid](*descriptors, m, n, k, c_rows, NUM_STAGES=tile.stages, num_warps=4,
+                                  num_ctas=num_ctas)
 
     if tile.splits == 1:
         return kernel, kernel
@@ -136,11 +151,11 @@ def compile_cluster_gemm(tile: ClusterTile, *, arch: int = 90, dtype: str = "bf1
         return f"tensordesc<{kind}[{block[0]}, {block[1]}],{layout!r}>"
 
     c_kind = "fp32" if tile.splits > 1 else dtype
-    types = dict(a_desc=desc(dtype, [128, BLOCK_K], SPLIT_ROWS), b0_desc=desc(dtype, [tile.bn0, BLOCK_K], BROADCAST),
-                 b1_desc=desc(dtype, [tile.bn1, BLOCK_K], BROADCAST), c0_desc=desc(c_kind, [128, tile.bn0], SPLIT_ROWS),
-                 c1_desc=desc(c_kind, [128, tile.bn1], SPLIT_ROWS), M="i32", N="i32", K="i32", c_rows="i32")
+    boxes = cluster_boxes(tile)
+    types = {f"{name}_desc": desc(dtype if name[0] != "c" else c_kind, *boxes[name]) for name in boxes}
+    types.update(M="i32", N="i32", K="i32", c_rows="i32")
     return compile_gluon(cluster_gemm_kernel, types, dict(NUM_STAGES=tile.stages), num_warps=4, arch=arch,
-                         num_ctas=2)
+                         num_ctas=2 * tile.ctas_n)
 
 
 def parse_points(text: str) -> list[tuple[tuple[int, int, int], list[ClusterTile]]]:
