@@ -1,4 +1,4 @@
-"""A bf16/fp16 GEMM run by 2-CTA clusters with TMA multicast, in Triton's Gluon dialect (sm_90, Triton >= 3.7).
+"""A bf16/fp16 GEMM run by 2- or 4-CTA clusters with TMA multicast, in Triton's Gluon dialect (sm_90, Triton >= 3.7).
 
 What it is for: measuring what thread-block clusters buy the narrow GEMMs (M 1024-2048, N 768-1536), where
 the persistent kernel (kernels/gemm_gluon.py) leaves SMs idle and cuBLAS runs 2-CTA clusters
@@ -11,15 +11,18 @@ computes one [256, BN0 + BN1] tile; tile widths need not be powers of two, becau
 ``[[1, 0]]`` (a [128, X] box at cluster row r holds rows r..r+63 in CTA 0 and r+64..r+127 in CTA 1), B
 ``[[0, 0]]`` (both CTAs hold the whole box, loaded once by the lead CTA with ``multicast=True``: the L2
 traffic for B per cluster halves). Consumer warpgroup h owns the box at cluster row off_m + 128 h.
+With ``num_ctas=4`` (a 2x2 cluster) CTA id bit 1 also splits N: the B boxes ([2 BN0, BK], [2 BN1, BK]) are
+``[[0, 0], [1, 0]]``, C ``[[1, 0], [0, 1]]``, and A ``[[1, 0], [0, 0]]`` is multicast to the two CTAs of each
+row pair; the tile is [256, 2 (BN0 + BN1)].
 
     cluster_gemm_kernel[(clusters, splits)](a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K, c_rows,
-                                            NUM_STAGES=..., num_warps=4, num_ctas=2)
+                                            NUM_STAGES=..., num_warps=4, num_ctas=2 or 4)
 
 Partitions per CTA: two consumer warpgroups (async wgmma, one step in flight) and a producer warpgroup
 whose TMA loads fill a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted: this CTA's two A
-boxes plus both B boxes). The lead CTA may refill a slot only when the consumers of BOTH CTAs have retired
+boxes plus both B boxes). The lead CTA may refill a slot only when the consumers of every CTA have retired
 the MMA that read it, and Gluon 3.7 has no remote mbarrier arrive, so slots are released through the
-cluster barrier: every thread of both CTAs arrives once per K step (consumers once the previous step's MMA
+cluster barrier: every thread of the cluster arrives once per K step (consumers once the previous step's MMA
 retired, relaxed: no memory of theirs is handed over), and the producer waits for that phase before it
 refills. Each consumer waits a phase one step after arriving, so the barrier's latency hides behind an MMA.
 Two facts make this work: a cluster barrier counts every thread of the CTA, so the producer is a whole

@@ -11,7 +11,8 @@ from launch.cluster_gemm_probe import (DEFAULT_POINTS, SHARED_MEMORY_LIMIT, Clus
 
 
 @pytest.mark.parametrize("text,bn0,bn1,splits,stages", [
-    ("64+32", 64, 32, 1, 6), ("64+16x2", 64, 16, 2, 6), ("128+32x2", 128, 32, 2, 4), ("128+128x3", 128, 128, 3, 2),
+    ("64+32", 64, 32, 1, 6), ("64+16x2", 64, 16, 2, 6), ("32+16n2", 32, 16, 1, 6), ("128+32x2", 128, 32, 2, 4),
+    ("128+128x3", 128, 128, 3, 2),
 ])
 def test_tiles_parse_and_take_as_many_stages_as_fit(text, bn0, bn1, splits, stages):
     tile = ClusterTile.parse(text)
@@ -24,7 +25,7 @@ def test_tiles_parse_and_take_as_many_stages_as_fit(text, bn0, bn1, splits, stag
 
 @pytest.mark.parametrize("text,problem", [
     ("64", "expected BN0+BN1"), ("64+48", "powers of two"), ("8+16", "powers of two"), ("64+32x0", "splits"),
-    ("256+256x2", "do not fit"), ("a+b", "expected BN0+BN1"),
+    ("256+256x2", "do not fit"), ("a+b", "expected BN0+BN1"), ("64+32n3", "must be 1 or 2"),
 ])
 def test_bad_tiles_say_what_is_wrong(text, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
@@ -47,7 +48,7 @@ def test_without_a_gpu_the_probe_exits_with_a_usage_error(capsys):
 
 
 @pytest.mark.skipif(cluster_support_problem() is not None, reason="Gluon clusters need Triton >= 3.7")
-@pytest.mark.parametrize("text", ["64+32", "64+16x2"])
+@pytest.mark.parametrize("text", ["64+32", "64+16x2", "32+16n2"])
 def test_the_kernel_compiles_for_sm90_as_a_multicasting_cluster_without_idle_warps(text):
     from launch.compile_check import resource_usage
 
@@ -55,11 +56,11 @@ def test_the_kernel_compiles_for_sm90_as_a_multicasting_cluster_without_idle_war
     compiled = compile_cluster_gemm(tile)
     ptx = compiled.asm["ptx"]
     assert resource_usage(compiled)["spill"] == 0
-    assert re.search(r"\.reqnctapercluster 2\b", ptx)
+    assert re.search(rf"\.reqnctapercluster {2 * tile.ctas_n}\b", ptx)
     # two consumer warpgroups and a whole producer warpgroup: 12 warps, none idle. A smaller producer leaves
     # padding warps (still 384 threads) that never arrive at the cluster barrier, and the kernel hangs.
     assert re.search(r"\.reqntid 384\b", ptx)
     assert re.findall(r"num_warps\((\d+)\)", compiled.asm["ttgir"]) == ["4", "4"]
-    # both B boxes multicast: NUM_STAGES - 1 steps before the loop, one in it
-    assert ptx.count(".multicast::cluster") == 2 * tile.stages
+    # both B boxes multicast (and both A boxes in a 2x2 cluster): NUM_STAGES - 1 steps before the loop, one in it
+    assert ptx.count(".multicast::cluster") == 2 * tile.ctas_n * tile.stages
     assert "barrier.cluster.arrive.relaxed" in ptx
