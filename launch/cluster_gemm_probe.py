@@ -239,7 +239,8 @@ def _measure_point(m, n, k, tiles, dev, *, seed, args) -> dict:
     errors["table"] = _checked_error(variants["table"], outs["table"], ref, f"{m}x{n}x{k} table")
     stats = bench_interleaved(variants, group=None, device=dev, reps=args.reps, hold_device_us=args.hold_us)
     t_cublas = stats["cublas"].median_ms
-    row = {"M": m, "N": n, "K": k, "t_cublas_ms": t_cublas, "table_blocks": choose_blocks(m, n, k, b_transposed=True).name,
+    row = {"M": m, "N": n, "K": k, "t_cublas_ms": t_cublas,
+           "table_blocks": choose_blocks(m, n, k, b_transposed=True).name,
            "stages": {tile.name: tile.stages for tile in tiles}, "rel_errors": errors}
     for name, s in stats.items():
         row.update(s.as_dict(f"{name}_"))
