@@ -32,7 +32,7 @@ form of the arrive costs ~0.4 us per step on an H200, the relaxed one little.
 
 Split-K over grid dim 1 (``splits`` > 1): split s takes K steps [s * ceil(steps / splits), ...) and stores
 its partial at rows ``s * c_rows + row`` of C (fp32 [splits * c_rows, N], c_rows a multiple of 256 >= M);
-the caller sums the partials. Preconditions (the launcher's): K >= 1 and every split non-empty.
+the caller sums the partials. A split without K steps (or K = 0) stores zeros.
 """
 
 from triton.experimental import gluon
@@ -53,7 +53,7 @@ def _work(M, N, K, BN: gl.constexpr, BK: gl.constexpr):
     steps_per_split = gl.cdiv(steps, gl.num_programs(1))
     split = gl.program_id(1)
     first_k = split * steps_per_split
-    pid = gl.program_id(0)   # the cluster (both CTAs see the same id)
+    pid = gl.program_id(0)   # the cluster (all its CTAs see the same id)
     tiles_per_group = GROUP_M * num_col_blocks
     first_row = (pid // tiles_per_group) * GROUP_M
     rows_in_group = gl.minimum(num_row_blocks - first_row, GROUP_M)
@@ -64,8 +64,8 @@ def _work(M, N, K, BN: gl.constexpr, BK: gl.constexpr):
 
 @gluon.jit
 def _issue(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, off_m, off_n, first_k, j, num_k):
-    """Load K step j (if it exists) into its slot: this CTA's halves of both A boxes; the lead CTA
-    multicasts both B boxes to the two CTAs."""
+    """Load K step j (if it exists) into its slot: this CTA's part of both A boxes and both B boxes, each box
+    issued once per broadcast group by its lowest CTA with multicast."""
     NS: gl.constexpr = b0.shape[0]
     BN0: gl.constexpr = b0.shape[1]
     BK: gl.constexpr = b0.shape[2]
@@ -85,14 +85,14 @@ def _issue(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, off_m, off_n, first_
 def _producer(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, M, N, K):
     NS: gl.constexpr = b0.shape[0]
     BK: gl.constexpr = b0.shape[2]
-    off_m, off_n, first_k, num_k, split = _work(M, N, K, b0.shape[1] + b1.shape[1], BK)
-    cluster.arrive()   # release: this CTA's barrier initialisation, before the peer's multicasts signal them
-    cluster.wait()
+    off_m, off_n, first_k, num_k, _ = _work(M, N, K, b0.shape[1] + b1.shape[1], BK)
+    cluster.arrive()
+    cluster.wait()   # every CTA's barriers initialised (consumer 0 published them) before a multicast signals one
     for j in gl.static_range(NS - 1):
         _issue(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, off_m, off_n, first_k, j, num_k)
     for q in range(num_k):
         cluster.arrive(relaxed=True)
-        cluster.wait()   # both CTAs retired the MMA of step q - 1: its slot takes step q + NS - 1
+        cluster.wait()   # every CTA retired the MMA of step q - 1: its slot takes step q + NS - 1
         _issue(a_desc, b0_desc, b1_desc, a0, a1, b0, b1, ready, off_m, off_n, first_k, q + NS - 1, num_k)
 
 
@@ -111,6 +111,8 @@ def _consumer(a_bufs, b0, b1, ready, c0_desc, c1_desc, c0_smem, c1_smem, M, N, K
                                                       cga_layout=c1_desc.layout.cga_layout)
     acc0 = gl.zeros([128, BN0], gl.float32, layout0)
     acc1 = gl.zeros([128, BN1], gl.float32, layout1)
+    # release (not relaxed): consumer 0's warps initialised the ring's barriers, and this publishes them to
+    # the peers before any of them multicasts into this CTA
     cluster.arrive()
     cluster.wait()
     for k in range(num_k):
@@ -124,7 +126,9 @@ def _consumer(a_bufs, b0, b1, ready, c0_desc, c1_desc, c0_smem, c1_smem, M, N, K
         cluster.arrive(relaxed=True)   # the MMAs of step k - 1 retired here
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     if num_k > 0:
-        cluster.wait()   # the last phase: no CTA leaves while its peer could still multicast into it
+        # pairs the last arrive; once it completes every CTA's consumers have seen all their loads land, so no
+        # CTA exits while a peer could still multicast into it
+        cluster.wait()
     row = split * c_rows + off_m + ROW
     c0_smem.store(acc0.to(c0_desc.dtype))
     c1_smem.store(acc1.to(c1_desc.dtype))
@@ -151,6 +155,7 @@ def cluster_gemm_kernel(a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K, c_r
     gl.static_assert((gl.num_ctas() == 2) or (gl.num_ctas() == 4), "launch with num_ctas=2 or 4")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(a_desc.block_type.shape[0] == 128, "A in [128, BK] boxes (64 rows per CTA)")
+    gl.static_assert(NUM_STAGES >= 2, "the producer runs NUM_STAGES - 1 steps ahead")
     BK: gl.constexpr = a_desc.block_type.shape[1]
     a0 = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 128, BK], a_desc.layout)
     a1 = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 128, BK], a_desc.layout)

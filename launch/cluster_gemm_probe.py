@@ -1,12 +1,15 @@
-"""What 2-CTA clusters with TMA multicast buy the narrow GEMMs: kernels/gemm_gluon_cluster.py against cuBLAS and
-the block table's kernel (`triton_mm`), on one GPU. Needs Triton >= 3.7 (Gluon clusters and multicast).
+"""What thread-block clusters with TMA multicast buy the narrow GEMMs: kernels/gemm_gluon_cluster.py against
+cuBLAS and the block table's kernel (`triton_mm`), on one sm_90 GPU. Needs Triton >= 3.7 (Gluon clusters and
+multicast).
 
     python -m launch.cluster_gemm_probe [--points "MxNxK:TILE,TILE;..."] [--reps 20] [--hold-us 300]
         [--out FILE (default runs/cluster_gemm_probe-<time>/...)]
 
-A TILE is `BN0+BN1` or `BN0+BN1xS`: a cluster tile of 256 rows and BN0 + BN1 columns (two B boxes, powers of
-two), S-way split-K (fp32 partials, summed by `torch.sum`; such a tile is also timed without the sum, as
-`TILE:kernel`, the bound a fused reduction could approach). B is the row-major [N, K] weight read as its
+A TILE is `BN0+BN1[xS][n2]`: a 2-CTA cluster tile of 256 rows and BN0 + BN1 columns (two B boxes, powers of
+two); `xS`: S-way split-K (fp32 partials, summed by `torch.sum` and cast into the output: two more kernels;
+such a tile is also timed without them, as `TILE:kernel`, the bound a fused reduction could approach); `n2`:
+a 2x2 cluster, two CTAs along N as well (A multicast too, 2 (BN0 + BN1) columns). N and K must be multiples
+of 8 (TMA rows of 16 bytes). B is the row-major [N, K] weight read as its
 transpose (`nk`). Every variant is first run three times into a NaN-poisoned output and held to a relative
 Frobenius error <= 1e-2 against the fp64 product; then all are timed interleaved (L2 flushed before each
 call, the stream held busy `--hold-us` so that launch cost is not charged, median of `--reps`).
@@ -14,12 +17,13 @@ call, the stream held busy `--hold-us` so that launch cost is not charged, media
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from launch.cli.common import ArgumentParser, UsageError, require, run_dir, run_launcher
+from launch.cli.common import ArgumentParser, UsageError, output_file, require, run_dir, run_launcher
 from launch.measure.timing import bench_interleaved, progress
 from launch.output.report import device_slug, format_table, write_results
 
@@ -72,7 +76,7 @@ class ClusterTile:
         try:
             return cls(bn0=int(bn0), bn1=int(bn1), splits=int(splits or 1), ctas_n=int(ctas_n or 1))
         except ValueError as exc:
-            raise ValueError(f"tile {text!r}: expected BN0+BN1 or BN0+BN1xS ({exc})") from None
+            raise ValueError(f"tile {text!r}: expected BN0+BN1[xS][n2] ({exc})") from None
 
 
 def cluster_support_problem() -> str | None:
@@ -114,8 +118,6 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
 
     m, k = a.shape
     n = w.shape[0]
-    if k < tile.splits * BLOCK_K:
-        raise ValueError(f"tile {tile.name}: K {k} has fewer than {tile.splits} steps of {BLOCK_K}")
     c_rows = -(-m // 256) * 256
     c = out if tile.splits == 1 else torch.empty(tile.splits * c_rows, n, dtype=torch.float32, device=a.device)
     boxes = cluster_boxes(tile)
@@ -159,7 +161,7 @@ def compile_cluster_gemm(tile: ClusterTile, *, arch: int = 90, dtype: str = "bf1
 
 
 def parse_points(text: str) -> list[tuple[tuple[int, int, int], list[ClusterTile]]]:
-    """'MxNxK:TILE,TILE;...' -> [((m, n, k), [tiles]), ...]."""
+    """'MxNxK:TILE,TILE;...' -> [((m, n, k), [tiles]), ...]; ValueError says what is wrong."""
     points = []
     for item in filter(None, text.split(";")):
         shape, _, tiles = item.partition(":")
@@ -169,17 +171,31 @@ def parse_points(text: str) -> list[tuple[tuple[int, int, int], list[ClusterTile
             raise ValueError(f"point {item!r}: expected MxNxK:TILE[,TILE...]") from None
         if min(m, n, k) < 1 or not tiles:
             raise ValueError(f"point {item!r}: expected positive MxNxK and at least one tile")
-        points.append(((m, n, k), [ClusterTile.parse(t) for t in tiles.split(",")]))
+        if n % 8 or k % 8:
+            raise ValueError(f"point {item!r}: N and K must be multiples of 8 (TMA reads rows of 16 bytes)")
+        parsed = [ClusterTile.parse(t) for t in tiles.split(",")]
+        for tile in parsed:
+            if tile.splits > -(-k // BLOCK_K):
+                raise ValueError(f"point {item!r}: {tile.splits} splits of {-(-k // BLOCK_K)} K steps")
+        points.append(((m, n, k), parsed))
     return points
+
+
+def _points_argument(text: str):
+    try:
+        return parse_points(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def make_parser() -> ArgumentParser:
     p = ArgumentParser("python -m launch.cluster_gemm_probe", description=__doc__)
-    p.add_argument("--points", type=parse_points, default=parse_points(DEFAULT_POINTS),
+    p.add_argument("--points", type=_points_argument, default=parse_points(DEFAULT_POINTS),
                    help=f"shapes and cluster tiles (default: {DEFAULT_POINTS})")
     p.add_argument("--reps", type=int, default=20, help="timed calls per variant and shape (median)")
     p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
-    p.add_argument("--out", default=None, help="results JSON (default: a file in runs/cluster_gemm_probe-<time>/)")
+    p.add_argument("--out", type=output_file, default=None,
+                   help="results JSON (default: a file in runs/cluster_gemm_probe-<time>/)")
     return p
 
 
@@ -195,8 +211,8 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    if not torch.cuda.is_available():
-        raise UsageError("needs a CUDA GPU (sm_90)")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise UsageError("needs a CUDA GPU of compute capability 9.0 (Hopper)")
     problem = cluster_support_problem()
     if problem:
         raise UsageError(problem)

@@ -1,10 +1,11 @@
-"""The 2-CTA cluster GEMM (kernels/gemm_gluon_cluster.py) and its probe: tile names, shared-memory fit, and the
-compiled kernel's shape (its numerics and speed are measured on the GPU by launch.cluster_gemm_probe: Gluon
+"""The cluster GEMM (kernels/gemm_gluon_cluster.py, 2- and 4-CTA clusters) and its probe: tile names,
+shared-memory fit, and the compiled kernel's shape (its numerics and speed are measured on the GPU by launch.cluster_gemm_probe: Gluon
 kernels do not run under the interpreter, and clusters need Triton >= 3.7)."""
 
 import re
 
 import pytest
+import torch
 
 from launch.cluster_gemm_probe import (DEFAULT_POINTS, SHARED_MEMORY_LIMIT, ClusterTile, cluster_support_problem,
                                        compile_cluster_gemm, main, parse_points)
@@ -37,14 +38,21 @@ def test_points_parse_and_bad_points_are_refused():
     assert [shape for shape, _ in points][:4] == [(1024, 1536, 4096), (2048, 768, 4096), (1024, 768, 4096),
                                                   (1024, 1280, 8192)]
     assert all(tiles for _, tiles in points)
-    for text in ("1024x1536:64+32", "1024x0x64:64+32", "1024x1536x4096", "1024x1536x4096:"):
+    for text in ("1024x1536:64+32", "1024x0x64:64+32", "1024x1536x4096", "1024x1536x4096:", "1024x1532x4096:64+32",
+                 "1024x1536x320:64+32x6"):
         with pytest.raises(ValueError):
             parse_points(text)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_without_a_gpu_the_probe_exits_with_a_usage_error(capsys):
     assert main(["--reps", "1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_points_are_one_line_usage_errors_that_say_why(capsys):
+    assert main(["--points", "1024x1536x4096:64+48"]) == 2
+    assert "powers of two" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(cluster_support_problem() is not None, reason="Gluon clusters need Triton >= 3.7")
@@ -56,6 +64,7 @@ def test_the_kernel_compiles_for_sm90_as_a_multicasting_cluster_without_idle_war
     compiled = compile_cluster_gemm(tile)
     ptx = compiled.asm["ptx"]
     assert resource_usage(compiled)["spill"] == 0
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT
     assert re.search(rf"\.reqnctapercluster {2 * tile.ctas_n}\b", ptx)
     # two consumer warpgroups and a whole producer warpgroup: 12 warps, none idle. A smaller producer leaves
     # padding warps (still 384 threads) that never arrive at the cluster barrier, and the kernel hangs.
@@ -63,4 +72,7 @@ def test_the_kernel_compiles_for_sm90_as_a_multicasting_cluster_without_idle_war
     assert re.findall(r"num_warps\((\d+)\)", compiled.asm["ttgir"]) == ["4", "4"]
     # both B boxes multicast (and both A boxes in a 2x2 cluster): NUM_STAGES - 1 steps before the loop, one in it
     assert ptx.count(".multicast::cluster") == 2 * tile.ctas_n * tile.stages
-    assert "barrier.cluster.arrive.relaxed" in ptx
+    # the slot-release protocol: per partition one releasing arrive and wait at the start, a relaxed arrive per
+    # K step, and the consumers' per-step and final waits (3 partitions: 6 arrive sites, 3 relaxed; 8 waits)
+    assert ptx.count("barrier.cluster.arrive") == 6 and ptx.count("barrier.cluster.arrive.relaxed") == 3
+    assert ptx.count("barrier.cluster.wait") == 8
