@@ -89,25 +89,16 @@ def cluster_support_problem() -> str | None:
     return None
 
 
-def _descriptor(t: torch.Tensor, block: list[int], cga_layout):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype, cga_layout=cga_layout)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def cluster_boxes(tile: ClusterTile) -> dict[str, tuple[list[int], list[list[int]]]]:
+def cluster_boxes(tile: ClusterTile) -> dict[str, tuple[tuple[int, int], tuple[tuple[int, int], ...]]]:
     """(block, CGA layout) of each descriptor, at cluster level. CTA id bit 0 halves the rows (A, C); with
     two CTAs along N, bit 1 halves the B boxes' rows and C's columns, and the two CTAs of a row pair share A."""
     if tile.ctas_n == 1:
-        rows, broadcast, c_cga = [[1, 0]], [[0, 0]], [[1, 0]]
+        rows, broadcast, c_cga = ((1, 0),), ((0, 0),), ((1, 0),)
     else:
-        rows, broadcast, c_cga = [[1, 0], [0, 0]], [[0, 0], [1, 0]], [[1, 0], [0, 1]]
+        rows, broadcast, c_cga = ((1, 0), (0, 0)), ((0, 0), (1, 0)), ((1, 0), (0, 1))
     n0, n1 = tile.bn0 * tile.ctas_n, tile.bn1 * tile.ctas_n
-    return {"a": ([128, BLOCK_K], rows), "b0": ([n0, BLOCK_K], broadcast), "b1": ([n1, BLOCK_K], broadcast),
-            "c0": ([128, n0], c_cga), "c1": ([128, n1], c_cga)}
+    return {"a": ((128, BLOCK_K), rows), "b0": ((n0, BLOCK_K), broadcast), "b1": ((n1, BLOCK_K), broadcast),
+            "c0": ((128, n0), c_cga), "c1": ((128, n1), c_cga)}
 
 
 def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: ClusterTile):
@@ -115,13 +106,15 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     sums split partials into `out`; `kernel` launches only the GEMM). Descriptors and workspace are built
     here, once."""
     from kernels.gemm_gluon_cluster import cluster_gemm_kernel
+    from overlap.gemm.launch import tma_descriptor
 
     m, k = a.shape
     n = w.shape[0]
     c_rows = -(-m // 256) * 256
     c = out if tile.splits == 1 else torch.empty(tile.splits * c_rows, n, dtype=torch.float32, device=a.device)
     boxes = cluster_boxes(tile)
-    descriptors = [_descriptor(t, *boxes[name]) for t, name in ((a, "a"), (w, "b0"), (w, "b1"), (c, "c0"), (c, "c1"))]
+    operands = {"a": a, "b0": w, "b1": w, "c0": c, "c1": c}
+    descriptors = [tma_descriptor(operands[name], block, cga) for name, (block, cga) in boxes.items()]
     grid = (-(-m // 256) * -(-n // ((tile.bn0 + tile.bn1) * tile.ctas_n)), tile.splits)
     num_ctas = 2 * tile.ctas_n
 
@@ -141,16 +134,14 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
 
 def compile_cluster_gemm(tile: ClusterTile, *, arch: int = 90, dtype: str = "bf16"):
     """The kernel compiled for sm_<arch> without a GPU (launch/compile_check.py)."""
-    from triton.experimental.gluon import language as gl
-
     from kernels.gemm_gluon_cluster import cluster_gemm_kernel
     from launch.compile_check import compile_gluon
+    from overlap.gemm.launch import tma_shared_layout
 
-    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-    def desc(kind: str, block: list[int], cga) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype[kind], cga_layout=cga)
-        return f"tensordesc<{kind}[{block[0]}, {block[1]}],{layout!r}>"
+    def desc(kind: str, block: tuple[int, int], cga) -> str:
+        return f"tensordesc<{kind}[{block[0]}, {block[1]}],{tma_shared_layout(block, torch_dtype[kind], cga)!r}>"
 
     c_kind = "fp32" if tile.splits > 1 else dtype
     boxes = cluster_boxes(tile)

@@ -89,22 +89,26 @@ def tma_row_problems(named: tuple[tuple[str, torch.Tensor], ...]) -> list[str]:
 
 
 @functools.cache
-def tma_shared_layout(block: tuple[int, int], dtype: torch.dtype):
+def tma_shared_layout(block: tuple[int, int], dtype: torch.dtype, cga_layout: tuple[tuple[int, int], ...] = ()):
     """The shared-memory layout of a TMA box of `dtype` (the Gluon kernels' host descriptors): NVMMA's default
-    swizzle, except fp32 (the FP8 scale boxes: one row, no swizzle)."""
+    swizzle, except the FP8 scale boxes (fp32, one row or four columns: no swizzle). `cga_layout`: how the CTAs
+    of a thread-block cluster share the box (kernels/gemm_gluon_cluster.py; Triton >= 3.7)."""
     from triton.experimental.gluon import language as gl
 
-    if dtype == torch.float32:
+    if dtype == torch.float32 and min(block) <= 4:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float32: gl.float32}[dtype]
+    cluster = {"cga_layout": [list(basis) for basis in cga_layout]} if cga_layout else {}
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype, **cluster)
 
 
-def tma_descriptor(t: torch.Tensor, block: tuple[int, int]):
+def tma_descriptor(t: torch.Tensor, block: tuple[int, int], cga_layout: tuple[tuple[int, int], ...] = ()):
     """A host TMA descriptor of the 2-D tensor `t` in boxes of `block` (its `tma_row_problems` empty)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), tma_shared_layout(block, t.dtype))
+    layout = tma_shared_layout(tuple(block), t.dtype, cga_layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
 
 class ChunkWait(NamedTuple):
