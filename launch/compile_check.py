@@ -13,6 +13,8 @@ ptxas); it checks the compiler, not speed or results.
 
 from __future__ import annotations
 
+import functools
+
 import concurrent.futures
 import os
 import re
@@ -208,6 +210,8 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
     from kernels.gemm_gluon import gluon_gemm_kernel
     from overlap.gemm.launch import tma_shared_layout
 
+    if blocks.gluon_boxes:
+        return _compile_gluon_boxes_gemm(blocks, b_transposed=b_transposed, arch=arch, dtype=dtype)
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     types = dict(a_desc=_gluon_descriptor(tma_shared_layout, dtype, [128 if bm == 128 else 64, bk]),
                  b_desc=_gluon_descriptor(tma_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
@@ -216,6 +220,21 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
                  counters="*i32:16")
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, LOAD_REGS=40)
     return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
+
+
+def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int, dtype: str):
+    """kernels/gemm_gluon_boxes.py as overlap/gemm/gluon_launch.py launches it: A [BLOCK_M, BLOCK_K], B in boxes of
+    BN0 and BN1 columns, C [64, BN0] and [64, BN1]."""
+    from kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
+    from overlap.gemm.launch import tma_shared_layout
+
+    bk, widths = blocks.block_k, blocks.gluon_boxes
+    desc = functools.partial(_gluon_descriptor, tma_shared_layout, dtype)
+    types = dict(a_desc=desc([blocks.block_m, bk]), M="i32", N="i32", K="i32", tile_row_offset="i32")
+    for i, bn in enumerate(widths):
+        types |= {f"b{i}_desc": desc([bn, bk] if b_transposed else [bk, bn]), f"c{i}_desc": desc([64, bn])}
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed)
+    return compile_gluon(gluon_boxes_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
 def compile_quantizers(arch: int = 90) -> dict:

@@ -107,10 +107,14 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl",
                     "128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl", "128x64x64w4s8sk1gl", "192x128x64w4s4gl",
                     "192x128x64w4s4sk1gl")
+# Narrow tiles whose A goes through registers once per K step (kernels/gemm_gluon_boxes.py): at the few-tile
+# shapes they give ~128 SMs work at a shared-memory traffic per FLOP that 128x64 and 128x128 tiles exceed.
+GLUON_BOX_CANDIDATES = ("64x96x64w4s8gl", "64x128x64w4s7gl", "64x160x64w4s7gl", "64x192x64w4s6gl",
+                        "128x80x64w4s7gl", "128x96x64w4s7gl")
 GEMM_CLASSES = {
     # fewer 128x256 tiles than SMs: the last (only) wave is partial
     "few_tiles": ("128x128x64w8s4", "128x128x64w4s4", "64x128x64w4s4o2", "128x128x64w8s4sk1", "128x256x64w8s3sk1",
-                  "64x128x64w4s4sk1", "128x256x64w8s3", "128x128x64w4s3es2o2") + GLUON_CANDIDATES,
+                  "64x128x64w4s4sk1", "128x256x64w8s3", "128x128x64w4s3es2o2") + GLUON_CANDIDATES + GLUON_BOX_CANDIDATES,
     # K <= 2048: the epilogue is a large share of each tile's time
     "short_k": ("128x256x64w8s3", "128x256x64w8s3fl", "128x256x64w4s3ws", "128x256x64w8s4es2", "128x128x64w8s4fl",
                 "128x128x64w4s3es2o2", "128x256x64w8s3sk1") + GLUON_CANDIDATES,

@@ -45,6 +45,8 @@ DEFAULT_GPU = "h200"            # the table callers get when they do not name a 
 SHARED_MEMORY_LIMIT = 232448    # bytes per block on sm_90 (227 KB)
 SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the blocks resident there
 PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/ops/gemm_rs.py FLAG_BLOCK_M)
+# Gluon tile widths that are not powers of two: two B boxes (kernels/gemm_gluon_boxes.py, `box_widths`)
+GLUON_BOX_WIDTHS = (48, 80, 96, 144, 160, 192)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
 _NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(?:sp(\d+))?(gl)?$")
@@ -95,7 +97,7 @@ class GemmBlocks:
         """Why the kernel cannot run this configuration (empty when it can); `operand_bytes` 1 for FP8."""
         out = []
         for field, allowed in (("block_m", (16, 32, 64, 128, 256) + ((192,) if self.gluon else ())),
-                               ("block_n", (16, 32, 64, 128, 256)),
+                               ("block_n", (16, 32, 64, 128, 256) + (GLUON_BOX_WIDTHS if self.gluon else ())),
                                ("block_k", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)),
                                ("epilogue_subtile", (1, 2))):
             if getattr(self, field) not in allowed:
@@ -127,8 +129,18 @@ class GemmBlocks:
             out += self._gluon_problems()
         return out
 
+    @property
+    def gluon_boxes(self) -> tuple[int, int] | None:
+        """(BN0, BN1) of the two B boxes when kernels/gemm_gluon_boxes.py runs these Gluon blocks (BLOCK_M 64,
+        or a width that is not a power of two), else None."""
+        if not self.gluon or (self.block_m != 64 and self.block_n in (64, 128, 256)):
+            return None
+        return box_widths(self.block_n)
+
     def _gluon_problems(self) -> list[str]:
-        """Why the Gluon bf16/fp16 kernel (kernels/gemm_gluon.py) cannot run these blocks."""
+        """Why the Gluon bf16/fp16 kernels (kernels/gemm_gluon.py, gemm_gluon_boxes.py) cannot run these blocks."""
+        if self.block_m == 64 or self.block_n not in (64, 128, 256):
+            return self._gluon_box_problems()
         out = []
         for name, allowed in (("block_m", (128, 192)), ("block_n", (64, 128, 256)), ("block_k", (64,)),
                               ("num_warps", (4,)), ("group_m", (8,)), ("programs_per_sm", (1,))):
@@ -146,6 +158,32 @@ class GemmBlocks:
         if self.split_k > 1 or self.epilogue_subtile != 1:
             out.append("gluon: split-K and es2 are @triton.jit options")
         return out
+
+
+    def _gluon_box_problems(self) -> list[str]:
+        """Why kernels/gemm_gluon_boxes.py cannot run these blocks."""
+        out = []
+        for name, allowed in (("block_m", (64, 128)), ("block_k", (64,)), ("num_warps", (4,)), ("group_m", (8,)),
+                              ("programs_per_sm", (1,)), ("stream_k", (0,))):
+            if getattr(self, name) not in allowed:
+                out.append(f"gluon boxes: {name} {getattr(self, name)} not in {allowed}")
+        if box_widths(self.block_n) is None:
+            out.append(f"gluon boxes: block_n {self.block_n} is not the sum of two powers of two >= 16")
+        if self.num_stages < 2:
+            out.append(f"gluon boxes: num_stages {self.num_stages} < 2")
+        if self.warp_specialize or self.flatten or self.split_k > 1 or self.epilogue_subtile != 1:
+            out.append("gluon boxes: ws, fl, sp and es2 are @triton.jit options")
+        return out
+
+
+def box_widths(block_n: int) -> tuple[int, int] | None:
+    """(BN0, BN1): `block_n` as a power of two and a smaller or equal one, both >= 16 (96 -> 64 + 32, 128 ->
+    64 + 64); None when it is no such sum."""
+    if not 32 <= block_n <= 256:
+        return None
+    bn0 = 1 << ((block_n - 1).bit_length() - 1)
+    bn1 = block_n - bn0
+    return (bn0, bn1) if bn1 >= 16 and bn1 & (bn1 - 1) == 0 else None
 
 
 def shared_memory_bytes(blocks: GemmBlocks, operand_bytes: int = 2, out_bytes: int = 2) -> int:

@@ -75,6 +75,9 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     if not k:  # no K step: the consumers would release a slot no load filled
         out.zero_()
         return
+    if blocks.gluon_boxes:
+        _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
+        return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
     programs = max(1, min(tiles, num_programs))
@@ -96,3 +99,19 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
         num_warps=GLUON_NUM_WARPS)
+
+
+def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int) -> None:
+    """kernels/gemm_gluon_boxes.py: the tile's B in two boxes of `blocks.gluon_boxes` columns."""
+    from kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
+
+    m, k = a.shape
+    n = out.shape[1]
+    bm, bk = blocks.block_m, blocks.block_k
+    bn0, bn1 = blocks.gluon_boxes
+    tiles = -(-m // bm) * -(-n // blocks.block_n)
+    b_boxes = ((bn0, bk), (bn1, bk)) if b_transposed else ((bk, bn0), (bk, bn1))
+    gluon_boxes_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+        tma_descriptor(a, (bm, bk)), tma_descriptor(b, b_boxes[0]), tma_descriptor(b, b_boxes[1]),
+        tma_descriptor(out, (64, bn0)), tma_descriptor(out, (64, bn1)), m, n, k, tile_row_offset,
+        NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)

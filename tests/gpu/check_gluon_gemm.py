@@ -4,7 +4,7 @@ per check with its error, exit status 1 on any FAIL.
     python -m tests.gpu.check_gluon_gemm          # on the GPU machine (~30 s, mostly compiling)
 
 Checks, every output inside a NaN-filled buffer, against an fp64 product and torch.mm (relative Frobenius
-<= 1e-2): every Gluon candidate of the tuner in both weight layouts with M/N/K tails, A a view of a
+<= 1e-2): every Gluon candidate of the tuner (the two-box kernels/gemm_gluon_boxes.py ones too) in both weight layouts with M/N/K tails, A a view of a
 wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M, N], three calls
 bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
 (explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     if dev is None or dev.type != "cuda":
         print("FAIL Gluon kernels need a CUDA device (no interpreter)")
         return 1
-    from launch.measure.tune import GLUON_CANDIDATES
+    from launch.measure.tune import GLUON_BOX_CANDIDATES, GLUON_CANDIDATES
     from overlap.gemm import GemmBlocks, triton_mm
     from overlap.gemm.blocks import choose_blocks
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     @check("every Gluon candidate, both layouts, M/N/K tails, NaN past K: right, nothing outside, bitwise x3")
     def _():
         worst = 0.0
-        for name in GLUON_CANDIDATES:
+        for name in GLUON_CANDIDATES + GLUON_BOX_CANDIDATES:
             blocks = GemmBlocks.parse(name)
             for m, n, k in TAIL_SHAPES:
                 for layout in ("kn", "nk"):
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                     outs = [run(a, b, blocks) for _ in range(3)]
                     worst = max(worst, verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k}"))
                     expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: repeats differ")
-        return f"{len(GLUON_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
+        return f"{len(GLUON_CANDIDATES + GLUON_BOX_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
     def split_planned(name, m, n, k, programs=None):
         from overlap.gemm.gluon_launch import split_plan
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     @check("a grid capped below the tiles (persistent programs) with a row rotation")
     def _():
         plans = []
-        for name, k in ((GLUON_CANDIDATES[0], 1024), ("128x128x64w4s6sk1gl", 8192)):
+        for name, k in ((GLUON_CANDIDATES[0], 1024), ("128x128x64w4s6sk1gl", 8192), ("64x96x64w4s8gl", 1032),
+                        ("128x80x64w4s7gl", 1000)):
             blocks = GemmBlocks.parse(name)
             for programs, offset in ((3, 1), (100, 5), (132, 0)):
                 if blocks.stream_k:   # with 3 programs, each holds whole tiles and split pieces

@@ -22,9 +22,13 @@ def test_gluon_candidates_are_valid_bf16_blocks_in_every_class_and_not_plain():
 
 @pytest.mark.parametrize("name,problem", [
     ("128x256x64w8s3gl", "num_warps 8 not in (4,)"),
-    ("64x128x64w4s4gl", "block_m 64 not in (128, 192)"),
+    ("32x128x64w4s4gl", "block_m 32 not in (128, 192)"),
     ("192x256x64w4s2gl", "block_n 256 > 128 with block_m 192"),
-    ("128x32x64w4s4gl", "block_n 32 not in (64, 128, 256)"),
+    ("192x32x64w4s4gl", "gluon boxes: block_m 192 not in (64, 128)"),
+    ("128x112x64w4s4gl", "block_n 112 is not the sum of two powers of two"),
+    ("64x96x64w4s8sk1gl", "gluon boxes: stream_k 1 not in (0,)"),
+    ("256x96x64w4s4gl", "gluon boxes: block_m 256 not in (64, 128)"),
+    ("128x96x64w4s8gl", "shared memory"),
     ("128x128x128w4s2gl", "block_k 128 not in (64,)"),
     ("128x128x32w4s4gl", "block_k 32 not in (64,)"),
     ("128x128x64w4s4g16gl", "group_m 16 not in (8,)"),
