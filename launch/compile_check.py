@@ -13,9 +13,8 @@ ptxas); it checks the compiler, not speed or results.
 
 from __future__ import annotations
 
-import functools
-
 import concurrent.futures
+import functools
 import os
 import re
 import subprocess

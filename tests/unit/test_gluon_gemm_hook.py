@@ -114,3 +114,23 @@ def test_split_plan_cuts_only_a_partial_last_wave_and_only_when_it_pays():
 def test_sk1_is_the_only_stream_k_the_gluon_kernel_takes():
     assert GemmBlocks.parse("128x128x64w4s6sk1gl").problems() == []
     assert any("stream_k 2 not in (0, 1)" in p for p in GemmBlocks.parse("128x128x64w4s6sk2gl").problems())
+
+
+@pytest.mark.parametrize("block_n,boxes", [(96, (64, 32)), (80, (64, 16)), (160, (128, 32)), (192, (128, 64)),
+                                           (128, (64, 64)), (48, (32, 16)), (112, None), (16, None), (320, None)])
+def test_box_widths_split_a_width_into_two_powers_of_two(block_n, boxes):
+    from overlap.gemm.blocks import box_widths
+
+    assert box_widths(block_n) == boxes
+
+
+def test_the_two_box_kernel_runs_block_m_64_and_widths_that_are_not_powers_of_two():
+    from launch.measure.tune import GLUON_BOX_CANDIDATES
+
+    assert GemmBlocks.parse("128x96x64w4s7gl").gluon_boxes == (64, 32)
+    assert GemmBlocks.parse("64x128x64w4s7gl").gluon_boxes == (64, 64)
+    assert GemmBlocks.parse("128x128x64w4s6gl").gluon_boxes is None      # kernels/gemm_gluon.py
+    assert GemmBlocks.parse("128x96x64w4s7").gluon_boxes is None         # not Gluon
+    for name in GLUON_BOX_CANDIDATES:
+        blocks = GemmBlocks.parse(name)
+        assert blocks.gluon_boxes and not blocks.problems(), (name, blocks.problems())

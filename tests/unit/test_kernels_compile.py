@@ -33,6 +33,10 @@ out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w
 out["bf16 gluon kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x256x64w4s3gl"), b_transposed=False))
 out["bf16 gluon nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x128x64w4s6gl"), b_transposed=True))
 out["bf16 gluon 192"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("192x128x64w4s4sk1gl"), b_transposed=True))
+out["bf16 gluon boxes 64x96 kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("64x96x64w4s8gl"),
+                                                                   b_transposed=False))
+out["bf16 gluon boxes 128x96 nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x96x64w4s7gl"),
+                                                                    b_transposed=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
 for name, c in compile_swiglu().items():
     ptx = c.asm["ptx"]  # ATen's arithmetic: IEEE divisions, libdevice's exp (its ex2 after a range reduction)
@@ -54,6 +58,7 @@ def test_new_kernels_compile_for_sm90_without_spills():
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
+                          "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk",
                           "gemm epilogue 0 + chunk waits",
                           "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
