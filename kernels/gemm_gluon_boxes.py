@@ -11,12 +11,12 @@ each: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64.
                                              tile_row_offset, NUM_STAGES=..., B_TRANSPOSED=..., num_warps=4)
 
 Why: at the narrow shapes (M 1024-2048, N 768-1536) the tiles that give every SM work are small, and small
-tiles are limited by shared-memory bandwidth, not by the tensor cores. Per K step a consumer warpgroup's
-wgmma reads its 64 rows of A and the whole B tile from shared memory, and TMA writes both; 128x128 tiles need
-~160 bytes per clock against the SM's 128, 128x64 tiles ~220. Two B boxes read by two shared-memory MMAs
-would read A twice; here each consumer loads its A rows into registers once per K step (the register-A form
-of wgmma) and both MMAs use them, so a [64, 96] tile moves what one [64, 96] MMA would (the width cuBLAS
-picks at these shapes).
+tiles are, by an estimate that fits the measured times, limited by shared-memory bandwidth rather than by the
+tensor cores. Per K step a consumer warpgroup's wgmma reads its 64 rows of A and the whole B tile from shared
+memory, and TMA writes both: 128x128 tiles ask ~160 bytes per clock of the SM's ~128, 128x64 tiles ~220. Two
+B boxes read by two shared-memory MMAs would read A twice; here each consumer loads its A rows into registers
+once per K step (the register-A form of wgmma) and both MMAs use them, so a [64, 96] tile moves what one
+[64, 96] MMA would (the width cuBLAS picks at these shapes).
 
 Partitions as kernels/gemm_gluon.py: a producer warp fills a ring of NUM_STAGES slots (``ready`` mbarrier per
 slot, tx-counted) and refills a slot once every consumer released it (``empty``); a consumer warpgroup per
