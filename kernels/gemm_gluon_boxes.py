@@ -1,4 +1,4 @@
-"""Persistent bf16/fp16 GEMM in Gluon for narrow tiles: B in two boxes, A read once per K step into registers.
+"""Persistent bf16/fp16 GEMM in Gluon for narrow tiles whose width is not a power of two: B in two boxes.
 
 Computes ``C[M, N] = A[M, K] @ B[K, N]`` as kernels/gemm_gluon.py does (B row-major [K, N], or the rows of an
 ``nn.Linear`` weight [N, K] read as their transpose; fp32 accumulation; TMA zero-fills past M, N and K and clips
@@ -10,13 +10,10 @@ each: 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64.
     gluon_boxes_gemm_kernel[(num_programs,)](a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K,
                                              tile_row_offset, NUM_STAGES=..., B_TRANSPOSED=..., num_warps=4)
 
-Why: at the narrow shapes (M 1024-2048, N 768-1536) the tiles that give every SM work are small, and small
-tiles are, by an estimate that fits the measured times, limited by shared-memory bandwidth rather than by the
-tensor cores. Per K step a consumer warpgroup's wgmma reads its 64 rows of A and the whole B tile from shared
-memory, and TMA writes both: 128x128 tiles ask ~160 bytes per clock of the SM's ~128, 128x64 tiles ~220. Two
-B boxes read by two shared-memory MMAs would read A twice; here each consumer loads its A rows into registers
-once per K step (the register-A form of wgmma) and both MMAs use them, so a [64, 96] tile moves what one
-[64, 96] MMA would (the width cuBLAS picks at these shapes).
+Why: at the narrow shapes (M 1024-2048, N 768-1536) power-of-two tiles either leave SMs idle (48-96 tiles of
+128x128) or are too small to run at the tensor cores' rate; widths like 96, 160 or 192 (cuBLAS's choice there)
+give about one full wave. Both MMAs of a K step read the warpgroup's A rows from shared memory (loading them
+into registers once for both measured 30-40 % slower).
 
 Partitions as kernels/gemm_gluon.py: a producer warp fills a ring of NUM_STAGES slots (``ready`` mbarrier per
 slot, tx-counted) and refills a slot once every consumer released it (``empty``); a consumer warpgroup per
@@ -73,15 +70,13 @@ def _load_partition(a_desc, b0_desc, b1_desc, a_bufs, b0_bufs, b1_bufs, ready, e
 @gluon.jit
 def _k_loop(a_bufs, b0_bufs, b1_bufs, ready, empty, acc0, acc1, num_k, step, HALF: gl.constexpr,
             B_TRANSPOSED: gl.constexpr):
-    """(acc0, acc1) += this warpgroup's 64 rows of A @ (B box 0, B box 1) over the tile's K steps, A through
-    registers; one step of MMAs stays in flight, each slot is released once the MMAs reading it retired."""
+    """(acc0, acc1) += this warpgroup's 64 rows of A @ (B box 0, B box 1) over the tile's K steps; one step of
+    MMAs stays in flight, each slot is released once the MMAs reading it retired."""
     NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    a_layout0: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc0.type.layout, k_width=2)
-    a_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1.type.layout, k_width=2)
     for k in range(num_k):
         slot = (step + k) % NUM_STAGES
         mbarrier.wait(ready.index(slot), ((step + k) // NUM_STAGES) & 1)
-        a_rows = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0).load(a_layout0)
+        a_rows = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
         if B_TRANSPOSED:
             b0 = b0_bufs.index(slot).permute((1, 0))
             b1 = b1_bufs.index(slot).permute((1, 0))
@@ -89,7 +84,7 @@ def _k_loop(a_bufs, b0_bufs, b1_bufs, ready, empty, acc0, acc1, num_k, step, HAL
             b0 = b0_bufs.index(slot)
             b1 = b1_bufs.index(slot)
         acc0 = warpgroup_mma(a_rows, b0, acc0, is_async=True)
-        acc1 = warpgroup_mma(gl.convert_layout(a_rows, a_layout1), b1, acc1, is_async=True)
+        acc1 = warpgroup_mma(a_rows, b1, acc1, is_async=True)
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
         if k > 0:
             _barrier()  # every warp of this warpgroup is past the MMA wait before the slot is released

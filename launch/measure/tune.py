@@ -107,8 +107,8 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl",
                     "128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl", "128x64x64w4s8sk1gl", "192x128x64w4s4gl",
                     "192x128x64w4s4sk1gl")
-# Narrow tiles whose A goes through registers once per K step (kernels/gemm_gluon_boxes.py): at the few-tile
-# shapes they give ~128 SMs work at a shared-memory traffic per FLOP that 128x64 and 128x128 tiles exceed.
+# Tiles of widths that are not powers of two, or 64 rows (kernels/gemm_gluon_boxes.py: B in two boxes): at the
+# few-tile shapes they give about one full wave where power-of-two tiles leave SMs idle or run too small.
 GLUON_BOX_CANDIDATES = ("64x96x64w4s8gl", "64x128x64w4s7gl", "64x160x64w4s7gl", "64x192x64w4s6gl",
                         "128x80x64w4s7gl", "128x96x64w4s7gl")
 GEMM_CLASSES = {
