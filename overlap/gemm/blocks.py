@@ -23,7 +23,7 @@ finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA 
 warpgroup per 64 rows: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, or BLOCK_M 192
 with BN <= 128; `sk1` cuts the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py
 split_plan says; BLOCK_M 64, or BN the sum of two powers of two such as 96 = 64 + 32:
-kernels/gemm_gluon_boxes.py, B in two boxes and A through registers, no `sk1`; FP8: kernels/gemm_fp8_gluon.py,
+kernels/gemm_gluon_boxes.py, B in two boxes, no `sk1`; FP8: kernels/gemm_fp8_gluon.py,
 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
