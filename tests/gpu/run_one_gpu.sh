@@ -30,7 +30,7 @@ step() {  # name, limit_s, command...: run it, keep its log, print its tail
 }
 
 step zero_sm 45 python3 -m tests.gpu.check_zero_sm_wait --json "$OUT/zero_sm_wait.json"
-step gluon 150 python3 -m tests.gpu.check_gluon_gemm
+step gluon 240 python3 -m tests.gpu.check_gluon_gemm
 step fp8 120 python3 -m tests.gpu.check_fp8
 step swiglu 90 python3 -m tests.gpu.check_swiglu
 step offload 90 python3 -m tests.gpu.check_offload
