@@ -114,7 +114,7 @@ def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, sou
     import yaml
 
     kind = "FP8 GEMM (kernels/gemm_fp8.py; `gl` blocks: kernels/gemm_fp8_gluon.py)" if operand_bytes == 1 \
-        else "GEMM (kernels/gemm.py; `gl` blocks: kernels/gemm_gluon.py)"
+        else "GEMM (kernels/gemm.py; `gl` blocks: kernels/gemm_gluon.py, or gemm_gluon_boxes.py for two B boxes)"
     lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
              "# overlap/gemm/blocks.py). vs_cublas = reference time / Triton time, device time.",
              f"gpu: {gpu}", f"num_sms: {num_sms_}"]
