@@ -34,6 +34,8 @@ def test_gluon_candidates_are_valid_bf16_blocks_in_every_class_and_not_plain():
     ("128x128x64w4s4g16gl", "group_m 16 not in (8,)"),
     ("128x128x64w4s1gl", "num_stages 1 < 2"),
     ("128x256x64w4s4gl", "shared memory"),
+    ("64x96x64w4s11gl", "shared memory"),
+    ("64x32x64w4s13gl", "num_stages 13 not in 1..12"),
 ])
 def test_blocks_name_what_the_gluon_kernel_cannot_run(name, problem):
     assert any(problem in p for p in GemmBlocks.parse(name).problems()), GemmBlocks.parse(name).problems()
