@@ -1,4 +1,4 @@
-"""Persistent bf16/fp16 GEMM in Gluon for narrow tiles whose width is not a power of two: B in two boxes.
+"""Persistent bf16/fp16 GEMM in Gluon for 64-row tiles and widths that are not powers of two: B in two boxes.
 
 Computes ``C[M, N] = A[M, K] @ B[K, N]`` as kernels/gemm_gluon.py does (B row-major [K, N], or the rows of an
 ``nn.Linear`` weight [N, K] read as their transpose; fp32 accumulation; TMA zero-fills past M, N and K and clips

@@ -104,7 +104,7 @@ class GemmBlocks:
                                ("epilogue_subtile", (1, 2))):
             if getattr(self, field) not in allowed:
                 out.append(f"{field} {getattr(self, field)} not in {allowed}")
-        if not 1 <= self.num_stages <= 12:  # narrow Gluon tiles keep 10 K steps in flight (1024x768x4096)
+        if not 1 <= self.num_stages <= 12:  # 64x96 Gluon tiles want a ring of 10 (1024x768x4096)
             out.append(f"num_stages {self.num_stages} not in 1..12")
         if not 1 <= self.group_m <= 64:
             out.append(f"group_m {self.group_m} not in 1..64")
