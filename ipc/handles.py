@@ -58,7 +58,7 @@ def _host_base(ptr: int) -> tuple[int, int]:
         if base <= ptr < base + size:
             return base, size
     raise IpcError(f"CPU tensor at 0x{ptr:x} is not in shareable memory; allocate it with "
-                   f"ipc.host_empty(shape, dtype) so that peers can map it")
+                   f"tp_overlap.ipc.host_empty(shape, dtype) so that peers can map it")
 
 
 def export_host(ptr: int) -> Handle:

@@ -46,7 +46,7 @@ class IpcStats:
 
 
 class IpcPool:
-    """CUDA IPC (cuda-python) for CUDA tensors, memfd mappings for CPU tensors from `ipc.host_empty`."""
+    """CUDA IPC (cuda-python) for CUDA tensors, memfd mappings for CPU tensors from `tp_overlap.ipc.host_empty`."""
 
     def __init__(self, *, group: dist.ProcessGroup, gather=None):
         """`gather(local) -> [value of every rank]` is the exchange's collective (default: the process
@@ -81,7 +81,7 @@ class IpcPool:
         """Collective: publish `tensors` (same names on every rank) to the group.
 
         Every tensor must be contiguous; CUDA tensors on this rank's device, CPU tensors from
-        `ipc.host_empty`. Validation happens before any communication.
+        `tp_overlap.ipc.host_empty`. Validation happens before any communication.
         """
         self._check_open()
         try:

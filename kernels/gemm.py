@@ -124,7 +124,7 @@ without them (only the kernel's parameter list grows).
 
 Bounded waits (both kernels): ``USE_TIMER=True`` (the default unless the process runs the Triton
 interpreter, where the inline asm cannot run) polls until the flag is ready or ``timeout_ns`` of wall time
-(``%globaltimer``, ``kernels.flags.read_globaltimer``) have passed since that wait began; JIT-compiling
+(``%globaltimer``, ``tp_overlap.kernels.flags.read_globaltimer``) have passed since that wait began; JIT-compiling
 peers can take seconds, so a spin count is not a usable bound. ``USE_TIMER=False`` (interpreter, CPU
 tests) polls exactly once and treats a flag that is not ready as a timeout; never use it on the GPU.
 ``timeout_ns`` may exceed 2**31 (a Python int; it is passed as int64 then): keep it the same type from

@@ -1,6 +1,6 @@
 """The K loop of the FP8 GEMM with fine-grained scales (DeepSeek-V3 / DeepGEMM recipe), bf16 output.
 
-Only ``@triton.jit`` code. The FP8 GEMM is ``kernels.gemm.persistent_gemm_kernel`` given ``scales``
+Only ``@triton.jit`` code. The FP8 GEMM is ``tp_overlap.kernels.gemm.persistent_gemm_kernel`` given ``scales``
 (same tile walk, chunk waits and local store); its K loop ``scaled_k_loop`` computes
 
     C[m, n] = sum_g (A[m, g-th 128 columns] . B[n, g-th 128 columns]) * a_scale[m, g] * b_scale[n // 128, g]

@@ -1,8 +1,8 @@
 """Side-by-side benchmarks under torchrun.
 
-    torchrun --standalone --nproc-per-node 2 -m launch.bench --op pool_bw [--sizes-mb 1,4,16]
-    torchrun --standalone --nproc-per-node 2 -m launch.bench --op ag_gemm [--tokens 1024,4096] [--methods fused]
-    torchrun --standalone --nproc-per-node 2 -m launch.bench --op gemm_rs [--sm-margins 0,8,16]
+    torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.bench --op pool_bw [--sizes-mb 1,4,16]
+    torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.bench --op ag_gemm [--tokens 1024,4096] [--methods fused]
+    torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.bench --op gemm_rs [--sm-margins 0,8,16]
 
 ag_gemm / gemm_rs run every point of the shape table (launch/measure/shapes.py) at the job's TP size (or --shape MxKxN):
 ours (each method; gemm_rs fused also per sm_margin), NCCL-then-GEMM ("seq"), PyTorch async-TP
@@ -19,18 +19,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from overlap.config.schema import METHODS
-from overlap.config.presets import load_config, load_preset
-from launch.output.report import device_slug, format_table, run_labels, write_results
-from launch.measure.timing import progress
-from launch.measure.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
+from tp_overlap.config.schema import METHODS
+from tp_overlap.config.presets import load_config, load_preset
+from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
+from tp_overlap.launch.measure.timing import progress
+from tp_overlap.launch.measure.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 
 from .cli import dist as _dist
 from .cli.common import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,
                    run_launcher)
 from .cli.limits import require_fits
 
-PROG = "launch.bench"
+PROG = "tp_overlap.launch.bench"
 OPS = ("pool_bw", "ag_gemm", "gemm_rs")
 DEFAULT_SM_MARGINS = (0, 4, 8, 16, 24, 32)
 

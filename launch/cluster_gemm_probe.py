@@ -2,7 +2,7 @@
 cuBLAS and the block table's kernel (`triton_mm`), on one sm_90 GPU. Needs Triton >= 3.7 (Gluon clusters and
 multicast).
 
-    python -m launch.cluster_gemm_probe [--points "MxNxK:TILE,TILE;..."] [--reps 20] [--hold-us 300]
+    python -m tp_overlap.launch.cluster_gemm_probe [--points "MxNxK:TILE,TILE;..."] [--reps 20] [--hold-us 300]
         [--out FILE (default runs/cluster_gemm_probe-<time>/...)]
 
 A TILE is `BN0+BN1[xS][n2]`: a 2-CTA cluster tile of 256 rows and BN0 + BN1 columns (two B boxes, powers of
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from launch.cli.common import ArgumentParser, UsageError, output_file, require, run_dir, run_launcher
-from launch.measure.timing import bench_interleaved, progress
-from launch.output.report import device_slug, format_table, write_results
+from tp_overlap.launch.cli.common import ArgumentParser, UsageError, output_file, require, run_dir, run_launcher
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.launch.output.report import device_slug, format_table, write_results
 
 SHARED_MEMORY_LIMIT = 232448     # bytes per CTA on sm_90
 BLOCK_K = 64
@@ -105,8 +105,8 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     """(run, kernel): callables computing out [M, N] = a [M, K] @ w [N, K]^T on the current stream (`run`
     sums split partials into `out`; `kernel` launches only the GEMM). Descriptors and workspace are built
     here, once."""
-    from kernels.gemm_gluon_cluster import cluster_gemm_kernel
-    from overlap.gemm.launch import tma_descriptor
+    from tp_overlap.kernels.gemm_gluon_cluster import cluster_gemm_kernel
+    from tp_overlap.gemm.launch import tma_descriptor
 
     m, k = a.shape
     n = w.shape[0]
@@ -134,9 +134,9 @@ def prepare_cluster_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
 
 def compile_cluster_gemm(tile: ClusterTile, *, arch: int = 90, dtype: str = "bf16"):
     """The kernel compiled for sm_<arch> without a GPU (launch/compile_check.py)."""
-    from kernels.gemm_gluon_cluster import cluster_gemm_kernel
-    from launch.compile_check import compile_gluon
-    from overlap.gemm.launch import tma_shared_layout
+    from tp_overlap.kernels.gemm_gluon_cluster import cluster_gemm_kernel
+    from tp_overlap.launch.compile_check import compile_gluon
+    from tp_overlap.gemm.launch import tma_shared_layout
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -180,7 +180,7 @@ def _points_argument(text: str):
 
 
 def make_parser() -> ArgumentParser:
-    p = ArgumentParser("python -m launch.cluster_gemm_probe", description=__doc__)
+    p = ArgumentParser("python -m tp_overlap.launch.cluster_gemm_probe", description=__doc__)
     p.add_argument("--points", type=_points_argument, default=parse_points(DEFAULT_POINTS),
                    help=f"shapes and cluster tiles (default: {DEFAULT_POINTS})")
     p.add_argument("--reps", type=int, default=20, help="timed calls per variant and shape (median)")
@@ -198,7 +198,7 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
-    return run_launcher("launch.cluster_gemm_probe", _parse, _run, argv)
+    return run_launcher("tp_overlap.launch.cluster_gemm_probe", _parse, _run, argv)
 
 
 def _run(args) -> int:
@@ -226,7 +226,7 @@ def _run(args) -> int:
 
 
 def _measure_point(m, n, k, tiles, dev, *, seed, args) -> dict:
-    from overlap.gemm import choose_blocks, triton_mm
+    from tp_overlap.gemm import choose_blocks, triton_mm
 
     gen = torch.Generator(device=dev).manual_seed(seed)
     a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.bfloat16)

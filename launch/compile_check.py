@@ -1,7 +1,7 @@
 """Compile the GEMM kernels for a CUDA target without a GPU: does every configuration we might launch
 compile with this Triton, and what does it cost in shared memory, registers and spills?
 
-    python -m launch.compile_check [--table] [--candidates] [--fp8] [--configs NAME,...] [--jobs 2]
+    python -m tp_overlap.launch.compile_check [--table] [--candidates] [--fp8] [--configs NAME,...] [--jobs 2]
 
 The target is sm_90 (Hopper). `--table` checks every configuration of the block tables
 (configs/gemm_blocks/), `--candidates` the sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and
@@ -22,11 +22,11 @@ import sys
 import tempfile
 import time
 
-from overlap.gemm import GemmBlocks
+from tp_overlap.gemm import GemmBlocks
 
 from .cli.common import ArgumentParser, run_launcher
 
-PROG = "launch.compile_check"
+PROG = "tp_overlap.launch.compile_check"
 
 
 def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
@@ -95,7 +95,7 @@ _CHUNK_WAIT = ("*i32:16", "i32", "*i32:16", "i32", "i32")   # chunk flags, chunk
 
 
 def _gemm_config(blocks: GemmBlocks, **overrides):
-    from kernels.gemm import GemmConfig
+    from tp_overlap.kernels.gemm import GemmConfig
 
     fields = dict(BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, GROUP_M=blocks.group_m,
                   WARP_SPECIALIZE=blocks.warp_specialize, FLATTEN=blocks.flatten,
@@ -105,7 +105,7 @@ def _gemm_config(blocks: GemmBlocks, **overrides):
 
 def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
     """The local-epilogue persistent GEMM as overlap.gemm.triton_mm launches it (aligned operands)."""
-    from kernels.gemm import persistent_gemm_kernel
+    from tp_overlap.kernels.gemm import persistent_gemm_kernel
 
     types = dict(_GEMM_TYPES, a_ptr=f"*{dtype}:16", b_ptr=f"*{dtype}:16", c_ptr=f"*{dtype}:16")
     constexprs = dict(CONFIG=_gemm_config(blocks, B_TRANSPOSED=b_transposed), scatter=None, chunk_wait=None,
@@ -121,7 +121,7 @@ def compile_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtyp
 def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
     """The split-K GEMM (a name with `sp<S>`) as overlap/gemm/splitk.py launches it: host-side TMA
     descriptors for aligned operands."""
-    from kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
+    from tp_overlap.kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
 
     b_block = (blocks.block_n, blocks.block_k) if b_transposed else (blocks.block_k, blocks.block_n)
     types = dict(a=f"tensordesc<{dtype}[{blocks.block_m}, {blocks.block_k}]>", b=f"tensordesc<{dtype}[{b_block[0]}, "
@@ -136,7 +136,7 @@ def compile_split_k_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 
 
 def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = False):
     """The FP8 block-scaled GEMM as overlap.gemm.fp8.fp8_gemm launches it (aligned operands)."""
-    from kernels.gemm import persistent_gemm_kernel
+    from tp_overlap.kernels.gemm import persistent_gemm_kernel
 
     if blocks.gluon:
         return compile_fp8_gluon_gemm(blocks, arch=arch)
@@ -186,9 +186,9 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
     (group-major) or [128, 4] (row-major), B [1, 4]."""
-    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
-    from overlap.gemm.fp8_gluon_launch import B_SCALE_BOX
-    from overlap.gemm.launch import tma_shared_layout
+    from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
+    from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX
+    from tp_overlap.gemm.launch import tma_shared_layout
 
     def descriptor(dtype: str, block: list[int]) -> str:
         return _gluon_descriptor(tma_shared_layout, dtype, block)
@@ -206,8 +206,8 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
 def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
     """The Gluon bf16/fp16 GEMM (kernels/gemm_gluon.py) as overlap/gemm/gluon_launch.py launches it: host
     descriptors of A [128, BLOCK_K], B [BLOCK_K, BLOCK_N] (or [BLOCK_N, BLOCK_K] transposed), C [64, BLOCK_N]."""
-    from kernels.gemm_gluon import gluon_gemm_kernel
-    from overlap.gemm.launch import tma_shared_layout
+    from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
+    from tp_overlap.gemm.launch import tma_shared_layout
 
     if blocks.gluon_boxes:
         return _compile_gluon_boxes_gemm(blocks, b_transposed=b_transposed, arch=arch, dtype=dtype)
@@ -224,8 +224,8 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
 def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int, dtype: str):
     """kernels/gemm_gluon_boxes.py as overlap/gemm/gluon_launch.py launches it: A [BLOCK_M, BLOCK_K], B in boxes of
     BN0 and BN1 columns, C [64, BN0] and [64, BN1]."""
-    from kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
-    from overlap.gemm.launch import tma_shared_layout
+    from tp_overlap.kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
+    from tp_overlap.gemm.launch import tma_shared_layout
 
     bk, widths = blocks.block_k, blocks.gluon_boxes
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, dtype)
@@ -237,7 +237,7 @@ def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: i
 
 
 def compile_quantizers(arch: int = 90) -> dict:
-    from kernels.quant_fp8 import quantize_activation_kernel, quantize_weight_kernel
+    from tp_overlap.kernels.quant_fp8 import quantize_activation_kernel, quantize_weight_kernel
 
     out = {}
     out["quantize_activation"] = compile_for_target(
@@ -254,7 +254,7 @@ def compile_quantizers(arch: int = 90) -> dict:
 
 
 def compile_swiglu(arch: int = 90) -> dict:
-    from kernels.swiglu import swiglu_backward_kernel, swiglu_forward_kernel
+    from tp_overlap.kernels.swiglu import swiglu_backward_kernel, swiglu_forward_kernel
 
     ptr = "*bf16:16"
     return {"swiglu forward": compile_for_target(
@@ -288,7 +288,7 @@ def _check(job):
 def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--table", action="store_true", help="every configuration of the block tables")
-    p.add_argument("--candidates", action="store_true", help="launch.gemm_tune's sweep")
+    p.add_argument("--candidates", action="store_true", help="tp_overlap.launch.gemm_tune's sweep")
     p.add_argument("--fp8", action="store_true", help="the FP8 GEMM candidates and the quantisers")
     p.add_argument("--configs", default="", help="comma-separated extra bf16 configuration names (default: none)")
     p.add_argument("--jobs", type=int, default=None,
@@ -313,8 +313,8 @@ def parse_args(argv=None):
 
 
 def _jobs(args) -> set:
-    from launch.gemm_tune import candidate_names, fp8_candidate_names
-    from overlap.gemm import LAYOUTS, block_table_path, load_block_table
+    from tp_overlap.launch.gemm_tune import candidate_names, fp8_candidate_names
+    from tp_overlap.gemm import LAYOUTS, block_table_path, load_block_table
 
     jobs = set()
     names = [n for n in args.configs.split(",") if n]
@@ -369,8 +369,8 @@ def compile_overlap_kernels(arch: int = 90) -> dict:
     """The kernels the ops launch with flags (scatter epilogues, the chunk-waiting consumer, the reduction),
     as their launchers call them: what the interpreter cannot check (it accepts a non-constexpr global the
     compiler refuses)."""
-    from kernels.gemm import persistent_gemm_kernel
-    from kernels.rs_epilogue import reduce_partials_kernel
+    from tp_overlap.kernels.gemm import persistent_gemm_kernel
+    from tp_overlap.kernels.rs_epilogue import reduce_partials_kernel
 
     out = {}
     blocks = GemmBlocks.parse("128x128x64w8s3")

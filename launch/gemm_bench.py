@@ -2,9 +2,9 @@
 AG and RS shape tables (docs/ARCHITECTURE.md) at the given TP sizes, in both layouts of B: what the fused
 ops can reach.
 
-    python -m launch.gemm_bench [--tp 2,4,8] [--m 1024,...,16384] [--layouts kn,nk] [--table PATH]
+    python -m tp_overlap.launch.gemm_bench [--tp 2,4,8] [--m 1024,...,16384] [--layouts kn,nk] [--table PATH]
         [--configs NAME,...] [--time-budget-s 600] [--out FILE (default runs/gemm_bench-<time>/...)]
-    python -m launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/measure/gemm_bench_fp8.py)
+    python -m tp_overlap.launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/measure/gemm_bench_fp8.py)
 
 Single process, one GPU. Per (shape, layout) -- `kn`: B row-major [K, N]; `nk`: B = w.t() of a row-major
 [N, K] (nn.Linear) -- it times, interleaved: cuBLAS (`torch.mm` on the same operands and layout), the
@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from launch.cli.common import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
-from launch.output.report import device_slug, format_table, write_results
-from launch.measure.shapes import ag_points, rs_points
-from launch.measure.timing import bench_interleaved, progress
-from overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
+from tp_overlap.launch.cli.common import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
+from tp_overlap.launch.output.report import device_slug, format_table, write_results
+from tp_overlap.launch.measure.shapes import ag_points, rs_points
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
                           load_block_table, triton_mm)
 
 from .measure.canary import CANARY_SHAPE, operands
@@ -69,7 +69,7 @@ def _parse_list(text: str, cast=str):
 
 
 def make_parser() -> ArgumentParser:
-    p = ArgumentParser("python -m launch.gemm_bench", description=__doc__)
+    p = ArgumentParser("python -m tp_overlap.launch.gemm_bench", description=__doc__)
     p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are timed")
     p.add_argument("--m", type=int_list, default=(1024, 2048, 4096, 8192, 16384), help="M values (rows)")
     p.add_argument("--layouts", type=_parse_list, default=LAYOUTS, help="B layouts, of kn,nk (--fp8: nk only)")
@@ -95,7 +95,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from launch.measure.shapes import AG_LAYERS, RS_LAYERS
+    from tp_overlap.launch.measure.shapes import AG_LAYERS, RS_LAYERS
 
     args = make_parser().parse_args(argv)
     layers = set(AG_LAYERS) | set(RS_LAYERS)
@@ -130,7 +130,7 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
-    return run_launcher("launch.gemm_bench", _parse, _run, argv)
+    return run_launcher("tp_overlap.launch.gemm_bench", _parse, _run, argv)
 
 
 def _run(args) -> int:
@@ -153,7 +153,7 @@ def bench_device(name: str) -> tuple[torch.device, str]:
 
 
 def _run_bf16(args) -> int:
-    from overlap.gemm import release_split_k_workspaces
+    from tp_overlap.gemm import release_split_k_workspaces
 
     started = time.monotonic()
     dev, device_name = bench_device(args.device)

@@ -1,6 +1,6 @@
 """Tune the persistent Triton GEMM's blocks on one GPU and write the block table that choose_blocks reads.
 
-    python -m launch.gemm_tune [--tp 2,4,8] [--m 1024,2048,4096,8192,16384] [--layouts kn,nk]
+    python -m tp_overlap.launch.gemm_tune [--tp 2,4,8] [--m 1024,2048,4096,8192,16384] [--layouts kn,nk]
         [--time-budget-s 240] [--jobs N] [--resume] [--out-table FILE] [--out FILE]
 
 Points: every local GEMM of docs/ARCHITECTURE.md's shape table (AG: K = H, N = N_total / W; RS: K =
@@ -41,14 +41,14 @@ import sys
 import time
 from pathlib import Path
 
-from launch.cli.common import ArgumentParser, int_list, require, run_dir, run_launcher
+from tp_overlap.launch.cli.common import ArgumentParser, int_list, require, run_dir, run_launcher
 
 from .measure.canary import CANARY_SHAPE, operands, run_canaries
 
 # The union of the shape classes' lists and the split-K and stream-K candidates (launch/measure/tune.py):
 # what `--candidates all` means and what launch.compile_check --candidates compiles.
 def _all_classes() -> tuple[str, ...]:
-    from launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES
+    from tp_overlap.launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES
     lists = (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES)
     return tuple(dict.fromkeys(name for names in lists for name in names))
 
@@ -96,8 +96,8 @@ def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
 def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
     """Unique (m, n, k) over the AG and RS tables at each TP size (or the given `shapes`), in measuring
     order (launch/measure/tune.py tune_order), with their layer names."""
-    from launch.measure.tune import tune_order
-    from launch.measure.shapes import ag_points, rs_points
+    from tp_overlap.launch.measure.tune import tune_order
+    from tp_overlap.launch.measure.shapes import ag_points, rs_points
 
     layers: dict[tuple[int, int, int], list[str]] = {}
     for m, n, k in shapes:
@@ -148,9 +148,9 @@ def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs
 
 
 def make_parser() -> ArgumentParser:
-    from overlap.gemm import LAYOUTS
+    from tp_overlap.gemm import LAYOUTS
 
-    p = ArgumentParser("python -m launch.gemm_tune", description=__doc__)
+    p = ArgumentParser("python -m tp_overlap.launch.gemm_tune", description=__doc__)
     p.add_argument("--tp", type=int_list, default=(2, 4, 8), help="TP sizes whose local shapes are tuned")
     p.add_argument("--m", type=int_list, default=(1024, 2048, 4096, 8192, 16384), help="M values (rows)")
     p.add_argument("--layouts", type=lambda s: tuple(s.split(",")), default=LAYOUTS, help="B layouts, of kn,nk")
@@ -174,7 +174,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from overlap.gemm import LAYOUTS, GemmBlocks
+    from tp_overlap.gemm import LAYOUTS, GemmBlocks
 
     args = make_parser().parse_args(argv)
     require(all(w >= 1 for w in args.tp), f"--tp: TP sizes must be >= 1, got {args.tp}")
@@ -197,16 +197,16 @@ def _parse(argv):
 
 
 def main(argv=None) -> int:
-    return run_launcher("launch.gemm_tune", _parse, _run, argv)
+    return run_launcher("tp_overlap.launch.gemm_tune", _parse, _run, argv)
 
 
 def _run(args) -> int:
     import torch
 
-    from launch.cli.common import UsageError
-    from launch.output.report import device_slug
-    from launch.measure.timing import progress
-    from overlap.gemm import BlockTable, gpu_name, load_block_table, num_sms
+    from tp_overlap.launch.cli.common import UsageError
+    from tp_overlap.launch.output.report import device_slug
+    from tp_overlap.launch.measure.timing import progress
+    from tp_overlap.gemm import BlockTable, gpu_name, load_block_table, num_sms
 
     started = time.monotonic()
     deadline = started + args.time_budget_s
@@ -258,7 +258,7 @@ def _resumed_state(out_table: str, out_json: str, entries: dict) -> tuple[list[d
 
     import yaml
 
-    from overlap.gemm import parse_block_table
+    from tp_overlap.gemm import parse_block_table
 
     rows = json.loads(Path(out_json).read_text())["rows"] if Path(out_json).is_file() else []
     if Path(out_table).is_file():  # parsed here: load_block_table caches by path, and this file keeps changing
@@ -281,8 +281,8 @@ class _Sweep:
 
     def candidates(self, m, n, k, layout) -> tuple[str, ...]:
         """The point's class list (or --candidates), the hand heuristic and the current table's choices."""
-        from launch.measure.tune import gemm_candidates
-        from overlap.gemm import heuristic_blocks
+        from tp_overlap.launch.measure.tune import gemm_candidates
+        from tp_overlap.gemm import heuristic_blocks
 
         current = self.entries.get((layout, m, n, k))
         extra = [heuristic_blocks(m, n, k).name] + ([current.blocks.name, current.plain.name] if current else [])
@@ -291,9 +291,9 @@ class _Sweep:
         return gemm_candidates(m, n, k, self.sms, extra)
 
     def run_point(self, m, n, k, names, layout, *, label: str) -> None:
-        from launch.measure.tune import point_seconds, shape_class
-        from launch.measure.timing import progress
-        from overlap.gemm import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
+        from tp_overlap.launch.measure.tune import point_seconds, shape_class
+        from tp_overlap.launch.measure.timing import progress
+        from tp_overlap.gemm import PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, heuristic_blocks
 
         tried = [c for c in self.candidates(m, n, k, layout) if (c, layout) not in self.failed]
         point = {"layout": layout, "M": m, "N": n, "K": k}
@@ -330,8 +330,8 @@ class _Sweep:
         """Median times (ms) of cuBLAS and of every candidate that computes the right numbers."""
         import torch
 
-        from launch.measure.timing import bench_interleaved, progress
-        from overlap.gemm import GemmBlocks, release_split_k_workspaces, triton_mm
+        from tp_overlap.launch.measure.timing import bench_interleaved, progress
+        from tp_overlap.gemm import GemmBlocks, release_split_k_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)
@@ -367,7 +367,7 @@ class _Sweep:
         return {name: s.median_ms for name, s in stats.items()}
 
     def write(self) -> None:
-        from launch.output.report import write_results
+        from tp_overlap.launch.output.report import write_results
 
         write_table(self.out_table, self.entries, gpu=self.gpu, num_sms_=self.sms, source=self.source)
         ratios = [r["best_over_cublas"] for r in self.rows]

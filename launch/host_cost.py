@@ -1,6 +1,6 @@
 """Host time of one eager call of each op and method, and of a TP MLP training step, against their references.
 
-    torchrun --standalone --nproc-per-node 2 -m launch.host_cost [--out FILE] [--reps 30]   (needs a GPU)
+    torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.host_cost [--out FILE] [--reps 30]   (needs a GPU)
 
 Needs a CUDA GPU and at least 2 ranks (two processes may share one GPU).
 
@@ -31,16 +31,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from launch.output.report import format_table, write_results
-from launch.measure.timing import progress
+from tp_overlap.launch.output.report import format_table, write_results
+from tp_overlap.launch.measure.timing import progress
 
-from symm_mem import BACKENDS
+from tp_overlap.symm_mem.layout import BACKENDS
 
 from .cli import dist as _dist
 from .cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
 from .cli.limits import require_fits
 
-PROG = "launch.host_cost"
+PROG = "tp_overlap.launch.host_cost"
 HOLD_CYCLES = 40_000_000  # ~20 ms: the device stays busy through the timed call
 POOL_BYTES = 2 << 30
 HIDDEN, FFN = 4096, 14336  # llama8b: the MLP step's shapes, and K of the op calls
@@ -82,9 +82,9 @@ def _max_median(samples, group) -> tuple[float, float, float]:
 
 def _op_calls(ctx, pool, m, k, n):
     """{(op, method): (op, call, the op's whole GEMM as one torch.mm)} on llama8b.qkv / o_proj-like shapes."""
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
     dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
     a_shard = torch.randn(m // world, k, device=dev, dtype=bf16)
     w = torch.randn(n, k, device=dev, dtype=bf16).t()
@@ -114,7 +114,7 @@ def _step(mlp, x, dy):
 
 def _mlp_steps(ctx, pool, m, hidden, ffn, nccl_self):
     """(our step, the overlap=False step on NCCL, our MLP): forward + backward of a TPMLP with the preset."""
-    from overlap.ops.layers import TPMLP
+    from tp_overlap.ops.layers import TPMLP
     dev, world, bf16 = ctx.device, ctx.world_size, torch.bfloat16
     ours = TPMLP(hidden, ffn, group=ctx.group, max_m=m, dtype=bf16, pool=pool, name="hc.mlp")
     x = torch.randn(m // world, hidden, device=dev, dtype=bf16, requires_grad=True)
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     where = _dist.placement()
     _check(args, where)
-    from symm_mem import SymmetricPool
+    from tp_overlap.symm_mem.pool import SymmetricPool
     with _dist.job(PROG, where=where) as ctx:
         rows = []
         nccl_groups = [dist.new_group([r], backend="nccl") for r in range(ctx.world_size)]

@@ -1,6 +1,6 @@
 """k-factor sweeps under torchrun: measure every overlap, sweep the SM partition, gate, plot, write a preset.
 
-    torchrun --standalone --nproc-per-node 2 -m launch.kfactor [--ops ag_gemm,gemm_rs,regimes]
+    torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.kfactor [--ops ag_gemm,gemm_rs,regimes]
         [--shapes 4096x4096x3072,...] [--tokens 1024,4096] [--layers llama8b.qkv,...]
         [--sweep method=decomposed,fused --sweep sm_margin=0,8,16 --sweep chunks_per_rank=1,2]
         [--max-k 1.15] [--gate all|best] [--write-config tuned.yaml] [--out-dir DIR]
@@ -45,20 +45,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from overlap.config import envs
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import OverlapConfig
-from overlap.config.presets import dump_config, load_config, to_dict
-from overlap.ops.gemm_rs import GemmRs
-from launch.measure.comm_delay import inject_comm_delay
-from launch.measure.k_factor import (LATE_START_MS, k_from_trace, measure, measure_pair, op_pair,
+from tp_overlap.config import envs
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import OverlapConfig
+from tp_overlap.config.presets import dump_config, load_config, to_dict
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.launch.measure.comm_delay import inject_comm_delay
+from tp_overlap.launch.measure.k_factor import (LATE_START_MS, k_from_trace, measure, measure_pair, op_pair,
                              trace_op)
-from launch.measure.timeline import step_timeline
-from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
-from launch.output.report import device_slug, format_table, run_labels, write_results
-from launch.measure.shapes import ShapePoint
-from launch.measure.timing import bench_interleaved, progress
-from symm_mem import SymmetricPool
+from tp_overlap.launch.measure.timeline import step_timeline
+from tp_overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
+from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
+from tp_overlap.launch.measure.shapes import ShapePoint
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.symm_mem.pool import SymmetricPool
 
 from .measure.accuracy import rel_err as _rel_err
 from .cli import dist as _dist, kfactor_args as _args

@@ -6,7 +6,7 @@ and torch's stream_write_value32), an event handshake between streams, a device 
 torch.mm, the persistent Triton GEMM alone and as the fused AllGather consumer whose chunk flags are all set
 (overlap/gemm/launch.py).
 
-    python -m launch.launch_overhead [--out FILE]
+    python -m tp_overlap.launch.launch_overhead [--out FILE]
 
 Needs a CUDA GPU.
 """
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from launch.cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
-from launch.output.report import device_slug, format_table, write_results
+from tp_overlap.launch.cli.common import ArgumentParser, output_file, require, run_dir, run_launcher
+from tp_overlap.launch.output.report import device_slug, format_table, write_results
 
-PROG = "launch.launch_overhead"
+PROG = "tp_overlap.launch.launch_overhead"
 N = 2000
 
 
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
 def _launch_kinds(dev: torch.device) -> dict:
     """One callable per launch kind, each making one launch on the current stream; every wait is
     satisfied at once (the flags hold SET), so what is timed is the launch alone."""
-    from kernels.constants import SET
-    from overlap.gemm import ChunkWait, GemmBlocks, launch_gemm, num_sms, triton_mm
-    from symm_mem import memops
+    from tp_overlap.kernels.constants import SET
+    from tp_overlap.gemm import ChunkWait, GemmBlocks, launch_gemm, num_sms, triton_mm
+    from tp_overlap.symm_mem import memops
 
     flags = torch.full((64,), SET, dtype=torch.int32, device=dev)
     error_words = torch.zeros(3, dtype=torch.int32, device=dev)

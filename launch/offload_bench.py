@@ -1,7 +1,7 @@
 """Activation offload on one GPU: peak memory and step time of keep / offload / recompute, and the planner
 with its budget sweep (the Pareto curve of peak memory against step time).
 
-    python -m launch.offload_bench [--points llama8b:16:4096,llama70b:8:4096] [--models llama8b]
+    python -m tp_overlap.launch.offload_bench [--points llama8b:16:4096,llama70b:8:4096] [--models llama8b]
         [--layers 16] [--tokens 4096] [--reps 12] [--warmup 2] [--budget auto,+0%,+1%,+5%]
         [--pacing none,stagger] [--time-budget-s 300] [--out FILE] [--cpu] [--host-gib G]
 
@@ -48,19 +48,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from overlap.config.schema import MODELS
-from overlap.offload.config import DEFAULT_MAX_ADDED, PACING
-from overlap.offload.host_pool import HostPool, OffloadError
-from overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
-from launch.output.report import device_slug, format_table, run_labels, write_results
-from launch.measure.timing import progress
+from tp_overlap.config.schema import MODELS
+from tp_overlap.offload.config import DEFAULT_MAX_ADDED, PACING
+from tp_overlap.offload.host_pool import HostPool, OffloadError
+from tp_overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
+from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
+from tp_overlap.launch.measure.timing import progress
 
 from .cli import common as _cli, dist as _dist
 from .cli.common import ArgumentParser, distinct, output_file, run_dir, run_launcher
 from .cli.limits import available_host_bytes
 from .measure.offload_point import OutOfTime, run_point
 
-PROG = "launch.offload_bench"
+PROG = "tp_overlap.launch.offload_bench"
 COPY_BYTES = 256 << 20
 GPU_POINTS = "llama8b:16:4096,llama8b:32:4096,llama70b:8:4096,llama8b:32:8192"
 TARGETS = {"act_vs_none": 0.60, "peak_vs_none": 0.85, "time_vs_none": 1.03, "keep_vs_none": 1.005,

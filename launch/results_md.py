@@ -1,7 +1,7 @@
 """Render results/README.md from the files in results/: per results file, what was measured, on what hardware,
 at which commit, with which command, its table and figures, and what it means.
 
-    python -m launch.results_md [--dir results] [--plots]
+    python -m tp_overlap.launch.results_md [--dir results] [--plots]
 
 The numbers, the hardware, the commit and the command come from each JSON; the words (what was measured,
 what it means, figure captions) from the folder's captions.yaml. `--plots` first redraws every PNG from
@@ -11,18 +11,19 @@ the data next to it (launch/output/results_plots.py; needs matplotlib).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import yaml
 
-from launch.cli.common import ArgumentParser, require, run_launcher
+from tp_overlap.launch.cli.common import ArgumentParser, require, run_launcher
 
 from .output import results_tables as tables
 
-PROG = "launch.results_md"
+PROG = "tp_overlap.launch.results_md"
 CAPTIONS = "captions.yaml"
-HEADER = ("<!-- Rendered by `python -m launch.results_md` from the files in this folder: edit captions.yaml (the "
+HEADER = ("<!-- Rendered by `python -m tp_overlap.launch.results_md` from the files in this folder: edit captions.yaml (the "
           "words) or the JSON (the numbers), not this page. -->")
 
 
@@ -37,11 +38,17 @@ def _on(doc: dict) -> str:
     return f"{tp} ranks, {device}"
 
 
+def current_command(recorded: str) -> str:
+    """A recorded command as it runs from this checkout: files written before the import names moved under
+    `tp_overlap` recorded `-m launch.<name>`."""
+    return re.sub(r"(-m )launch\.", r"\1tp_overlap.launch.", recorded)
+
+
 def _provenance(name: str, doc: dict) -> list[str]:
     date = f" · {doc['date'][:10]}" if doc.get("date") else ""
     lines = [f"`{name}` · {_on(doc)} · commit `{tables.short_commit(doc.get('commit'))}`{date}  "]
     if doc.get("command"):
-        lines.append(f"Command: `{doc['command']}`")
+        lines.append(f"Command: `{current_command(doc['command'])}`")
     else:
         lines.append(f"Command: none that runs from this checkout ({doc.get('command_note', 'not recorded')})")
     return lines

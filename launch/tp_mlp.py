@@ -1,6 +1,6 @@
 """The main job: training steps of the sequence-parallel TP MLP, overlapped vs plain collectives.
 
-    torchrun --standalone --nproc-per-node N -m launch.tp_mlp [--config FILE] [--model llama8b,llama70b]
+    torchrun --standalone --nproc-per-node N -m tp_overlap.launch.tp_mlp [--config FILE] [--model llama8b,llama70b]
              [--tokens 4096,16384] [--steps S] [--warmup W] [--dtype bf16|fp32] [--cpu] [--out FILE]
              [--cuda-graphs] [--sustained SECONDS] [--trace-dir DIR] [--fp8] [--offload auto|LIST]
 
@@ -38,12 +38,12 @@ import sys
 
 import torch
 
-from overlap.config import envs
-from overlap.config.schema import ACTIVATIONS, MODELS, ModelConfig
-from overlap.ops.layers import TPMLP, pool_requirements
-from launch.output.report import device_slug, format_table, run_labels, write_results
-from launch.measure.timing import bench_interleaved, progress
-from symm_mem import SymmetricPool
+from tp_overlap.config import envs
+from tp_overlap.config.schema import ACTIVATIONS, MODELS, ModelConfig
+from tp_overlap.ops.layers import TPMLP, pool_requirements
+from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.symm_mem.pool import SymmetricPool
 
 from .measure.accuracy import rel_err as _rel_err
 from .cli import dist as _dist, tp_mlp_plan as _plan
@@ -53,7 +53,7 @@ from .cli.tp_mlp_plan import DTYPES
 from .measure.step_k import max_over_ranks, step_k_factors
 from .measure.sustained import sustained_blocks
 
-PROG = "launch.tp_mlp"
+PROG = "tp_overlap.launch.tp_mlp"
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}  # relative (norm-wise) vs overlap=False; fp32 on CUDA: 1e-3 (TF32)
 # e4m3 costs ~4e-2 per GEMM on Gaussian data and a gradient chains up to three quantised GEMMs
 FP8_TOLERANCE = 0.15

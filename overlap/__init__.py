@@ -1,7 +1,9 @@
 """Comm/compute overlap for tensor-parallel layers on Hopper: the user surface.
 
-    from overlap import TPMLP, SymmetricPool, pool_requirements, load_preset
+    import tp_overlap
+    tp = tp_overlap.parallelize(model, group=tp_group, max_tokens=batch * seq)   # a transformers Llama, in place
 
+* a whole model: `parallelize` (Llama, Mistral, Qwen2: attention and MLP of every block overlapped);
 * ops: `AgGemm` (AllGather on copy engines + the GEMM that consumes it), `GemmRs` (GEMM whose epilogue
   scatters tiles to their owners + ReduceScatter on `sm_margin` SMs);
 * layers: `TPMLP`, `ColumnParallelLinear`, `RowParallelLinear` (torch custom ops with autograd);
@@ -11,27 +13,31 @@
 * activation offload: `OffloadConfig`, `plan_for`, `enable_offload` / `disable_offload`, `HostPool`;
 * errors: every one derives from `OverlapError` (and from the builtin it refines).
 
-Subpackages (`overlap.ops`, `overlap.gemm`, `overlap.offload`, `overlap.config`) hold the rest.
+Subpackages (`tp_overlap.model`, `tp_overlap.ops`, `tp_overlap.gemm`, `tp_overlap.offload`,
+`tp_overlap.config`) hold the rest.
 """
 
-__project__ = "tp-overlap"  # checked by overlap/_install.py
+from . import _install
 
-from ._install import check_import_names
-
-check_import_names()
-
-from ipc.errors import OverlapError, PoolError  # noqa: E402
-from symm_mem import PeerAbortError, SignalTimeout, SymmetricPool  # noqa: E402
-
-from .config.presets import load_config, load_preset  # noqa: E402
-from .config.schema import AgGemmConfig, ConfigError, GemmRsConfig, OverlapConfig, RoleConfig  # noqa: E402
-from .offload import HostPool, OffloadConfig, OffloadError, disable_offload, enable_offload, plan_for  # noqa: E402
-from .ops.ag_gemm import AgGemm  # noqa: E402
-from .ops.gemm_rs import GemmRs  # noqa: E402
-from .ops.layers import ColumnParallelLinear, RowParallelLinear, TPMLP, pool_requirements  # noqa: E402
-from .ops.validate import OpInputError  # noqa: E402
+if __name__ != _install.PACKAGE:  # overlap/ imported as `overlap`: a checkout's root is on sys.path
+    _install.defer_to_other_overlap(__name__, __file__)
+else:
+    if (_root := _install.checkout_root(__file__)) is not None:  # kernels/, symm_mem/, ... beside overlap/
+        __path__.append(str(_root))
+    from tp_overlap.ipc.errors import OverlapError, PoolError
+    from tp_overlap.symm_mem.errors import PeerAbortError, SignalTimeout
+    from tp_overlap.symm_mem.pool import SymmetricPool
+    from .config.presets import load_config, load_preset
+    from .config.schema import AgGemmConfig, ConfigError, GemmRsConfig, OverlapConfig, RoleConfig
+    from .offload import HostPool, OffloadConfig, OffloadError, disable_offload, enable_offload, plan_for
+    from .ops.ag_gemm import AgGemm
+    from .ops.gemm_rs import GemmRs
+    from .ops.layers import ColumnParallelLinear, RowParallelLinear, TPMLP, pool_requirements
+    from .ops.validate import OpInputError
+    from .model import parallelize
 
 __all__ = [
+    "parallelize",
     "AgGemm", "GemmRs", "TPMLP", "ColumnParallelLinear", "RowParallelLinear",
     "SymmetricPool", "pool_requirements",
     "OverlapConfig", "AgGemmConfig", "GemmRsConfig", "RoleConfig", "load_config", "load_preset",

@@ -1,62 +1,49 @@
-"""Refuse to run on a mixed installation. The project's six top-level packages have generic import names
-that other PyPI projects use too (`kernels`, `launch`, `configs`, `ipc`, `overlap`); installed side by side,
-pip writes both projects' files into one folder, and on `sys.path` the first one found wins. Rather than
-fail later on a missing attribute, `import overlap` checks once (stdlib only, before torch is imported)
-that every one of the six names resolves to this project's package, and that no other installed
-distribution claims one of them."""
+"""Where the project's packages are found, from an install and from a checkout (standard library only: this
+runs before torch is imported).
+
+Every import name of the project lives under `tp_overlap`: the folder `overlap/` is `tp_overlap`, and the
+other top-level folders (`kernels/`, `symm_mem/`, `ipc/`, `launch/`, `configs/`) are its subpackages
+`tp_overlap.kernels`, ... . Their generic names are other projects' import names too (`kernels` is Hugging
+Face's, which `transformers` needs), so those folders carry no `__init__.py`: when a checkout's root is on
+`sys.path` (any `python -m ...` run from it), a plain `import kernels` passes over them as namespace portions
+and finds the installed distribution. In a checkout they are not inside `overlap/`, so `tp_overlap` adds the
+checkout's root to its own `__path__`; a wheel installs them inside `tp_overlap/`."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
 
-NAMES = ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs")
-PROJECT = "tp-overlap"
-MARKER = f'__project__ = "{PROJECT}"'
-_FIX = (f"install {PROJECT} in a virtualenv of its own (pip cannot keep two projects' files apart when they "
-        f"share an import name), or run it from its checkout with the checkout first on PYTHONPATH")
+PACKAGE = "tp_overlap"
+SUBPACKAGES = ("kernels", "symm_mem", "ipc", "launch", "configs")
 
 
-def check_import_names() -> None:
-    """Raise ImportError naming the conflict when a top-level name of ours is another project's."""
-    home = Path(__file__).resolve().parent.parent
-    for name in NAMES:
-        init = _init_file(name)
-        if init is None or init.parent.parent != home or MARKER not in init.read_text(errors="replace"):
-            where = init if init is not None else "nowhere on sys.path"
-            raise ImportError(f"{PROJECT}: the package {name!r} found first on sys.path is not {PROJECT}'s "
-                              f"(it is at {where}; ours should be in {home}); {_FIX}")
-    if home.name in ("site-packages", "dist-packages"):
-        others = _other_distributions(home)
-        if others:
-            listed = ", ".join(f"{dist!r} ({', '.join(sorted(names))})" for dist, names in sorted(others.items()))
-            raise ImportError(f"{PROJECT}: other installed distributions use the same top-level import names: "
-                              f"{listed}; their files and ours are mixed in {home}; {_FIX}")
+def checkout_root(init_file: str) -> Path | None:
+    """The checkout whose `overlap/__init__.py` this is, or None for an installed copy."""
+    root = Path(init_file).resolve().parent.parent
+    is_checkout = (root / "pyproject.toml").is_file() and all((root / name).is_dir() for name in SUBPACKAGES)
+    return root if is_checkout else None
 
 
-def _init_file(name: str) -> Path | None:
-    module = sys.modules.get(name)
-    spec = module.__spec__ if module is not None else importlib.util.find_spec(name)
-    origin = getattr(spec, "origin", None)
-    return Path(origin).resolve() if origin and origin.endswith("__init__.py") else None
+def defer_to_other_overlap(name: str, init_file: str) -> None:
+    """`overlap/` was imported as `overlap` (the checkout's root is on sys.path): hand the name to another
+    distribution's `overlap` if one is installed, else refuse, naming the right import."""
+    root = Path(init_file).resolve().parent.parent
+    path = [entry for entry in sys.path if _resolved(entry) != root]
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is None or spec.loader is None:
+        del sys.modules[name]
+        raise ModuleNotFoundError(f"No module named {name!r} (the folder {root / name} of the tp-overlap "
+                                  f"checkout is the package {PACKAGE!r}: `import {PACKAGE}`)", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the import statement returns what sys.modules holds once this file has run
+    spec.loader.exec_module(module)
 
 
-def _other_distributions(site: Path) -> dict[str, set[str]]:
-    """{distribution: our names it installs} over the .dist-info folders next to our packages."""
-    found: dict[str, set[str]] = {}
-    for info in site.glob("*.dist-info"):
-        dist = info.name.split("-")[0].replace("_", "-").lower()
-        if dist == PROJECT:
-            continue
-        top = info / "top_level.txt"
-        if top.is_file():
-            names = set(top.read_text().split())
-        elif (info / "RECORD").is_file():
-            names = {line.split("/", 1)[0] for line in (info / "RECORD").read_text().splitlines() if "/" in line}
-        else:
-            continue
-        clash = names.intersection(NAMES)
-        if clash:
-            found[dist] = clash
-    return found
+def _resolved(entry: str) -> Path:
+    try:
+        return Path(entry or ".").resolve()
+    except OSError:
+        return Path(entry)

@@ -1,6 +1,6 @@
-"""Exceptions raised by the symmetric pools (the bases come from `ipc.errors`)."""
+"""Exceptions raised by the symmetric pools (the bases come from `tp_overlap.ipc.errors`)."""
 
-from ipc.errors import OverlapError, PoolClosedError, PoolError
+from tp_overlap.ipc.errors import OverlapError, PoolClosedError, PoolError
 
 __all__ = ["ArgumentMismatch", "PoolError", "PoolCapacityError", "PoolClosedError", "PoolTimeoutError",
            "PoolStepMismatch", "SignalTimeout", "PeerLostError", "PeerAbortError", "PeerMismatchError",

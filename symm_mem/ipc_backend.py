@@ -17,7 +17,7 @@ class IpcBackend(Backend):
     name = "ipc"
 
     def __init__(self, size_bytes: int, group: dist.ProcessGroup, device: torch.device, rendezvous: Rendezvous):
-        from ipc import IpcPool
+        from tp_overlap.ipc.pool import IpcPool
 
         super().__init__(size_bytes, group, device)
         self._local = torch.empty(size_bytes, dtype=torch.uint8, device=device)

@@ -15,7 +15,7 @@ import ctypes
 import threading
 from typing import NamedTuple, Sequence
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 __all__ = ["MemOp", "MemOpBatch", "MemOpError", "wait_eq", "wait_geq", "write", "host_register", "host_unregister",
            "memcpy_async"]

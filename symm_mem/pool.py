@@ -8,7 +8,7 @@ store, naming the ranks that did not arrive, or the rank whose process is gone).
 pool with the same sizes (checked at creation) and reserve the same regions in the same order (checked by
 every op's agreement step, `agree`). Control flags are what streams wait on: on CUDA a wait is a
 stream memory operation (no SM), bounded by the pool's watchdog thread; on CPU a bounded host loop. The
-words' values are the protocol's business (`overlap.ops.protocol`); the pool offers "write v" and "wait until
+words' values are the protocol's business (`tp_overlap.ops.protocol`); the pool offers "write v" and "wait until
 >= v". A failure anywhere (a wait that expired, a lost peer, an abort) is recorded in the control pages and
 raised by `raise_if_failed()` (no synchronisation) and `check_errors()` (synchronises) on every rank.
 """

@@ -4,7 +4,7 @@ Each rank creates its segment with `memfd_create` (no name in /dev/shm), the (pi
 through the pool's bounded rendezvous, every rank maps every segment (a peer's through
 `/proc/<pid>/fd/<fd>`), and after a second bounded step each rank closes its descriptor. The memory then
 lives only in the mappings: a rank killed at any point of creation or later leaves nothing behind. A mapping
-is released when the segments are closed and no tensor or array over it is left (`ipc.mapping.SharedMapping`):
+is released when the segments are closed and no tensor or array over it is left (`tp_overlap.ipc.mapping.SharedMapping`):
 a view a caller still holds after the pool's close reads stale memory, never an unmapped page.
 """
 
@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from ipc.mapping import SharedMapping
+from tp_overlap.ipc.mapping import SharedMapping
 
 from .errors import PoolError
 from .rendezvous import Rendezvous

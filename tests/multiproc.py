@@ -12,10 +12,19 @@ import os
 import queue
 import socket
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
+ROOT = Path(__file__).resolve().parents[1]
 GPU_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def child_pythonpath(*first: object) -> str:
+    """PYTHONPATH for a child process: `first`, the checkout (for `tests`), then this process's own entries
+    (where `tp_overlap` was found when it is not installed: the GPU scripts' link)."""
+    entries = [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(entry for entry in entries if entry)
 
 
 class RankFailure(AssertionError):

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 RUNS_DIR = "runs"
 USAGE_EXIT, ERROR_EXIT = 2, 1
@@ -150,13 +150,13 @@ def output_dir(text: str) -> str:
 
 def _quiet_on_other_ranks(exc: BaseException) -> bool:
     """Errors that every rank raises the same way (rank 0's line says it)."""
-    from overlap import ConfigError, OpInputError
-    from symm_mem import PeerAbortError
+    from tp_overlap import ConfigError, OpInputError
+    from tp_overlap.symm_mem.errors import PeerAbortError
     return isinstance(exc, (UsageError, ConfigError, OpInputError, PeerAbortError))
 
 
 def _one_line(exc: BaseException) -> str:
-    from overlap import ConfigError
+    from tp_overlap import ConfigError
     text = " ".join(str(exc).split())  # one line, whatever the message holds
     if isinstance(exc, ConfigError) and exc.file in ("", "<config>"):  # not from a file: say what, not where
         return " ".join((f"{exc.key}: {exc.detail}" if exc.key else exc.detail).split())
@@ -203,7 +203,7 @@ def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> 
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - the launcher's one place that reports errors
-        from overlap import ConfigError
+        from tp_overlap import ConfigError
         usage = isinstance(exc, (UsageError, ConfigError))
         if debug:
             print(f"{prog}: rank {rank}: " + "".join(traceback.format_exception(exc)).rstrip(), file=sys.stderr)

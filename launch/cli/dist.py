@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from overlap.config import envs
+from tp_overlap.config import envs
 
 from .common import UsageError
 
@@ -49,7 +49,7 @@ class DistContext:
 def placement(*, force_cpu: bool = False) -> Placement:
     """This process's rank, world size and device, from the environment alone (no communication)."""
     world = envs.torchrun_world()
-    rank, local_rank, world_size = world if world is not None else (0, 0, 1)  # plain `python -m launch.x`
+    rank, local_rank, world_size = world if world is not None else (0, 0, 1)  # plain `python -m tp_overlap.launch.x`
     if torch.cuda.is_available() and not force_cpu:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
     else:

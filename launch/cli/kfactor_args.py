@@ -1,4 +1,4 @@
-"""`launch.kfactor`'s command line: its options, the sweep grid, and the shapes and configs of a run, all checked
+"""`tp_overlap.launch.kfactor`'s command line: its options, the sweep grid, and the shapes and configs of a run, all checked
 before any process group or pool exists (a UsageError: one line, the same on every rank)."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import torch
 
-from overlap.config.schema import METHODS, ConfigError, OverlapConfig
-from overlap.config.presets import load_config, load_preset
-from launch.measure.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
+from tp_overlap.config.schema import METHODS, ConfigError, OverlapConfig
+from tp_overlap.config.presets import load_config, load_preset
+from tp_overlap.launch.measure.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
                            rs_points)
 
 from . import dist as _dist
 from .common import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
 from .limits import require_fits
 
-PROG = "launch.kfactor"
+PROG = "tp_overlap.launch.kfactor"
 OPS = ("ag_gemm", "gemm_rs", "regimes")
 SWEEP_KEYS = {"method": str, "sm_margin": int, "chunks_per_rank": int, "num_comm_sms": int, "lead_fraction": float}
 GPU_GRID = {"method": ("decomposed", "fused"), "sm_margin": (0, 8, 16, 32), "chunks_per_rank": (1, 2)}

@@ -1,4 +1,4 @@
-"""`launch.tp_mlp`'s arguments checked against the placement, before any process group, pool or GPU allocation:
+"""`tp_overlap.launch.tp_mlp`'s arguments checked against the placement, before any process group, pool or GPU allocation:
 every error is one UsageError / ConfigError line that says what is wrong and what to give instead, the same
 on every rank (they all see the same arguments and placement)."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from overlap.config.schema import MODELS, ModelConfig
-from overlap.ops.layers import BASELINES, pool_requirements
-from overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
+from tp_overlap.config.schema import MODELS, ModelConfig
+from tp_overlap.ops.layers import BASELINES, pool_requirements
+from tp_overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
 
 from .common import UsageError, distinct, require
 from .limits import require_fits

@@ -1,4 +1,4 @@
-"""A one-GPU MLP made of torch ops that saves what `overlap.ops.layers.TPMLP` saves at W = 1 (baseline ops).
+"""A one-GPU MLP made of torch ops that saves what `tp_overlap.ops.layers.TPMLP` saves at W = 1 (baseline ops).
 
 TPMLP's column layer at W = 1 gathers into a new [M, H] tensor (`ag_gemm_reference`) and keeps that copy
 for its weight grad; its row layer keeps its input a; the activation is `silu(gate) * up` (or gelu) in
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overlap.offload.activation import activation_forward
+from tp_overlap.offload.activation import activation_forward
 
 class _Column(torch.autograd.Function):
     """y = gathered @ w with gathered = a copy of x (W = 1's all_gather); saves (gathered, w)."""

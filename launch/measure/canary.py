@@ -5,7 +5,7 @@ compiled kernels land in Triton's cache for the parent (same specialisation: eve
 16, and the stream-K configurations really split tiles there).
 
     results = run_canaries("bf16", [("128x256x64w8s3sk1", "nk"), ...], deadline)   # -> {(name, layout): reason}
-    python -m launch.measure.canary bf16 128x256x64w8s3sk1/nk,... cuda 1024x3072x512       # the child
+    python -m tp_overlap.launch.measure.canary bf16 128x256x64w8s3sk1/nk,... cuda 1024x3072x512       # the child
 
 The child prints `try <item>` before and `ok <item> <seconds>` or `bad <item> <reason>` after each one; a
 child that dies or stays silent past STEP_TIMEOUT_S is restarted without the item it was trying.
@@ -50,7 +50,7 @@ def run_canaries(kind: str, items: list[tuple[str, str]], deadline: float, *, de
     pending = list(items)
     while pending and time.monotonic() < deadline:
         arg = ",".join(f"{name}/{layout}" for name, layout in pending)
-        child = subprocess.Popen([sys.executable, "-m", "launch.measure.canary", kind, arg, device, "x".join(map(str, shape))],
+        child = subprocess.Popen([sys.executable, "-m", "tp_overlap.launch.measure.canary", kind, arg, device, "x".join(map(str, shape))],
                                  stdout=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
@@ -85,17 +85,17 @@ def run_canaries(kind: str, items: list[tuple[str, str]], deadline: float, *, de
 def _run_one(kind: str, name: str, layout: str, tensors: dict) -> str:
     import torch
 
-    from overlap.gemm import GemmBlocks
+    from tp_overlap.gemm import GemmBlocks
 
     blocks = GemmBlocks.parse(name)
     if kind == "fp8":
-        from overlap.gemm import fp8_gemm
+        from tp_overlap.gemm import fp8_gemm
         a8, a_scales, w8, w_scales, ref = tensors["fp8"]
         out = torch.full_like(ref, float("nan"))
         fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks)
         tolerance = 5e-3
     else:
-        from overlap.gemm import triton_mm
+        from tp_overlap.gemm import triton_mm
         a, b, ref = tensors[layout]
         out = torch.full_like(ref, float("nan"))
         triton_mm(a, b, out, blocks=blocks)
@@ -118,7 +118,7 @@ def _child(kind: str, arg: str, device: str, shape: str) -> int:
         a, b = operands(m, n, k, layout, dev, seed=1)
         tensors[layout] = (a, b, torch.mm(a, b))
     if kind == "fp8":
-        from overlap.gemm import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
+        from tp_overlap.gemm import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
         a, b, _ = tensors["nk"]
         a8, a_scales = quantize_activation(a)
         w8, w_scales = quantize_weight(b.t())

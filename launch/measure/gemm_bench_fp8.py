@@ -1,4 +1,4 @@
-"""`launch.gemm_bench --fp8`: the FP8 block-scaled Triton GEMM against cuBLAS's blockwise FP8
+"""`tp_overlap.launch.gemm_bench --fp8`: the FP8 block-scaled Triton GEMM against cuBLAS's blockwise FP8
 (`torch._scaled_mm` with the same scale tensors) and bf16 cuBLAS, on the same shapes as the bf16 bench.
 
 Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are quantised once by
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from launch.cli.common import run_dir
-from launch.output.report import device_slug, format_table, write_results
-from launch.measure.timing import bench_interleaved, progress
-from overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
+from tp_overlap.launch.cli.common import run_dir
+from tp_overlap.launch.output.report import device_slug, format_table, write_results
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
                           quantize_activation, quantize_weight, scaled_mm_reference)
 
 from .canary import operands
@@ -59,7 +59,7 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
         _write(out, rows, skipped, failed, args, device_name)
         if args.write_table and entries:
             write_table(args.write_table, entries, gpu=gpu_name(dev) or "cpu", num_sms_=num_sms(dev),
-                        source={"command": "launch.gemm_bench --fp8", "reference": "torch._scaled_mm"},
+                        source={"command": "tp_overlap.launch.gemm_bench --fp8", "reference": "torch._scaled_mm"},
                         operand_bytes=1)
         progress(f"fp8 {i + 1}/{len(points)} {layer}@tp{world} M={m}: bf16 {times['cublas_bf16']:.4f} ms, scaled_mm "
                  f"{times.get('scaled_mm', float('nan')):.4f} ms, ours {row.get('t_best_ms', float('nan')):.4f} ms "

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from launch.measure.timing import progress
+from tp_overlap.launch.measure.timing import progress
 
 WARMUP_CALLS = 3  # on the capture stream, so that every kernel is compiled before the capture
 

@@ -44,8 +44,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from overlap.ops.ag_gemm import AgGemm
-from overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.ops.gemm_rs import GemmRs
 
 from .timing import SLEEP_CYCLES_PER_US, bench_interleaved, mark as _mark, mark_ms as _ms
 
@@ -235,7 +235,7 @@ def measure_pair(comm_fn: Callable[[], object], comp_fn: Callable[[], object], *
 
     Collective: every rank of `group` calls it with the same reps/warmup. The three variants (comm alone,
     comp alone, both) and `op_fn` (the op's own call, giving t_op) are interleaved by
-    `launch.measure.timing.bench_interleaved` (barrier, L2 flush, rotated order). comm_fn runs on a high-priority
+    `tp_overlap.launch.measure.timing.bench_interleaved` (barrier, L2 flush, rotated order). comm_fn runs on a high-priority
     side stream, comp_fn on another (CUDA), or comm_fn on a thread and comp_fn on the caller (CPU);
     both must leave their work on the current stream they are called on. `overlap_flag` is set while
     an overlapped step runs (the test aid `inject_comm_delay` reads it).

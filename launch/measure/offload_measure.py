@@ -25,9 +25,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from overlap.offload.activation import SavedInputActivation, activation_forward, lean_activation_forward
-from overlap.offload.planner import Rates
-from overlap.offload.power import NO_HEAT, fit_heat
+from tp_overlap.offload.activation import SavedInputActivation, activation_forward, lean_activation_forward
+from tp_overlap.offload.planner import Rates
+from tp_overlap.offload.power import NO_HEAT, fit_heat
 
 HOLD_US = 2000            # device hold before a concurrent pair: both sides queued before either starts
 SLEEP_CYCLES_PER_US = 2000

@@ -8,13 +8,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ipc.errors import OverlapError
-from overlap.offload.activation import activation_forward, fused_swiglu_available
-from overlap.offload.engine import OffloadEngine
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
+from tp_overlap.ipc.errors import OverlapError
+from tp_overlap.offload.activation import activation_forward, fused_swiglu_available
+from tp_overlap.offload.engine import OffloadEngine
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import (MLPShape, OffloadPlanError, calibrate, pacing_offset, plan_offload, plan_sweep,
                                     simulate, tensor_bytes)
-from launch.measure.timing import bench_interleaved, progress
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
 
 from .bench_mlp import BenchMLP
 from .offload_measure import measure_copies, measure_heat, measure_layer_times, measure_ms, peak_of, rates_from

@@ -1,4 +1,4 @@
-"""`launch.tp_mlp --offload auto|none|<list>`: the same training step with and without activation offload.
+"""`tp_overlap.launch.tp_mlp --offload auto|none|<list>`: the same training step with and without activation offload.
 
 To wire into launch/tp_mlp.py (three places):
 
@@ -23,12 +23,12 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from overlap.config.schema import ConfigError
-from overlap.offload.config import OffloadConfig, parse_offload_arg
-from overlap.offload.engine import OffloadEngine, host_bytes
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import Rates, plan_for
-from launch.measure.timing import bench_interleaved
+from tp_overlap.config.schema import ConfigError
+from tp_overlap.offload.config import OffloadConfig, parse_offload_arg
+from tp_overlap.offload.engine import OffloadEngine, host_bytes
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import Rates, plan_for
+from tp_overlap.launch.measure.timing import bench_interleaved
 
 from .offload_measure import measure_copies, measure_layer_times, peak_of
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.config import envs
-from overlap.ops.ag_gemm import AgGemm
-from overlap.ops.gemm_rs import GemmRs
-from overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
-from launch.measure.k_factor import k_from_trace, trace_op
-from launch.measure.shapes import ShapePoint
-from launch.measure.timing import bench_interleaved, progress
-from symm_mem import SymmetricPool
+from tp_overlap.config import envs
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
+from tp_overlap.launch.measure.k_factor import k_from_trace, trace_op
+from tp_overlap.launch.measure.shapes import ShapePoint
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.symm_mem.pool import SymmetricPool
 
 from .accuracy import rel_err as _rel_err
 from ..cli.common import UsageError
@@ -97,7 +97,7 @@ def _baseline_columns(stats, t_ours_ms: float, t_gemm: float, t_comm: float) -> 
 def _gemm_variants(ctx, a, w, out_cublas, out_triton) -> dict:
     variants = {"gemm_cublas": lambda: torch.mm(a, w, out=out_cublas)}
     if ctx.device.type == "cuda":
-        from overlap.gemm import triton_mm
+        from tp_overlap.gemm import triton_mm
         variants["gemm_triton"] = lambda: triton_mm(a, w, out_triton)
     return variants
 

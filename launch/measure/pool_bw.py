@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.config import envs
-from launch.measure.timing import bench_interleaved, progress
-from symm_mem import SymmetricPool
+from tp_overlap.config import envs
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.symm_mem.pool import SymmetricPool
 
 from ..cli.dist import DistContext
 

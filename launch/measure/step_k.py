@@ -9,8 +9,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from launch.measure.k_factor import KFactor
-from launch.measure.timing import Ticker, barrier, bench_interleaved, progress
+from tp_overlap.launch.measure.k_factor import KFactor
+from tp_overlap.launch.measure.timing import Ticker, barrier, bench_interleaved, progress
 
 TRACE_STEPS = 5
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from launch.measure.timing import Timer, barrier, progress
+from tp_overlap.launch.measure.timing import Timer, barrier, progress
 
 SAMPLE_MS = 20
 RAMP_S = 0.2

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from overlap.config import envs
+from tp_overlap.config import envs
 
 L2_FLUSH_BYTES = 256 << 20  # > 4x the 60 MB L2 of an H200
 SLEEP_CYCLES_PER_US = 2000  # torch.cuda._sleep spins for clock cycles; ~1.98 GHz on an H200 (at least as long below)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from overlap.config.schema import OpPreset, OverlapConfig
+from tp_overlap.config.schema import OpPreset, OverlapConfig
 
 CONFIG_KEYS = ("method", "sm_margin", "chunks_per_rank", "num_comm_sms", "lead_fraction")
 OP_KEYS = {"ag_gemm": ("method", "sm_margin", "chunks_per_rank", "lead_fraction"),

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from overlap.config import envs
+from tp_overlap.config import envs
 
 CPU_NOTE = ("CPU run: functional check, not a performance measurement (gloo + the host pool: the comm path is "
             "a memcpy on a thread, GEMMs are torch.mm; times are host clocks, not comparable with GPU ones)")
@@ -58,7 +58,7 @@ def command_line() -> str:
     given = envs.command()
     if given:
         return given
-    module = next((a for a in sys.orig_argv if a.startswith("launch.")), None) if hasattr(sys, "orig_argv") else None
+    module = next((a for a in sys.orig_argv if a.startswith("tp_overlap.launch.")), None) if hasattr(sys, "orig_argv") else None
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
     world = envs.torchrun_world()
     if module and world:
@@ -67,7 +67,7 @@ def command_line() -> str:
 
 
 def device_slug(device_name: str) -> str:
-    from overlap.config.presets import gpu_slug
+    from tp_overlap.config.presets import gpu_slug
     return gpu_slug(device_name)
 
 

@@ -1,4 +1,4 @@
-"""Redraw the PNGs of a results folder from the data next to them (`python -m launch.results_md --plots`).
+"""Redraw the PNGs of a results folder from the data next to them (`python -m tp_overlap.launch.results_md --plots`).
 
 * `<stem>.png` next to a launch.kfactor JSON `<stem>.json`: its sweep (k and E against the swept setting).
 * `<prefix>_timeline<suffix>.png` next to Chrome traces `<prefix>[_<part>]<suffix>.trace.json` (part: a

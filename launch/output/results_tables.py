@@ -13,7 +13,7 @@ import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from launch.output.report import format_table
+from tp_overlap.launch.output.report import format_table
 
 LONG_TABLE_ROWS = 30   # longer tables fold under a <details> line
 COLUMNS = {  # file-name prefix -> columns (those no row has are left out)

@@ -215,7 +215,7 @@ def gpu_slug(device_name: str) -> str:
 
 def preset_path(device_name: str, world_size: int) -> Path:
     """The preset for (device, TP size): exact file, else cuda_default.yaml (GPU) or cpu.yaml."""
-    base = resources.files("configs")
+    base = resources.files("tp_overlap.configs")
     slug = gpu_slug(device_name)
     if slug == "cpu":
         return Path(str(base / "cpu.yaml"))

@@ -12,7 +12,7 @@ RowParallelLinear. Role settings: `lead_wgrad` (fc2_dgrad) and `bulk_wgrad` (fc1
 
 Automatic selection (`preset_path`): `<gpu-slug>_tp<W>.yaml` in the `configs` package; a CUDA GPU without
 its own preset falls back to `cuda_default.yaml`, CPU runs use `cpu.yaml`. The YAML loader is
-`overlap.config.presets` (the only place YAML is parsed); presets written before the per-op classes and roles
+`tp_overlap.config.presets` (the only place YAML is parsed); presets written before the per-op classes and roles
 existed keep loading there (`presets.migrate`).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 __all__ = ["AgGemmConfig", "GemmRsConfig", "RoleConfig", "OpPreset", "NodeConfig", "ModelConfig", "MODELS",
            "ACTIVATIONS", "ROLES", "OverlapConfig", "ConfigError", "OPS", "METHODS", "OP_CLASSES", "op_config"]

@@ -1,7 +1,7 @@
 """Block choice of the persistent Triton GEMM: the measured table, its loader, and the fallback heuristic.
 
 `choose_blocks(m, n, k, b_transposed=...)` is the one entry point (pure; cached). It looks the shape up in
-the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, written by `launch.gemm_tune`):
+the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, written by `tp_overlap.launch.gemm_tune`):
 
 * an entry is keyed by (layout, M, N, K); layout `kn` is a row-major B [K, N], `nk` the transpose view of
   a row-major [N, K] (`weight.t()`, B_TRANSPOSED). (N, K, layout) must match exactly; M picks the entry of
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
            "load_block_table", "block_table_path", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS",
@@ -254,7 +254,7 @@ class BlockTable:
 
 
 def block_table_path(gpu: str) -> Path:
-    return Path(str(resources.files("configs") / "gemm_blocks" / f"{gpu}.yaml"))
+    return Path(str(resources.files("tp_overlap.configs") / "gemm_blocks" / f"{gpu}.yaml"))
 
 
 def _entry(raw, where: str, operand_bytes: int) -> BlockTableEntry:

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from kernels.constants import SCALE_GROUP
+from tp_overlap.kernels.constants import SCALE_GROUP
 
 from .blocks import GemmBlocks, load_block_table
 from .fp8_gluon_launch import gluon_block_problems, gluon_operand_problems, launch_fp8_gluon_gemm
@@ -168,7 +168,7 @@ def _check_gemm_operands(a8, a_scales, w8, w_scales, out) -> tuple[int, int, int
 def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, device_type: str = "cuda",
                       gpu: str | None = "h200") -> GemmBlocks:
     """Blocks of the FP8 GEMM (BLOCK_K is the scale group, 128): the table `configs/gemm_blocks/<gpu>_fp8.yaml`
-    when it has (N, K) (written by `launch.gemm_bench --fp8 --write-table`), else plain 128x128 tiles."""
+    when it has (N, K) (written by `tp_overlap.launch.gemm_bench --fp8 --write-table`), else plain 128x128 tiles."""
     if device_type != "cuda":
         return GemmBlocks(16, 32, SCALE_GROUP, 4, 1, 1)
     table = load_block_table(f"{gpu}_fp8") if gpu else None
@@ -239,7 +239,7 @@ def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_progr
 def _reference_groups(values: torch.Tensor, amax: torch.Tensor):
     # tensor / tensor: torch evaluates `scalar / tensor` as a reciprocal times the scalar, which is not the
     # correctly rounded quotient the kernels compute
-    from kernels.quant_fp8 import AMAX_FLOOR, E4M3_MAX
+    from tp_overlap.kernels.quant_fp8 import AMAX_FLOOR, E4M3_MAX
 
     amax = amax.clamp_min(AMAX_FLOOR)
     full = torch.full_like(amax, E4M3_MAX)

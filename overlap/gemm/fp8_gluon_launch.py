@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.constants import SCALE_GROUP
+from tp_overlap.kernels.constants import SCALE_GROUP
 
 from .launch import tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
@@ -59,7 +59,7 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
                           num_programs: int | None = None, checked: bool = False) -> None:
     """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py).
     `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path)."""
-    from kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
+    from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     if not checked:
         problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)

@@ -16,7 +16,7 @@ ACTIVATION_BLOCK_M = 32   # rows per program of the activation quantiser (x one 
 
 
 def launch_quantize_activation(*, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
-    from kernels.quant_fp8 import SCALE_GROUP, quantize_activation_kernel
+    from tp_overlap.kernels.quant_fp8 import SCALE_GROUP, quantize_activation_kernel
 
     m, k = x.shape
     grid = (-(-m // ACTIVATION_BLOCK_M), -(-k // SCALE_GROUP))
@@ -25,7 +25,7 @@ def launch_quantize_activation(*, x: torch.Tensor, q: torch.Tensor, scales: torc
 
 
 def launch_quantize_weight(*, w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
-    from kernels.quant_fp8 import SCALE_GROUP, quantize_weight_kernel
+    from tp_overlap.kernels.quant_fp8 import SCALE_GROUP, quantize_weight_kernel
 
     n, k = w.shape
     grid = (-(-n // SCALE_GROUP), -(-k // SCALE_GROUP))

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from kernels.constants import GLUON_MAX_SPLITS
+from tp_overlap.kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
 from .launch import tma_descriptor, tma_row_problems
@@ -66,7 +66,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
     Blocks with `sk1` cut the last partial wave by K (`split_plan`); their workspace and counters belong to
     the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
-    from kernels.gemm_gluon import gluon_gemm_kernel
+    from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
 
     m, k = a.shape
     n = out.shape[1]
@@ -103,7 +103,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
 
 def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int) -> None:
     """kernels/gemm_gluon_boxes.py: the tile's B in two boxes of `blocks.gluon_boxes` columns."""
-    from kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
+    from tp_overlap.kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
 
     m, k = a.shape
     n = out.shape[1]

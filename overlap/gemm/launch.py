@@ -1,7 +1,7 @@
 """The launchers of the GEMM kernels: one per kernel, keyword arguments only.
 
-`launch_gemm` is the only caller of `kernels.gemm.persistent_gemm_kernel` and `launch_reduce` the only
-caller of `kernels.rs_epilogue.reduce_partials_kernel`; the ops describe what they want (a local GEMM, a
+`launch_gemm` is the only caller of `tp_overlap.kernels.gemm.persistent_gemm_kernel` and `launch_reduce` the only
+caller of `tp_overlap.kernels.rs_epilogue.reduce_partials_kernel`; the ops describe what they want (a local GEMM, a
 fused AllGather consumer waiting on chunk flags, a scatter to owners) with the small records below. The
 helpers every launcher of this package shares live here too: the descriptor allocator, the B operand's
 layout, the TMA alignment check and the stream-K buffers.
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.constants import EPILOGUE_LOCAL
+from tp_overlap.kernels.constants import EPILOGUE_LOCAL
 
 from .blocks import GemmBlocks, stream_k_tiles
 
@@ -144,7 +144,7 @@ def launch_gemm(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_prog
     or, for 2, is the owner's [M/W, N] output shard). `scales` (a_scales, w_scales) makes it the FP8 GEMM
     (kernels/gemm_fp8.py: e4m3 a and w = w8.t(), layouts of overlap/gemm/fp8.py).
     """
-    from kernels.gemm import GemmConfig, persistent_gemm_kernel
+    from tp_overlap.kernels.gemm import GemmConfig, persistent_gemm_kernel
 
     if blocks.gluon:
         raise ValueError(f"launch_gemm: blocks {blocks.name!r} name a Gluon kernel (triton_mm or fp8_gemm runs them)")
@@ -214,7 +214,7 @@ def launch_reduce(*, partials: torch.Tensor, out: torch.Tensor, flags: torch.Ten
             total += partials[source]
         out.copy_(total)
         return
-    from kernels.rs_epilogue import reduce_partials_kernel
+    from tp_overlap.kernels.rs_epilogue import reduce_partials_kernel
 
     waits = (flags, flags_per_source, error_words, error_code_base, int(timeout_s * 1e9)) if wait else None
     reduce_partials_kernel[(max(1, num_programs),)](

@@ -54,7 +54,7 @@ def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block
     w is row-major or the transpose view of a row-major [N, K]. One program per unit unless
     `num_programs` (the caller leaves SMs free) caps the grid; the programs then loop over the units.
     """
-    from kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
+    from tp_overlap.kernels.gemm_splitk import SplitKConfig, reduce_rows, split_k_gemm_kernel
 
     if blocks.split_k < 2:
         raise ValueError(f"launch_split_k: blocks {blocks.name!r} have split_k {blocks.split_k}; allowed: >= 2")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.swiglu import swiglu_backward_kernel, swiglu_forward_kernel
+from tp_overlap.kernels.swiglu import swiglu_backward_kernel, swiglu_forward_kernel
 
 __all__ = ["activation_forward", "lean_activation_forward", "fused_swiglu_available", "fused_swiglu_supported",
            "swiglu_forward",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 from . import numa as _numa
 

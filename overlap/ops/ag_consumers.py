@@ -52,8 +52,8 @@ class AgConsumers:
                 torch.mm(a, call.w, out=call.out[lo:lo + count])
         return mm
 
-    def _fused_consumer(self, program: Program, m: int, chunks, config, *, lead: bool) -> None:
-        from kernels.gemm import ag_tile_row_offset
+    def _fused_consumer(self, program: Program, m: int, n: int, chunks, config, *, lead: bool) -> None:
+        from tp_overlap.kernels.gemm import ag_tile_row_offset
 
         rows = m // self.world_size
         programs = self.num_sms - config.sm_margin
@@ -68,7 +68,7 @@ class AgConsumers:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
         gathered = self.gathered[:m]
         if self.fp8:
-            blocks = choose_fp8_blocks(m, self.n_local, self.k, warp_specialize=False, device_type=self.device.type)
+            blocks = choose_fp8_blocks(m, n, self.k, warp_specialize=False, device_type=self.device.type)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 
             def gemm(call) -> None:
@@ -76,7 +76,7 @@ class AgConsumers:
                 fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
                          num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
         else:
-            blocks = choose_blocks(m, self.n_local, self.k, device_type=self.device.type, warp_specialize=False,
+            blocks = choose_blocks(m, n, self.k, device_type=self.device.type, warp_specialize=False,
                                    sm_count=programs)
             offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
 

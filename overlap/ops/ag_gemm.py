@@ -1,8 +1,9 @@
 """AllGather + GEMM: `out = all_gather(a_shard) @ w`, the gather on the copy engine, overlapped.
 
 Shapes: a_shard [M/W, K], w [K, N_local] (row-major, or `weight.t()` of a row-major [N_local, K]),
-out [M, N_local]; M <= max_m, M % W == 0. Pool region `<name>.a` [max_m, K]: this rank's rows of it are its
-published slot, the other rows receive the peers' rows.
+out [M, N_local]; M <= max_m, M % W == 0. `n_local=None` lets each call bring its own width (one op shared
+by layers of different widths: the regions do not depend on it; each width gets its own plans). Pool region
+`<name>.a` [max_m, K]: this rank's rows of it are its published slot, the other rows receive the peers' rows.
 
 The plan of one call (protocol.py has the flags; the same stream operations eager, replayed or captured):
   compute (prologue): wait until every peer pulled this rank's rows of the last call (consumed, a memory-
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from symm_mem.regions import RegionSpec
+from tp_overlap.symm_mem.regions import RegionSpec
 
 from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, padded_scale_groups,
                      scale_groups)
@@ -32,7 +33,7 @@ from . import protocol
 from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .ag_consumers import AgConsumers
 from .base import OpBase
-from .calls import AgCall
+from .calls import AgCall, AgPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import AgGemmConfig
 from .schedule import COMPUTE, Program
@@ -42,8 +43,10 @@ __all__ = ["AgGemm", "Chunk", "ConsumerGemm"]
 COMM = "comm"
 
 
+
 class AgGemm(AgConsumers, OpBase):
     """Op context built once per (group, pool, max_m, k, n_local, dtype, config); call it many times.
+    `n_local=None`: any width per call.
 
     `config` is an AgGemmConfig, or an OpPreset of them (`by_m` buckets: each call runs the config of its M).
     Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU). The
@@ -53,7 +56,7 @@ class AgGemm(AgConsumers, OpBase):
 
     kind = "ag_gemm"
 
-    def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k: int, n_local: int, dtype: torch.dtype,
+    def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k: int, n_local: int | None, dtype: torch.dtype,
                  config: AgGemmConfig, name: str = "ag_gemm", fp8: bool = False):
         super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
                          static={"max_m": max_m, "k": k, "n_local": n_local, "dtype": str(dtype), "fp8": fp8})
@@ -182,13 +185,13 @@ class AgGemm(AgConsumers, OpBase):
         self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         m = a_shard.shape[0] * self.world_size
         call, _ = self._new_call(m, a_shard, w)
-        self._run_alone((m, "compute", None, False, False, False, False), m, call)
+        self._run_alone(AgPlanKey(m, "compute", None, False, False, False, False, w.shape[1]), m, call)
         return call.out
 
     def _new_call(self, m: int, a_shard: torch.Tensor, w: torch.Tensor) -> tuple[AgCall, tuple]:
         """A call's tensors with a fresh out [M, N_local] (and w's FP8 form), and the addresses that key its
         CUDA-graph replay."""
-        call = AgCall(a_shard=a_shard, w=w, out=torch.empty(m, self.n_local, dtype=self.dtype, device=self.device))
+        call = AgCall(a_shard=a_shard, w=w, out=torch.empty(m, w.shape[1], dtype=self.dtype, device=self.device))
         addresses = (a_shard.data_ptr(), w.data_ptr(), w.stride(0), call.out.data_ptr())
         if self.fp8:
             call.w_fp8 = w8 = self._weights.get(w.t())
@@ -215,7 +218,8 @@ class AgGemm(AgConsumers, OpBase):
             raise OpInputError(f"{self.name}: input_slot was taken for {self._claimed * self.world_size} rows, "
                                f"this call has M = {m}")
         zero_copy = call.a_shard.data_ptr() == self._gathered_ptr + self.rank * rows * self._row_bytes
-        key = (m, consumer, wgrad, lead, zero_copy, claimed, stamp)
+        n = 0 if call.w is None else call.w.shape[1]
+        key = AgPlanKey(m, consumer, wgrad, lead, zero_copy, claimed, stamp, n)
         self._launch(self._plans.get(key) or self._plan(key, m), call, addresses)
         self._claimed = None
 
@@ -225,11 +229,11 @@ class AgGemm(AgConsumers, OpBase):
             for peer in self._ring():
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
             return program
-        m, consumer, wgrad, lead, zero_copy, claimed, stamp = key
+        m, consumer, wgrad, lead, zero_copy, claimed, stamp, n = key
         rows = m // self.world_size
         chunks = plan_chunks(rank=self.rank, world_size=self.world_size, m=m, chunks_per_rank=config.chunks_per_rank)
         if consumer == "compute":
-            return self._compute(program, m, chunks, config)
+            return self._compute(program, m, n, chunks, config)
         if consumer == "op":
             consumer = config.method
         fused = consumer == "fused"
@@ -241,7 +245,7 @@ class AgGemm(AgConsumers, OpBase):
         if wgrad == "lead":
             self._wgrad_lead(program, m, rows, config.sm_margin)
         if fused:
-            self._fused_consumer(program, m, chunks, config, lead=lead)
+            self._fused_consumer(program, m, n, chunks, config, lead=lead)
         elif consumer == "decomposed":
             self._decomposed_consumer(program, m, chunks, config, whole=whole, lead=lead)
         if wgrad is not None:
@@ -252,10 +256,10 @@ class AgGemm(AgConsumers, OpBase):
             program.run(COMPUTE, self._bump_version)
         return program
 
-    def _compute(self, program: Program, m: int, chunks, config) -> Program:
+    def _compute(self, program: Program, m: int, n: int, chunks, config) -> Program:
         if config.method == "fused":
             program.set(COMPUTE, self.chunk_flags)  # every chunk is present: the kernel's waits pass at once
-            self._fused_consumer(program, m, chunks, config, lead=False)
+            self._fused_consumer(program, m, n, chunks, config, lead=False)
         else:
             self._decomposed_consumer(program, m, chunks, config, whole=False, lead=False, waits=False)
         return program

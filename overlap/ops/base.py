@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from symm_mem import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
+from tp_overlap.symm_mem.errors import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
 from ..config import envs
 from .validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
@@ -73,6 +73,8 @@ class OpBase:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         check_same_group(name, group, pool)
         for arg, value in static.items():
+            if arg in ("k_local", "n_local") and value is None:   # any width per call
+                continue
             if arg in ("max_m", "k", "n", "n_local", "k_local") and (isinstance(value, bool)
                                                                      or not isinstance(value, int) or value <= 0):
                 raise OpInputError(f"{name}: {arg} must be a positive int, got {value!r}")
@@ -125,15 +127,17 @@ class OpBase:
         check_divisible(f"{self.name}: M", m, self.world_size, "the group size")
         check_at_most(f"{self.name}: M", m, self.max_m, "max_m of this op")
 
-    def _check_operands(self, name: str, a, cols: int, w, k: int, n: int) -> None:
+    def _check_operands(self, name: str, a, cols: int | None, w, k: int | None, n: int | None) -> None:
         """A call's activation `name` [rows, cols] (row-major) and weight w [k, n] (row-major or a transposed
-        row-major view): a few attribute reads when they are right, the full named check when not."""
+        row-major view); None: any width (an op built with n_local / k_local None), k None: a's width. A few
+        attribute reads when they are right, the full named check when not."""
         if not (isinstance(a, torch.Tensor) and a.dtype == self.dtype and a.device == self.device and a.dim() == 2
-                and a.shape[1] == cols and a.is_contiguous()):
+                and (cols is None or a.shape[1] == cols) and a.is_contiguous()):
             self._check_live()
             check_tensor(name, a, dtype=self.dtype, device=self.device, shape=(None, cols))
+        k = a.shape[1] if k is None else k
         if not (isinstance(w, torch.Tensor) and w.dtype == self.dtype and w.device == self.device and w.dim() == 2
-                and w.shape[0] == k and w.shape[1] == n and (w.stride(1) == 1 or w.stride(0) == 1)):
+                and w.shape[0] == k and (n is None or w.shape[1] == n) and (w.stride(1) == 1 or w.stride(0) == 1)):
             check_weight("w", w, dtype=self.dtype, device=self.device, shape=(k, n))
 
     def _raise_if_failed(self) -> None:

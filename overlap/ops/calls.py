@@ -1,15 +1,15 @@
-"""The tensors of one op call, as the steps of its Program read them. A Program is built once per plan
-(`base.Plan`) and reads a call's tensors only through these: follow a field (e.g. `AgCall.a_shard`) from the
-op's `__call__` to the copy and the GEMM steps that read it."""
+"""The tensors of one op call, as the steps of its Program read them, and the keys of the plans. A Program is
+built once per plan key (`base.Plan`) and reads a call's tensors only through these: follow a field (e.g.
+`AgCall.a_shard`) from the op's `__call__` to the copy and the GEMM steps that read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["AgCall", "RsCall"]
+__all__ = ["AgCall", "RsCall", "AgPlanKey", "RsPlanKey"]
 
 
 @dataclass(slots=True)
@@ -40,3 +40,25 @@ class RsCall:
     a_fp8: tuple | None = None            # FP8: (e4m3 a, 1x128 scales), quantised once per call
     w_fp8: tuple | None = None            # FP8: (e4m3 w^T, 128x128 scales)
     partials: torch.Tensor | None = None  # `reduce_scatter`: the partials [M, N] to reduce
+
+
+class AgPlanKey(NamedTuple):
+    """What a plan depends on besides the op: the call's M, consumer and variant, and w's width N."""
+    m: int
+    consumer: str          # "op" (the config's method), "none" (all_gather), "compute" (compute_alone)
+    wgrad: str | None      # a row layer's weight grad: None, "lead" or "after"
+    lead: bool             # a caller's lead callable runs before the GEMM over the gathered rows
+    zero_copy: bool        # the caller wrote a_shard into the slot
+    claimed: bool          # input_slot was called for this call
+    stamp: bool            # the call stamps its gathered input (a column layer's forward)
+    n: int                 # w's width (0: no consumer)
+
+
+class RsPlanKey(NamedTuple):
+    """What a plan depends on besides the op: the call's M and schedule, and a's width K."""
+    m: int
+    schedule: str          # "op" (the config's method), "bulk", "compute" (compute_alone), "comm_only"
+    wgrad: bool            # a column layer's weight grad g^T @ a
+    work: bool             # bulk with a caller's work callable
+    check: bool            # the call checks a producer's version stamp first
+    k: int                 # a's width K_local (0: no GEMM)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .validate import OpInputError
 from .reference import ag_gemm_reference, gemm_rs_reference
 
-__all__ = ["LayerOps", "OverlapLayerOps", "NcclLayerOps", "TorchSymmLayerOps", "register_layer_ops",
+__all__ = ["LayerOps", "OverlapLayerOps", "SharedOps", "NcclLayerOps", "TorchSymmLayerOps", "register_layer_ops",
            "unregister_layer_ops", "get_layer_ops", "SAVE_GATHERED"]
 
 SAVE_GATHERED = ("view", "copy")
@@ -89,23 +89,26 @@ class OverlapLayerOps(LayerOps):
     resolved per call from M (`by_m`)."""
 
     def __init__(self, *, group, pool, max_m: int, hidden: int, local: int, dtype: torch.dtype, config,
-                 ag_name: str, rs_name: str, role: str, save_gathered: str = "view", fp8: bool = False):
-        from .ag_gemm import AgGemm
-        from .gemm_rs import GemmRs
-
+                 ag_name: str, rs_name: str, role: str, save_gathered: str = "view", fp8: bool = False,
+                 shared: "SharedOps | None" = None):
         if save_gathered not in SAVE_GATHERED:
             raise OpInputError(f"save_gathered={save_gathered!r}; allowed: {' | '.join(SAVE_GATHERED)}")
+        if shared is not None and save_gathered != "copy":
+            raise OpInputError(f"{ag_name}: layers that share their op contexts (SharedOps) keep their own copy of "
+                               f"the gathered input: save_gathered='copy' (the shared region is overwritten by the "
+                               f"next layer's AllGather before this layer's backward)")
         self.role, self.config = role, config
-        bulk = role == "fc1_dgrad" and any(config.role(role, m).bulk_wgrad for m in _bucket_ms(config, max_m))
-        if role == "fc2_dgrad":
-            for m in _bucket_ms(config, max_m):
-                method = config.op_config("ag_gemm", m).method
-                if config.role(role, m).lead_wgrad and method != "decomposed":
-                    raise OpInputError(f"roles.fc2_dgrad.lead_wgrad needs ops.ag_gemm.method decomposed (the lead "
-                                       f"runs in place of its lead GEMM); at M = {m} this preset has {method}")
         self.world_size = dist.get_world_size(group)
         self.save_gathered, self.fp8 = save_gathered, fp8
         self._stale_code = None
+        self._owned = shared is None
+        if shared is not None:
+            self.ag, self.rs = shared.ag, shared.rs
+            return
+        from .ag_gemm import AgGemm
+        from .gemm_rs import GemmRs
+
+        bulk = _needs_bulk(config, max_m, role)
         self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=local, dtype=dtype,
                          config=config.ag_gemm, name=ag_name, fp8=fp8)
         try:
@@ -164,8 +167,53 @@ class OverlapLayerOps(LayerOps):
         self.ag.check_errors()
 
     def close(self) -> None:
+        if self._owned:
+            self.ag.close()
+            self.rs.close()
+
+
+class SharedOps:
+    """One AgGemm and one GemmRs of width `hidden` that every layer of a model uses in turn (regions
+    `<name>.ag.a` and `<name>.rs.partials`): blocks run one after another on a stream, so the pool holds one
+    region per op whatever the model's depth (`pool_requirements(..., num_layers=1)`). Each call brings its
+    own weight width (the ops are built with n_local / k_local None). Layers built with `shared=` keep a copy
+    of the gathered input for their backward. Close it after the layers; the pool is the caller's."""
+
+    def __init__(self, *, group, pool, max_m: int, hidden: int, dtype: torch.dtype, config, fp8: bool = False,
+                 name: str = "model"):
+        from .ag_gemm import AgGemm
+        from .gemm_rs import GemmRs
+
+        bulk = _needs_bulk(config, max_m, "fc1_dgrad") | _needs_bulk(config, max_m, "fc2_dgrad")
+        self.pool, self.config, self.max_m, self.hidden, self.dtype, self.fp8 = pool, config, max_m, hidden, dtype, fp8
+        self.ag = AgGemm(group=group, pool=pool, max_m=max_m, k=hidden, n_local=None, dtype=dtype,
+                         config=config.ag_gemm, name=f"{name}.ag", fp8=fp8)
+        try:
+            self.rs = GemmRs(group=group, pool=pool, max_m=max_m, k_local=None, n=hidden, dtype=dtype,
+                             config=config.gemm_rs, name=f"{name}.rs", fp8=fp8, bulk=bulk)
+        except BaseException:
+            self.ag.close()
+            raise
+
+    def check_errors(self) -> None:
+        self.ag.check_errors()
+        self.rs.check_errors()
+
+    def close(self) -> None:
         self.ag.close()
         self.rs.close()
+
+
+def _needs_bulk(config, max_m: int, role: str) -> bool:
+    """Whether the GemmRs of `role` needs bulk staging, after refusing role settings no call could run."""
+    if role == "fc2_dgrad":
+        for m in _bucket_ms(config, max_m):
+            method = config.op_config("ag_gemm", m).method
+            if config.role(role, m).lead_wgrad and method != "decomposed":
+                raise OpInputError(f"roles.fc2_dgrad.lead_wgrad needs ops.ag_gemm.method decomposed (the lead "
+                                   f"runs in place of its lead GEMM); at M = {m} this preset has {method}")
+        return False
+    return any(config.role(role, m).bulk_wgrad for m in _bucket_ms(config, max_m))
 
 
 def _stale_message(name: str, later: int | None) -> str:

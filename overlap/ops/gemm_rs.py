@@ -1,9 +1,10 @@
 """GEMM + ReduceScatter: `out_shard = reduce_scatter(a @ w)`.
 
 Shapes: a [M, K_local], w [K_local, N] (row-major, or `weight.t()` of a row-major [N, K_local]),
-out_shard [M/W, N]; M <= max_m, M % W == 0. Pool region `<name>.partials` [W, max_m/W, N]: slot s of rank o
-receives source s's partial product of o's rows; its device flags [W, flags_per_source] say which GEMM row
-blocks of which source have landed (the scatter epilogue's, holding the call's M). Flags: protocol.py.
+out_shard [M/W, N]; M <= max_m, M % W == 0; `k_local=None`: any K_local per call (its own plans). Pool region
+`<name>.partials` [W, max_m/W, N]: slot s of rank o receives source s's partial product of o's rows; its
+device flags [W, flags_per_source] say which GEMM row blocks of which source have landed (the scatter
+epilogue's, holding the call's M). Flags: protocol.py.
 
 Plans (config.method; the same stream operations eager, replayed or captured):
   fused:           wait free[o] (every owner reduced this rank's slot of the last call), one persistent
@@ -21,9 +22,8 @@ Plans (config.method; the same stream operations eager, replayed or captured):
 `bulk(a, w, wgrad_of=g)` (a column layer's backward with bulk_wgrad): the whole GEMM on cuBLAS, the pushes
 of `decomposed`, the weight grad g^T @ a meanwhile, then the reduction on the compute stream.
 `reduce_scatter(partials)` is the decomposed plan without a GEMM: the measured comm path.
-fp8=True (decomposed, pair): the input is quantised once, the FP8 GEMM runs per owner chunk, and the
-partials stay bf16: they are sums already rounded once, and e4m3 partials would add a second, coarser
-rounding to every reduction.
+fp8=True (decomposed, pair): the input is quantised once, the FP8 GEMM runs per owner chunk, the partials stay
+bf16 (sums already rounded once: e4m3 partials would add a second, coarser rounding to every reduction).
 Every wait of the push path is a memory operation: the copy engine starts while a GEMM holds every SM.
 """
 
@@ -34,15 +34,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
-from symm_mem.regions import RegionSpec
+from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
+from tp_overlap.symm_mem.regions import RegionSpec
 
 from ..gemm import (Fp8WeightCache, Scatter, choose_blocks, fp8_gemm, launch_gemm, launch_reduce, num_sms,
                     quantize_activation, sm_carveout)
 from . import protocol
 from .protocol import FLAG_BLOCK_M
 from .base import OpBase
-from .calls import RsCall
+from .calls import RsCall, RsPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .schedule import COMPUTE, Program
@@ -66,7 +66,7 @@ class GemmRs(OpBase):
 
     kind = "gemm_rs"
 
-    def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k_local: int, n: int, dtype: torch.dtype,
+    def __init__(self, *, group: dist.ProcessGroup, pool, max_m: int, k_local: int | None, n: int, dtype: torch.dtype,
                  config: GemmRsConfig, name: str = "gemm_rs", fp8: bool = False, bulk: bool = False):
         super().__init__(group=group, pool=pool, name=name, config=config, max_m=max_m,
                          static={"max_m": max_m, "k_local": k_local, "n": n, "dtype": str(dtype), "fp8": fp8})
@@ -155,8 +155,8 @@ class GemmRs(OpBase):
         check_tensor("partials", partials, dtype=self.dtype, device=self.device, shape=(None, self.n))
         m = partials.shape[0]
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        self._launch(self._plan((m, "comm_only", False, False, False), m), RsCall(out=out, partials=partials),
-                     (partials.data_ptr(), out.data_ptr()))
+        key = RsPlanKey(m, "comm_only", False, False, False, 0)
+        self._launch(self._plan(key, m), RsCall(out=out, partials=partials), (partials.data_ptr(), out.data_ptr()))
         return out
 
     def owners(self) -> list[int]:
@@ -171,13 +171,13 @@ class GemmRs(OpBase):
         if check is not None:
             addresses += (check[0].data_ptr(), check[2])
         if wgrad_of is not None:
-            grad = torch.empty(wgrad_of.shape[1], self.k_local, dtype=self.dtype, device=self.device)
+            grad = torch.empty(wgrad_of.shape[1], a.shape[1], dtype=self.dtype, device=self.device)
             call.g, call.result = wgrad_of, grad
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
             call.a_fp8, call.w_fp8 = quantize_activation(a), self._weights.get(w.t())
             addresses += tuple(t.data_ptr() for pair in (call.a_fp8, call.w_fp8) for t in pair)
-        key = (m, schedule, wgrad_of is not None, work is not None, check is not None)
+        key = RsPlanKey(m, schedule, wgrad_of is not None, work is not None, check is not None, a.shape[1])
         if schedule == "compute":
             self._run_alone(key, m, call)
             return out
@@ -193,7 +193,7 @@ class GemmRs(OpBase):
 
     # ----- plans ---------------------------------------------------------------------------------------
     def _build(self, key, config) -> Program:
-        m, schedule, wgrad, work, check = key
+        m, schedule, wgrad, check = key.m, key.schedule, key.wgrad, key.check
         if schedule == "op":
             schedule = config.method
             if schedule == "epilogue_reduce" and (m // self.world_size) % FLAG_BLOCK_M:
@@ -203,11 +203,10 @@ class GemmRs(OpBase):
         program = Program(self.pool, op=self.name)
         if check:
             program.run(COMPUTE, self._check_stamp)
-        rows = m // self.world_size
         build = {"fused": self._fused, "epilogue_reduce": self._epilogue_reduce, "decomposed": self._decomposed,
                  "pair": self._pair, "bulk": self._bulk, "comm_only": self._comm_only,
                  "compute": self._compute}[schedule]
-        build(program, m, rows, config)
+        build(program, key, config)
         if wgrad and schedule != "bulk":
             program.run(COMPUTE, _wgrad)
         return program
@@ -234,8 +233,8 @@ class GemmRs(OpBase):
                        flags_per_source=self.flags_per_source, error_words=self.pool.error_words(),
                        error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
-    def _gemm_blocks(self, m: int, programs: int):
-        return dataclasses.replace(choose_blocks(m, self.n, self.k_local, device_type=self.device.type,
+    def _gemm_blocks(self, key: RsPlanKey, programs: int):
+        return dataclasses.replace(choose_blocks(key.m, self.n, key.k, device_type=self.device.type,
                                                  warp_specialize=False, sm_count=programs), block_m=FLAG_BLOCK_M)
 
     def _used_row_flags(self, rows: int) -> torch.Tensor:
@@ -243,9 +242,10 @@ class GemmRs(OpBase):
         used = ((self.rank + 1) * rows - 1) // FLAG_BLOCK_M - (self.rank * rows) // FLAG_BLOCK_M + 1
         return self.row_flags.view(self.world_size, self.flags_per_source)[:, :used]
 
-    def _fused(self, program: Program, m: int, rows: int, config) -> None:
+    def _fused(self, program: Program, key: RsPlanKey, config) -> None:
+        m, rows = key.m, key.m // self.world_size
         programs = self.num_sms - config.sm_margin
-        blocks, scatter = self._gemm_blocks(m, programs), self._scatter(m)
+        blocks, scatter = self._gemm_blocks(key, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
         offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
         own = self._slots(self.rank, rows)[0]
@@ -259,9 +259,9 @@ class GemmRs(OpBase):
         program.clear(REDUCE, self.row_flags)
         self._give_free(program, REDUCE)
 
-    def _epilogue_reduce(self, program: Program, m: int, rows: int, config) -> None:
+    def _epilogue_reduce(self, program: Program, key: RsPlanKey, config) -> None:
         programs = self.num_sms - config.sm_margin
-        blocks, scatter = self._gemm_blocks(m, programs), self._scatter(m)
+        blocks, scatter = self._gemm_blocks(key, programs), self._scatter(key.m)
         self._take_free(program, COMPUTE)
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
                                                      blocks=blocks, epilogue=EPILOGUE_SCATTER_REDUCE, scatter=scatter))
@@ -287,7 +287,8 @@ class GemmRs(OpBase):
         for source in self._peers():
             program.take(lane, self.flags.pushed(source), peer=source, value=m)
 
-    def _decomposed(self, program: Program, m: int, rows: int, config) -> None:
+    def _decomposed(self, program: Program, key: RsPlanKey, config) -> None:
+        m, rows = key.m, key.m // self.world_size
         margin = config.sm_margin
         for owner in self.owners():
             lo = owner * rows
@@ -306,7 +307,8 @@ class GemmRs(OpBase):
         program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False))
         self._give_free(program, REDUCE)
 
-    def _pair(self, program: Program, m: int, rows: int, config) -> None:
+    def _pair(self, program: Program, key: RsPlanKey, config) -> None:
+        m, rows = key.m, key.m // self.world_size
         peer, margin = 1 - self.rank, config.sm_margin
         staged = self._staging[:rows]
         program.run(COMPUTE, self._mm_into(peer * rows, rows, lambda call: staged, margin))
@@ -319,7 +321,8 @@ class GemmRs(OpBase):
         program.run(COMPUTE, lambda call: call.out.add_(slot))
         self._give_free(program, COMPUTE)
 
-    def _bulk(self, program: Program, m: int, rows: int, config) -> None:
+    def _bulk(self, program: Program, key: RsPlanKey, config) -> None:
+        m, rows = key.m, key.m // self.world_size
         staged = self._bulk_staging[:m]
         program.run(COMPUTE, self._mm_into(0, m, lambda call: staged, 0))
         program.record(COMPUTE, "staged")
@@ -333,7 +336,8 @@ class GemmRs(OpBase):
         program.run(COMPUTE, lambda call: _sum_into(call.out, own, others))
         self._give_free(program, COMPUTE)
 
-    def _compute(self, program: Program, m: int, rows: int, config) -> None:
+    def _compute(self, program: Program, key: RsPlanKey, config) -> None:
+        rows = key.m // self.world_size
         if config.method in STAGED_METHODS:
             owners = [1 - self.rank, self.rank] if config.method == "pair" else self.owners()
             for owner in owners:
@@ -342,11 +346,12 @@ class GemmRs(OpBase):
                                                    config.sm_margin))
             return
         programs = self.num_sms - config.sm_margin
-        blocks = self._gemm_blocks(m, programs)
+        blocks = self._gemm_blocks(key, programs)
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
                                                      blocks=blocks))
 
-    def _comm_only(self, program: Program, m: int, rows: int, config) -> None:
+    def _comm_only(self, program: Program, key: RsPlanKey, config) -> None:
+        m, rows = key.m, key.m // self.world_size
         own = self._slots(self.rank, rows)[self.rank]
         program.copy(COMPUTE, own, lambda call: call.partials[self.rank * rows:(self.rank + 1) * rows])
         program.record(COMPUTE, "own")
@@ -364,7 +369,6 @@ class GemmRs(OpBase):
         """A GEMM step: dst(call) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on
         the rows quantised at the call's start, bf16 out)."""
         if self.fp8:
-
             def mm_fp8(call) -> None:
                 (a8, a_scales), (w8, w_scales) = call.a_fp8, call.w_fp8
                 fp8_gemm(a8=a8[lo:lo + rows], a_scales=a_scales[lo:lo + rows], w8=w8, w_scales=w_scales, out=dst(call))
@@ -381,10 +385,9 @@ def _wgrad(call) -> None:
 
 
 def _bulk_work(call) -> None:
-    if call.work is not None:
-        call.result = call.work()
-    else:
-        _wgrad(call)
+    if call.work is None:
+        return _wgrad(call)
+    call.result = call.work()
 
 
 def _sum_into(out: torch.Tensor, own: torch.Tensor, others: list[torch.Tensor]) -> None:

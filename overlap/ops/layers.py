@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from symm_mem.regions import PoolRequirements, requirements
+from tp_overlap.symm_mem.regions import PoolRequirements, requirements
 
 from . import custom_ops
 from .ag_gemm import AgGemm
@@ -61,10 +61,24 @@ def pool_requirements(*, hidden: int, max_m: int, world_size: int, dtype: torch.
     return requirements(layer) * num_layers
 
 
+def _check_shared(shared, *, name, max_m, hidden, dtype, fp8) -> None:
+    mine = (max_m, hidden, dtype, shared.fp8 if fp8 is None else bool(fp8))
+    theirs = (shared.max_m, shared.hidden, shared.dtype, shared.fp8)
+    if mine != theirs:
+        raise OpInputError(f"{name}: (max_m, hidden, dtype, fp8) = {mine}, but its shared= ops were built for "
+                           f"{theirs}")
+
+
 def _make_ops(*, group, pool, config, max_m, hidden, local, dtype, overlap, baseline, device, name,
-              save_gathered, kind, fp8) -> custom_ops.LayerOps:
+              save_gathered, kind, fp8, shared) -> custom_ops.LayerOps:
     if fp8 and not overlap:
         raise OpInputError(f"{name}: fp8=True runs our FP8 ops: it needs overlap=True (the baselines are bf16)")
+    if overlap and shared is not None:
+        _check_shared(shared, name=name, max_m=max_m, hidden=hidden, dtype=dtype, fp8=fp8)
+        return custom_ops.OverlapLayerOps(
+            group=group, pool=shared.pool, max_m=max_m, hidden=hidden, local=local, dtype=dtype, config=shared.config,
+            ag_name=shared.ag.name, rs_name=shared.rs.name, save_gathered=save_gathered, shared=shared,
+            role="fc1_dgrad" if kind == "column" else "fc2_dgrad", fp8=shared.fp8)
     if overlap:
         if pool is None:
             raise OpInputError(f"{name}: overlap=True needs pool= (a SymmetricPool on group)")
@@ -95,7 +109,9 @@ class _ParallelLinear(nn.Module):
     forward and input-grad GEMMs in FP8 e4m3 with 1x128 / 128x128 scales, the AllGathers moving e4m3 rows
     and their scales; weight grads in bf16 on the dequantised gathered inputs; overlap=True only; None: the
     config's `fp8` key); device
-    (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages).
+    (default the pool's, else the current CUDA device, else CPU); name (prefix of regions and messages);
+    shared (a custom_ops.SharedOps: this layer calls its AgGemm / GemmRs and reserves nothing; its pool,
+    config and fp8 are the layer's; save_gathered must be "copy").
     Forward and backward can be captured in a CUDA graph and replayed (every op is capturable).
     Nothing is allocated or exchanged after construction; `close()` drops the op contexts. `weight` starts
     as N(0, 1/in_features) from the default generator: copy the real shard in (TPMLP.load_full_weights).
@@ -106,7 +122,7 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, max_m: int,
                  dtype: torch.dtype = torch.bfloat16, pool=None, config: OverlapConfig | None = None,
                  overlap: bool = True, baseline: str = "nccl", save_gathered: str = "view", fp8: bool | None = None,
-                 device: torch.device | str | None = None, name: str | None = None):
+                 device: torch.device | str | None = None, name: str | None = None, shared=None):
         super().__init__()
         if group is None:
             raise OpInputError("group= is required (pass the TP process group explicitly)")
@@ -119,6 +135,7 @@ class _ParallelLinear(nn.Module):
         check_divisible(f"{self.name}: {sharded}", out_features if self.kind == "column" else in_features,
                         self.world_size, "the group size")
         check_divisible(f"{self.name}: max_m", max_m, self.world_size, "the group size")
+        pool = shared.pool if shared is not None and pool is None else pool
         if device is None:
             device = pool.device if pool is not None else (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
@@ -134,7 +151,7 @@ class _ParallelLinear(nn.Module):
         self.hidden, self.local = hidden, local
         self.ops = _make_ops(group=group, pool=pool, config=config, max_m=max_m, hidden=hidden, local=local,
                              dtype=dtype, overlap=overlap, baseline=baseline, device=self.device,
-                             name=self.name, save_gathered=save_gathered, kind=self.kind, fp8=fp8)
+                             name=self.name, save_gathered=save_gathered, kind=self.kind, fp8=fp8, shared=shared)
         self.ops.name = self.name
         self.layer_id = custom_ops.register_layer_ops(self.ops)
         # A layer dropped without close() must not pin its op contexts (streams, pool views) forever.

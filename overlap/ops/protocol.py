@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kernels.constants import CLEAR, ROW_BLOCK_M, SET, scatter_flags_per_source  # one home: kernels and host agree
+from tp_overlap.kernels.constants import CLEAR, ROW_BLOCK_M, SET, scatter_flags_per_source  # one home: kernels and host agree
 
 __all__ = ["SET", "CLEAR", "FLAG_BLOCK_M", "Flag", "AgFlags", "RsFlags", "flags_per_source", "initialise"]
 

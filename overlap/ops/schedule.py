@@ -119,7 +119,7 @@ class CudaDriver:
     """Runs a program on CUDA streams: side lanes on the op's streams, "compute" on the given stream."""
 
     def __init__(self, program: Program, streams: dict[str, torch.cuda.Stream]):
-        from symm_mem import memops
+        from tp_overlap.symm_mem import memops
         self.program, self.streams = program, streams
         self.events = {name: torch.cuda.Event() for name in program.events()}
         self.start = torch.cuda.Event()
@@ -317,14 +317,14 @@ class HostDriver:
 
 
 def _timeout(pool, flag: Flag, expected: int, observed: int, peer, op):
-    from symm_mem import SignalTimeout
+    from tp_overlap.symm_mem.errors import SignalTimeout
     pool.record_timeout(flag.region, flag.index, expected, observed)
     return SignalTimeout(region=flag.region, index=flag.index, expected=expected, observed=observed,
                          timeout_s=pool.timeout_s, peer=peer, op=op)
 
 
 def _device_timeout(pool, op, value):
-    from symm_mem import SignalTimeout
+    from tp_overlap.symm_mem.errors import SignalTimeout
     pool.abort(1)
     return SignalTimeout(region=f"{op} device flags", index=-1, expected=value, observed=0, timeout_s=pool.timeout_s,
                          op=op)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ipc.errors import OverlapError
+from tp_overlap.ipc.errors import OverlapError
 
 from ..gemm import num_sms
 
@@ -109,6 +109,6 @@ def _on_cpu(config, sms: int) -> str:
 
 def _triton_interpreted() -> bool:
     """Whether the GEMM kernel runs under Triton's interpreter (decided when kernels/ was imported)."""
-    from kernels.gemm import persistent_gemm_kernel
+    from tp_overlap.kernels.gemm import persistent_gemm_kernel
 
     return type(persistent_gemm_kernel).__name__ == "InterpretedFunction"

@@ -42,10 +42,10 @@ def main(argv=None) -> int:
     if dev is None:
         return 1
     cpu = dev.type == "cpu"
-    from kernels.gemm import ag_tile_row_offset
-    from launch.gemm_tune import FP8_CANDIDATES
-    from overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
-    from overlap.gemm.launch import _stream_k_buffers
+    from tp_overlap.kernels.gemm import ag_tile_row_offset
+    from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
+    from tp_overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
+    from tp_overlap.gemm.launch import _stream_k_buffers
 
     shapes = TINY if cpu else SHAPES
     candidates = FP8_CANDIDATES[:2] if cpu else FP8_CANDIDATES

@@ -40,7 +40,7 @@ TIMED_BLOCKS = ("128x128x128w4s4gl", "128x128x128w4s5gl")
 
 
 def tp2_shapes() -> list[tuple[str, int, int]]:
-    from launch.measure.shapes import AG_LAYERS, RS_LAYERS
+    from tp_overlap.launch.measure.shapes import AG_LAYERS, RS_LAYERS
 
     out = [(name, h, n_total // 2) for name, (h, n_total) in AG_LAYERS.items()]   # (layer, K, N)
     out += [(name, k_total // 2, h) for name, (h, k_total) in RS_LAYERS.items()]
@@ -64,8 +64,8 @@ def _grouped(rows, cols, block_rows, gen, dev):
 def _correctness_case(name, m, n, k, gen, dev) -> dict:
     import torch
 
-    from overlap.gemm import fp8
-    from overlap.gemm.blocks import GemmBlocks
+    from tp_overlap.gemm import fp8
+    from tp_overlap.gemm.blocks import GemmBlocks
 
     x8, xs = fp8.quantize_activation(_grouped(m, k, 1, gen, dev))
     w8, ws = fp8.quantize_weight(_grouped(n, k, 128, gen, dev) * 0.05)
@@ -118,7 +118,7 @@ def _fallback_case(m, n, k, gen, dev) -> dict:
     the table's plain blocks run, and match the dequantised product."""
     import torch
 
-    from overlap.gemm import fp8
+    from tp_overlap.gemm import fp8
 
     table_choice = fp8.choose_fp8_blocks(m, n, k)
     x8, xs = fp8.quantize_activation(_grouped(m, k, 1, gen, dev))
@@ -133,9 +133,9 @@ def _fallback_case(m, n, k, gen, dev) -> dict:
 def _timed_case(layer, m, n, k, gen, dev, reps) -> dict:
     import torch
 
-    from launch.measure.timing import bench_interleaved
-    from overlap.gemm import fp8
-    from overlap.gemm.blocks import GemmBlocks
+    from tp_overlap.launch.measure.timing import bench_interleaved
+    from tp_overlap.gemm import fp8
+    from tp_overlap.gemm.blocks import GemmBlocks
 
     a = torch.randn(m, k, generator=gen, device=dev).bfloat16()
     w = (torch.randn(n, k, generator=gen, device=dev) * 0.05).bfloat16()
@@ -178,7 +178,7 @@ def _summary(timed: list[dict]) -> dict:
 def child(args) -> int:
     import torch
 
-    from launch.gemm_tune import FP8_CANDIDATES
+    from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
 
     started = time.monotonic()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -30,9 +30,9 @@ def main(argv=None) -> int:
     if dev is None or dev.type != "cuda":
         print("FAIL Gluon kernels need a CUDA device (no interpreter)")
         return 1
-    from launch.measure.tune import GLUON_BOX_CANDIDATES, GLUON_CANDIDATES
-    from overlap.gemm import GemmBlocks, triton_mm
-    from overlap.gemm.blocks import choose_blocks
+    from tp_overlap.launch.measure.tune import GLUON_BOX_CANDIDATES, GLUON_CANDIDATES
+    from tp_overlap.gemm import GemmBlocks, triton_mm
+    from tp_overlap.gemm.blocks import choose_blocks
 
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         return f"{len(GLUON_CANDIDATES + GLUON_BOX_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
     def split_planned(name, m, n, k, programs=None):
-        from overlap.gemm.gluon_launch import split_plan
+        from tp_overlap.gemm.gluon_launch import split_plan
 
         blocks = GemmBlocks.parse(name)
         tiles = -(-m // 128) * -(-n // blocks.block_n)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
 
     @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
     def _():
-        from overlap.gemm.splitk import _workspaces
+        from tp_overlap.gemm.splitk import _workspaces
 
         cases = []
         for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),

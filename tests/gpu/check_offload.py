@@ -23,11 +23,11 @@ import traceback
 
 import torch
 
-from launch.measure.bench_mlp import BenchMLP
-from launch.measure.offload_measure import peak_of
-from overlap.offload.engine import OffloadEngine, host_bytes
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
+from tp_overlap.launch.measure.bench_mlp import BenchMLP
+from tp_overlap.launch.measure.offload_measure import peak_of
+from tp_overlap.offload.engine import OffloadEngine, host_bytes
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
 
 H, F, LAYERS, ROWS = 512, 1536, 3, (1024, 512, 1024)
 RATES = Rates(d2h_gbps=50, h2d_gbps=50, gemm_tflops=400, hbm_gbps=3000)
@@ -341,8 +341,8 @@ def _tpmlp():
     except Exception as exc:
         raise _Skip(f"no one-rank process group here: {exc}")
     try:
-        from overlap.ops.layers import TPMLP
-        from overlap.offload.engine import disable_offload, enable_offload
+        from tp_overlap.ops.layers import TPMLP
+        from tp_overlap.offload.engine import disable_offload, enable_offload
         kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0], dtype=torch.bfloat16, overlap=False, device=DEV)
         torch.manual_seed(3)
         plain = [TPMLP(H, F, name=f"p{i}", **kwargs) for i in range(LAYERS)]

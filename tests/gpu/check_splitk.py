@@ -37,9 +37,9 @@ def main(argv=None) -> int:
     if dev is None:
         return 1
     cpu = dev.type == "cpu"
-    from launch.measure.tune import SPLIT_K_CANDIDATES
-    from overlap.gemm.blocks import GemmBlocks
-    from overlap.gemm import split_k_workspace, triton_mm
+    from tp_overlap.launch.measure.tune import SPLIT_K_CANDIDATES
+    from tp_overlap.gemm.blocks import GemmBlocks
+    from tp_overlap.gemm import split_k_workspace, triton_mm
 
     shapes = TINY if cpu else SHAPES
     names = ("16x16x16w1s1sp2", "32x16x16w1s1sp4") if cpu else SPLIT_K_CANDIDATES

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from overlap.offload.activation import SavedInputActivation, activation_forward, swiglu_backward, swiglu_forward
+from tp_overlap.offload.activation import SavedInputActivation, activation_forward, swiglu_backward, swiglu_forward
 
 from .checklist import Checks, expect, target_device
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     status = check.summary()
     if "--json" in argv:
         path = argv[argv.index("--json") + 1]
-        from launch.output.report import command_line, git_commit
+        from tp_overlap.launch.output.report import command_line, git_commit
         with open(path, "w") as f:
             checks = [{"name": n, "passed": ok, "detail": d} for n, ok, d in check.results]
             json.dump({"commit": git_commit(), "command": command_line(), "checks": checks, "times_ms": TIMES,

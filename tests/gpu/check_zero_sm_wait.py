@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29561"),
                        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     dist.init_process_group("gloo", rank=0, world_size=1)
-    from symm_mem import SymmetricPool
+    from tp_overlap.symm_mem.pool import SymmetricPool
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     rows = []
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     dist.destroy_process_group()
     median = statistics.median(r["copy_start_after_gemm_start_us"] for r in rows)
     ok = median < LIMIT_US
-    from launch.output.report import command_line, git_commit
+    from tp_overlap.launch.output.report import command_line, git_commit
     doc = {"check": "zero_sm_wait", "commit": git_commit(), "command": command_line(), "ok": ok, "limit_us": LIMIT_US, "median_start_us": median,
            "gemm": "torch.mm 8192 x 8192 x 8192 bf16 (all SMs)", "copy": "256 MB device -> pinned host",
            "wait": "SymmetricPool.wait on a set control flag (cuStreamBatchMemOp)", "rows": rows}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.getcwd())
-from symm_mem import memops  # noqa: E402
+from tp_overlap.symm_mem import memops  # noqa: E402
 
 RESULTS = []
 
@@ -171,7 +171,7 @@ def cross_process_pull_graphed():
     # own ready == 1, resets it, pulls the peer's slot (copy engine), writes consumed=1 on the peer; before
     # the next publish it waits consumed == 1 and resets it. Eager for 20 steps, then captured once and
     # replayed 50 times with fresh data each time.
-    from ipc import IpcPool
+    from tp_overlap.ipc.pool import IpcPool
     peer = 1 - RANK
     fd, m, addr = page()
     names = [None, None]

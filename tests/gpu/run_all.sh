@@ -12,15 +12,13 @@
 # writes into runs/<launcher>-<UTC time>/ of the working directory, and results/ only on request.
 set -uo pipefail
 PHASE=${1:-all}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; RES=${RES:-/tmp/overlap_res}; mkdir -p "$RES" "$OUT"
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
 # nvshmem4py is not installed on the GPU machine: carry its wheel in .whl/ (README "GPU runs").
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-[ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
 NGPU=$(nvidia-smi -L | wc -l)
 SUMMARY=$OUT/summary.txt
 echo "phase=$PHASE gpus=$NGPU commit=${OVERLAP_GIT_COMMIT:-?}" | tee -a "$SUMMARY"

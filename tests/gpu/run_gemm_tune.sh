@@ -16,10 +16,8 @@
 # (-> configs/gemm_blocks/h200_fp8.yaml), check_fp8.log, check_splitk.log, logs.tgz. JSON and tables are
 # rewritten after every point, so a step cut short still leaves what it measured.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
+source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; LOGS=${LOGS:-/tmp/gemm_tune_logs}; mkdir -p "$OUT" "$LOGS"
-[ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
 TOTAL_S=${TOTAL_S:-480}
 started=$(date +%s)
 SUMMARY=$OUT/summary.txt
@@ -45,20 +43,20 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 # (a) block tuning: the tuner stops starting points at its own bound, 10 s before the step's timeout
 left=$(until_s 250)
-step gemm_tune "$left" python3 -m launch.gemm_tune --tp 2,4,8 --time-budget-s $((left - 10)) \
+step gemm_tune "$left" python3 -m tp_overlap.launch.gemm_tune --tp 2,4,8 --time-budget-s $((left - 10)) \
   --out-table "$OUT/gemm_blocks_h200.yaml" --out "$OUT/gemm_tune_h200.json"
 grep -E "^gemm_tune:|dropped|compile phase" "$LOGS/gemm_tune.log" | cut -c1-300 >> "$SUMMARY"
 
 # (b) the new table's choice vs cuBLAS, both layouts, L2 flushed, interleaved, median of 20
 table=$OUT/gemm_blocks_h200.yaml; [ -s "$table" ] || table=configs/gemm_blocks/h200.yaml
 left=$(until_s 330)
-step gemm_bench "$left" python3 -m launch.gemm_bench --tp 2,4,8 --table "$table" --reps 20 \
+step gemm_bench "$left" python3 -m tp_overlap.launch.gemm_bench --tp 2,4,8 --table "$table" --reps 20 \
   --time-budget-s $((left - 10)) --out "$OUT/gemm_h200.json"
 grep -E "^(kn|nk):|shapes measured" "$LOGS/gemm_bench.log" >> "$SUMMARY"
 
 # (c) FP8 block-scaled: every candidate checked against torch._scaled_mm, then timed; the fastest per shape
 left=$(until_s 400)
-step gemm_bench_fp8 "$left" python3 -m launch.gemm_bench --fp8 --tp 2,4,8 --reps 20 \
+step gemm_bench_fp8 "$left" python3 -m tp_overlap.launch.gemm_bench --fp8 --tp 2,4,8 --reps 20 \
   --time-budget-s $((left - 10)) --out "$OUT/gemm_fp8_h200.json" --write-table "$OUT/gemm_blocks_h200_fp8.yaml"
 grep -E "^fp8:|shapes measured|failed" "$LOGS/gemm_bench_fp8.log" | cut -c1-300 >> "$SUMMARY"
 

@@ -11,10 +11,8 @@
 # $OUT (default ./out) gets: summary.txt, swiglu_check.json, offload_bench.json (commit and command inside; rewritten after
 # every point), offload_bench.png (peak and activation peak against step time) and offload_logs.tgz.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
+source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; RES=${RES:-/tmp/offload_res}; mkdir -p "$OUT" "$RES"
-[ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
 TOTAL_S=${TOTAL_S:-450}
 POINTS=${POINTS:-llama8b:16:4096,llama8b:32:4096,llama70b:8:4096,llama8b:32:8192}
 BUDGETS=${BUDGETS:-auto,+0%,+1%,+5%}
@@ -41,7 +39,7 @@ left=$((TOTAL_S - SECONDS - 25))
 if [ "$left" -lt 60 ]; then
   echo "!! no time left for the benchmark (${left}s): skipped" | tee -a "$SUMMARY"; status=1
 else
-  cmd="python3 -m launch.offload_bench --points $POINTS --budget $BUDGETS --time-budget-s $left"
+  cmd="python3 -m tp_overlap.launch.offload_bench --points $POINTS --budget $BUDGETS --time-budget-s $left"
   echo "== $cmd" | tee -a "$SUMMARY"
   # progress lines ("<point>: starting / planner / done at ... s") reach the console as they happen
   OVERLAP_COMMAND="$cmd" timeout $((left + 20)) $cmd --out "$OUT/offload_bench.json" \

@@ -7,10 +7,8 @@
 # $OUT (default ./out) gets: summary.txt, smoke_one_gpu.json, zero_sm_wait.json, host_cost.json and
 # logs.tgz (every log). At most 8 files, as the device tool returns.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; LOGS=${LOGS:-/tmp/one_gpu_logs}; mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-[ -f .commit ] && export OVERLAP_GIT_COMMIT=$(cat .commit)
 ONLY=${ONLY:-zero_sm,gluon,fp8,swiglu,offload,host_cost,smoke}
 SUMMARY=$OUT/summary.txt
 status=0
@@ -34,7 +32,7 @@ step gluon 240 python3 -m tests.gpu.check_gluon_gemm
 step fp8 120 python3 -m tests.gpu.check_fp8
 step swiglu 90 python3 -m tests.gpu.check_swiglu
 step offload 90 python3 -m tests.gpu.check_offload
-step host_cost 200 torchrun --standalone --nproc-per-node 2 -m launch.host_cost --out "$OUT/host_cost.json"
+step host_cost 200 torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.host_cost --out "$OUT/host_cost.json"
 step smoke 420 python3 -m tests.gpu.smoke_one_gpu --worlds "${WORLDS:-2,4,8}" --json "$OUT/smoke_one_gpu.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $status

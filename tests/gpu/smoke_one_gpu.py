@@ -55,8 +55,8 @@ class Checks:
 
 
 def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp8=False):
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     cfg = AgGemmConfig(method=method, lead_fraction=lead, chunks_per_rank=chunks)
     name = f"ag.{method}.{lead}.{chunks}.{rows}.{int(eager_graphs)}.{int(fp8)}"
@@ -76,7 +76,7 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
             out, gathered = op(a_shard, w, return_gathered=True)
         full = torch.cat(_gather(a_shard))
         if fp8:  # the gathered e4m3 rows and scales are those of quantising the full input
-            from overlap.gemm import quantize_activation
+            from tp_overlap.gemm import quantize_activation
             q8, qs = quantize_activation(full.to(dev))
             if not (torch.equal(gathered[0].view(torch.uint8), q8.view(torch.uint8))
                     and torch.equal(gathered[1], qs)):
@@ -96,8 +96,8 @@ def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp
 
 
 def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=False):  # comm: num_comm_sms
-    from overlap.config.schema import GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.config.schema import GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     cfg = GemmRsConfig(method=method, sm_margin=margin, num_comm_sms=comm)
     op = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16, config=cfg,
@@ -126,9 +126,9 @@ def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=F
 
 def _captured(c, pool, kind, method, rows, k, n):
     """Calls captured in a CUDA graph, replayed with fresh inputs, eager calls in between."""
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     ag = kind == "ag"
     if ag:
@@ -182,8 +182,8 @@ def _capture_idioms(c, pool, method):
     """The torch docs' idiom (warm up on a side stream, `with torch.cuda.graph(g)` on its own stream), eager
     calls on the default and on another stream after it, a capture after eager calls on another stream,
     two graphs of one op at different M, replays interleaved with eager calls."""
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     op = AgGemm(group=group, pool=pool, max_m=128 * world, k=264, n_local=136, dtype=torch.bfloat16,
                 config=AgGemmConfig(method=method, chunks_per_rank=2), name=f"idioms.{method}")
@@ -243,9 +243,9 @@ def _capture_idioms(c, pool, method):
 def _replays(c, pool, kind, method):
     """Eager calls replayed from recorded graphs (the default path): the same tensors refilled every step,
     so from the second call on each call is one replay; right rows every call, the graph recorded once."""
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     rows, k, n = (256 if method == "epilogue_reduce" else 100), 264, 136
     if kind == "ag":
@@ -289,10 +289,10 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
     """TPMLP forward + backward against the fp64 oracle; optionally a whole step captured and replayed."""
     import dataclasses
 
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
-    from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-    from overlap.config.presets import load_preset
-    from symm_mem import SymmetricPool
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
+    from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+    from tp_overlap.config.presets import load_preset
+    from tp_overlap.symm_mem.pool import SymmetricPool
     group, world, rank, dev = dist.group.WORLD, c.world, c.rank, c.dev
     hidden, ffn, rows = 256, 384, 128
     rs_extra = dict(sm_margin=16, num_comm_sms=8) if rs_method == "fused" else \
@@ -374,10 +374,11 @@ def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomp
 def _reliability(c, dev):
     """On CUDA: disagreeing ranks (at construction, and on a call's M through the flags), use after close, a
     lost signal bounded by the watchdog."""
-    from overlap.ops.validate import OpInputError
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig
-    from symm_mem import PeerAbortError, PoolClosedError, SignalTimeout, SymmetricPool
+    from tp_overlap.ops.validate import OpInputError
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig
+    from tp_overlap.symm_mem.errors import PeerAbortError, PoolClosedError, SignalTimeout
+    from tp_overlap.symm_mem.pool import SymmetricPool
     group, world, rank = dist.group.WORLD, c.world, c.rank
     cfg = AgGemmConfig(method="decomposed")
     notes = []
@@ -417,7 +418,7 @@ def _reliability(c, dev):
         op2(_fresh((16, 64), rank, dev), w)  # warm: both ranks' plans built
         torch.cuda.synchronize()
         dist.barrier()
-        import overlap.ops.schedule as schedule
+        import tp_overlap.ops.schedule as schedule
         original = schedule._memops_of
         if rank == world - 1:  # this rank's "ready" writes are lost from now on: the peers' streams wait
             schedule._memops_of = lambda pool_, op_, step, m: [] if step.kind == "give" and \
@@ -451,7 +452,7 @@ def _reliability(c, dev):
 
 
 def _checks(rank, world, full):
-    from symm_mem import SymmetricPool
+    from tp_overlap.symm_mem.pool import SymmetricPool
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     c = Checks(rank, world, dev)
@@ -539,7 +540,7 @@ def main(argv=None) -> int:
         print(f"W={world}: {time.monotonic() - start:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            from launch.output.report import command_line, git_commit
+            from tp_overlap.launch.output.report import command_line, git_commit
             json.dump({"commit": git_commit(), "command": command_line(), "device": torch.cuda.get_device_name(),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
                        "lines": report}, f, indent=1)

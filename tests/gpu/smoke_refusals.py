@@ -26,12 +26,12 @@ def _refused(build, *errors) -> str:
 
 
 def refusals(c, dev) -> str:
-    from overlap.ops.validate import OpInputError
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, ConfigError, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
-    from overlap.gemm import num_sms
-    from symm_mem import SymmetricPool
+    from tp_overlap.ops.validate import OpInputError
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, ConfigError, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.gemm import num_sms
+    from tp_overlap.symm_mem.pool import SymmetricPool
     group, world, rank = dist.group.WORLD, c.world, c.rank
     sms = num_sms(dev)
     with SymmetricPool(32 << 20, group=group, backend="ipc", device=dev, timeout_s=10) as pool:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_check_script_passes(script, limit_s):
     if not torch.cuda.is_available():
         pytest.fail("this check needs a CUDA GPU")   # never a silent skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     env.pop("TRITON_INTERPRET", None)   # compiled kernels, not the interpreter
     done = subprocess.run([sys.executable, "-m", f"tests.gpu.{script}"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=limit_s)

@@ -13,9 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig
-from symm_mem import PeerAbortError, SignalTimeout, SymmetricPool
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig
+from tp_overlap.symm_mem.errors import PeerAbortError, SignalTimeout
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 TOL = 1e-2

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import GPU_SAFE_ENV, run_ranks
+from tests.multiproc import GPU_SAFE_ENV, child_pythonpath, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,14 +22,14 @@ def _rel_err(out, ref) -> float:
 
 
 def _sweep(rank, world):
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
-    from launch.measure.comm_delay import inject_comm_delay
-    from launch.measure.k_factor import measure
-    from overlap.ops.reference import gemm_rs_reference
-    from launch.measure.shapes import ag_points, rs_points
-    from symm_mem import SymmetricPool
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.launch.measure.comm_delay import inject_comm_delay
+    from tp_overlap.launch.measure.k_factor import measure
+    from tp_overlap.ops.reference import gemm_rs_reference
+    from tp_overlap.launch.measure.shapes import ag_points, rs_points
+    from tp_overlap.symm_mem.pool import SymmetricPool
 
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     ag_pt = ag_points(world, ms=(4096,), layers=["llama8b.qkv"])[0]
@@ -92,10 +92,10 @@ def test_kfactor_short_sweep_ag_and_rs(num_gpus):
 
 
 def test_kfactor_cli_on_gpus(tmp_path, num_gpus):
-    env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": child_pythonpath(), "PYTHONUNBUFFERED": "1"}
     tuned = tmp_path / "tuned.yaml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.kfactor", "--tokens", "1024", "--layers", "llama8b.qkv,llama8b.o_proj",
+           "-m", "tp_overlap.launch.kfactor", "--tokens", "1024", "--layers", "llama8b.qkv,llama8b.o_proj",
            "--sweep", "method=decomposed,fused", "--sweep", "sm_margin=0,16", "--sweep", "chunks_per_rank=1",
            "--reps", "5", "--warmup", "2", "--max-k", "100", "--out-dir", str(tmp_path),
            "--write-config", str(tuned)]
@@ -113,6 +113,6 @@ def test_kfactor_cli_on_gpus(tmp_path, num_gpus):
         assert (tmp_path / name).stat().st_size > 10_000
     trace = json.loads((tmp_path / f"{stem}_gemm_rs.trace.json").read_text())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])   # CUDA activity recorded
-    from overlap.config.presets import load_config
+    from tp_overlap.config.presets import load_config
     cfg = load_config(tuned)
     assert cfg.node.tp_size == 2 and cfg.node.num_sms == torch.cuda.get_device_properties(0).multi_processor_count

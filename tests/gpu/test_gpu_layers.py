@@ -21,11 +21,11 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap.config.schema import OpPreset, RoleConfig
-from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-from overlap.config.presets import load_preset
-from symm_mem import SymmetricPool
-from tests.multiproc import GPU_SAFE_ENV, run_ranks
+from tp_overlap.config.schema import OpPreset, RoleConfig
+from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from tp_overlap.config.presets import load_preset
+from tp_overlap.symm_mem.pool import SymmetricPool
+from tests.multiproc import GPU_SAFE_ENV, child_pythonpath, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 3  # every kernel compiled and every eager side graph recorded before the capture
@@ -200,9 +200,9 @@ def test_gpu_cuda_graph_of_a_full_step_replays_100_times_like_eager(num_gpus, le
 
 def test_gpu_tp_mlp_cli_llama8b(num_gpus, tmp_path):
     out = tmp_path / "tp_mlp.json"
-    env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": str(ROOT)}  # multicast stays off in the children too
+    env = {**os.environ, **GPU_SAFE_ENV, "PYTHONPATH": child_pythonpath()}  # multicast stays off in the children too
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "1.0",
+           "-m", "tp_overlap.launch.tp_mlp", "--model", "llama8b", "--tokens", "4096", "--steps", "5", "--sustained", "1.0",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

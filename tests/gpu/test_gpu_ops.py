@@ -18,11 +18,11 @@ Every call can be captured now (one protocol of toggled flags, no host epochs), 
 import torch
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from symm_mem import SymmetricPool
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 TOL = 1e-2  # bf16 GEMMs: relative Frobenius error vs float64

@@ -7,8 +7,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ipc import IpcPool, live_ipc_pool_count
-from symm_mem import SignalTimeout, SymmetricPool, live_pool_count
+from tp_overlap.ipc.pool import IpcPool, live_ipc_pool_count
+from tp_overlap.symm_mem.errors import SignalTimeout
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
 from tests.multiproc import run_ranks
 
 WARMUP_CYCLES = 5  # create/close cycles before the free-memory baseline is taken
@@ -124,9 +125,9 @@ def _cycles(rank, world, backend, n):
     w_rs = torch.randn(32, 16, device=dev, dtype=torch.bfloat16)
     free_before = None
     samples = []
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.config.schema import AgGemmConfig, GemmRsConfig
-    from overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.gemm_rs import GemmRs
     for i in range(-WARMUP_CYCLES, n):
         if i == 0:  # the first pools initialise the backend once (allocator, IPC state): not a leak
             torch.cuda.synchronize()
@@ -178,7 +179,7 @@ def test_1000_nvshmem_pool_cycles_keep_memory_stable(num_gpus):
 def _ce_pull_bandwidth(rank, world):
     """Median GB/s of a 64 MB copy-engine pull from the peer: {"one": only this rank pulls (rank 0 first,
     then rank 1), "both": both ranks pull at once (what the AllGather does)}."""
-    from launch.measure.pool_bw import ring_pull
+    from tp_overlap.launch.measure.pool_bw import ring_pull
     nbytes = 64 << 20
     dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(priority=-1)

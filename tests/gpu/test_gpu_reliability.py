@@ -7,11 +7,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.ops import schedule
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool
+from tp_overlap.ops import schedule
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.symm_mem.errors import PeerAbortError, PeerLostError, SignalTimeout
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 TIMEOUT_S = 2.0  # the pool's bound on every wait

@@ -1,4 +1,4 @@
-"""Run many `python -m launch.X ARGS` calls from one warm interpreter: each call is a forked child process that
+"""Run many `python -m tp_overlap.launch.X ARGS` calls from one warm interpreter: each call is a forked child process that
 runs the launcher module as `__main__` (as `-m` does), with its own environment, working directory, stdout and
 stderr, and exits with the status `python -m` would give. torch and the project's packages are imported once,
 before the forks: a call then costs a fraction of a second instead of a torch import.
@@ -24,7 +24,7 @@ import traceback
 
 
 def _child(call: dict, out_path: str, err_path: str) -> None:
-    """In the forked child: become `python -m launch.<module> argv` and exit with its status."""
+    """In the forked child: become `python -m tp_overlap.launch.<module> argv` and exit with its status."""
     code = 1
     atexit._clear()   # the runner's exit handlers (its temporary folder's cleanup) are not the call's
     try:
@@ -90,10 +90,10 @@ def main() -> None:
         calls = json.load(f)
     # what every launcher imports: loaded once here, shared by the forks
     import torch  # noqa: F401
-    import overlap.ops.layers  # noqa: F401
-    import launch.cli.dist  # noqa: F401
-    import launch.output.report  # noqa: F401
-    import launch.measure.timing  # noqa: F401
+    import tp_overlap.ops.layers  # noqa: F401
+    import tp_overlap.launch.cli.dist  # noqa: F401
+    import tp_overlap.launch.output.report  # noqa: F401
+    import tp_overlap.launch.measure.timing  # noqa: F401
     results = run(calls, parallel=max(2, os.cpu_count() or 2))
     json.dump(results, sys.stdout)
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.ag_plan import plan_chunks, plan_consumer_gemms
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.validate import OpInputError
-from overlap.ops.reference import ag_gemm_reference
-from symm_mem import PoolClosedError, PoolError, SymmetricPool
+from tp_overlap.ops.ag_plan import plan_chunks, plan_consumer_gemms
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.reference import ag_gemm_reference
+from tp_overlap.symm_mem.errors import PoolClosedError, PoolError
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 

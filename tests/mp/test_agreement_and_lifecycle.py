@@ -10,16 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from overlap.ops.layers import TPMLP, pool_requirements
-from overlap.config.presets import load_preset
-from overlap.ops.schedule import HostDriver
-from symm_mem import (PeerAbortError, PeerLostError, PoolClosedError, PoolError, PoolTimeoutError, SymmetricPool,
-                      live_pool_count)
-from symm_mem.host import SHM_DIR, SHM_PREFIX
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.layers import TPMLP, pool_requirements
+from tp_overlap.config.presets import load_preset
+from tp_overlap.ops.schedule import HostDriver
+from tp_overlap.symm_mem.errors import PeerAbortError, PeerLostError, PoolClosedError, PoolError, PoolTimeoutError
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
+from tp_overlap.symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
 AG = AgGemmConfig(method="decomposed", comm_stream_priority=0)
@@ -237,7 +237,7 @@ def _killed_in_creation(rank, world):
     group = dist.group.WORLD
     before = _mapped_segments()
     if rank == 1:
-        import symm_mem.shared as shared
+        import tp_overlap.symm_mem.shared as shared
         original = shared.SharedSegments._map
 
         def die(self, *args):  # killed after its own segment exists, before the others are mapped

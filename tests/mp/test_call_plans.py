@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
-from overlap.ops.gemm_rs import GemmRs
-from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-from overlap.config.presets import load_preset
-from overlap.ops.schedule import HostDriver
-from symm_mem import SymmetricPool
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from tp_overlap.config.presets import load_preset
+from tp_overlap.ops.schedule import HostDriver
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 SMALL = AgGemmConfig(method="decomposed", chunks_per_rank=1, comm_stream_priority=0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap import AgGemm, AgGemmConfig, GemmRs, GemmRsConfig, SymmetricPool
+from tp_overlap import AgGemm, AgGemmConfig, GemmRs, GemmRsConfig, SymmetricPool
 from tests.multiproc import run_ranks
 
 

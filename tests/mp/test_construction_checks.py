@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from symm_mem import PoolError, SymmetricPool, live_pool_count
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.symm_mem.errors import PoolError
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
 from tests.multiproc import run_ranks
 
 TIMEOUT_S = 20.0   # far above what any refusal below may take

@@ -12,10 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from overlap.ops.validate import OpInputError  # noqa: E402
-from overlap.ops.ag_gemm import AgGemm  # noqa: E402
-from overlap.config.schema import AgGemmConfig, GemmRsConfig  # noqa: E402
-from overlap.ops.gemm_rs import GemmRs  # noqa: E402
+from tp_overlap.ops.validate import OpInputError  # noqa: E402
+from tp_overlap.ops.ag_gemm import AgGemm  # noqa: E402
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig  # noqa: E402
+from tp_overlap.ops.gemm_rs import GemmRs  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 
 # one e4m3 rounding is <= 2**-4 relative per element; over a GEMM with 1x128 / 128x128 scales the relative
@@ -30,8 +30,8 @@ def _rel(a, b):
 
 
 def _ops(rank, world):
-    from overlap.gemm import quantize_activation
-    from symm_mem import SymmetricPool
+    from tp_overlap.gemm import quantize_activation
+    from tp_overlap.symm_mem.pool import SymmetricPool
     group = dist.group.WORLD
     out = {}
     with SymmetricPool(1 << 24, group=group, timeout_s=60) as pool:
@@ -78,9 +78,9 @@ def test_fp8_ops_gather_exact_scales_and_stay_within_e4m3_error(world):
 
 
 def _mlp(rank, world):
-    from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-    from overlap.config.presets import load_preset
-    from symm_mem import SymmetricPool
+    from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+    from tp_overlap.config.presets import load_preset
+    from tp_overlap.symm_mem.pool import SymmetricPool
     group, hidden, ffn, rows = dist.group.WORLD, 256, 128 * world, 40
     req = pool_requirements(hidden=hidden, max_m=rows * world, world_size=world, dtype=torch.bfloat16, fp8=True)
     with SymmetricPool(req.size_bytes, num_signal_words=req.num_signal_words, num_device_words=req.num_device_words,

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from overlap.ops.protocol import CLEAR, SET
-from symm_mem import SymmetricPool, live_pool_count
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.protocol import CLEAR, SET
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
 from tests.multiproc import run_ranks
 
 TIMEOUT_S = 20.0

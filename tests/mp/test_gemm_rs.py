@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from overlap.ops.reference import gemm_rs_reference
-from symm_mem import SymmetricPool
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.reference import gemm_rs_reference
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 

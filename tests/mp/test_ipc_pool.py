@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ipc import IpcError, IpcPool, host_allocation_count, host_empty, host_free, live_ipc_pool_count
+from tp_overlap.ipc.errors import IpcError
+from tp_overlap.ipc.handles import host_allocation_count, host_empty, host_free
+from tp_overlap.ipc.pool import IpcPool, live_ipc_pool_count
 from tests.multiproc import run_ranks
 
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.measure.tune import best_configs, gate_failures, tuned_config
-from launch.cli.common import UsageError
-from launch.kfactor import configs_for, parse_sweep
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.config.presets import load_config, dump_config, parse_config
-from launch.measure.k_factor import KFactor, measure, measure_pair
-from tests.multiproc import run_ranks
+from tp_overlap.launch.measure.tune import best_configs, gate_failures, tuned_config
+from tp_overlap.launch.cli.common import UsageError
+from tp_overlap.launch.kfactor import configs_for, parse_sweep
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.config.presets import load_config, dump_config, parse_config
+from tp_overlap.launch.measure.k_factor import KFactor, measure, measure_pair
+from tests.multiproc import child_pythonpath, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -83,9 +83,9 @@ def test_kfactor_derivations():
 
 # ----- our ops on the host pool ---------------------------------------------------------------------
 def _ops(rank, world):
-    from overlap.ops.ag_gemm import AgGemm
-    from overlap.ops.gemm_rs import GemmRs
-    from symm_mem import SymmetricPool
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.ops.gemm_rs import GemmRs
+    from tp_overlap.symm_mem.pool import SymmetricPool
 
     group, dtype = dist.group.WORLD, torch.bfloat16
     gen = torch.Generator().manual_seed(5 + rank)
@@ -184,9 +184,9 @@ def test_tuned_preset_buckets_round_trip(tmp_path):
 
 
 def _torchrun(args, tmp_path, timeout=180):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OVERLAP_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.kfactor", "--out-dir", str(tmp_path), *args]
+           "-m", "tp_overlap.launch.kfactor", "--out-dir", str(tmp_path), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.output.report import CPU_NOTE, ONE_RANK_NOTE
+from tp_overlap.launch.output.report import CPU_NOTE, ONE_RANK_NOTE
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d")  # torchrun's own log lines
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": child_pythonpath(), "OVERLAP_PROGRESS": "1", **extra}
 
 
 def _python(module, *args, cwd, timeout=120):
@@ -48,11 +49,11 @@ def _own_lines(output: str) -> list[str]:
 # ----- item 3: one line per error -------------------------------------------------------------------------
 def test_a_bad_argument_under_torchrun_is_one_line_from_rank_0(tmp_path):
     t0 = time.monotonic()
-    proc = _torchrun("launch.tp_mlp", "--tokens", "0", cwd=tmp_path)
+    proc = _torchrun("tp_overlap.launch.tp_mlp", "--tokens", "0", cwd=tmp_path)
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
-    assert _own_lines(out) == ["launch.tp_mlp: --tokens must be > 0, got 0"], out
+    assert _own_lines(out) == ["tp_overlap.launch.tp_mlp: --tokens must be > 0, got 0"], out
     assert "[rank" not in out and out.count("Traceback") <= 1, out  # no rank's traceback, at most torchrun's
     # the whole output: that line and torchrun's failure report (~33 lines for the failed rank, 7 more for a
     # rank it had to stop); before: 64 lines (without the OMP banner), a traceback per rank
@@ -61,20 +62,20 @@ def test_a_bad_argument_under_torchrun_is_one_line_from_rank_0(tmp_path):
 
 
 @pytest.mark.parametrize("module,args,line", [
-    ("launch.tp_mlp", ["--tokens", "0"], "launch.tp_mlp: --tokens must be > 0, got 0"),
-    ("launch.tp_mlp", ["--steps", "0"], "launch.tp_mlp: --steps must be > 0, got 0"),
-    ("launch.tp_mlp", ["--tokens", "x"],
-     "launch.tp_mlp: argument --tokens: expected comma-separated integers, got 'x'"),
-    ("launch.tp_mlp", ["--model", "llama9b"],
-     "launch.tp_mlp: --model: unknown model 'llama9b'; known: llama8b, llama70b, tiny"),
-    ("launch.tp_mlp", ["--cuda-graphs"], "launch.tp_mlp: --cuda-graphs needs CUDA devices"),
-    ("launch.bench", ["--op", "ag_gemm", "--tokens", "1024,x"],
-     "launch.bench: argument --tokens: expected comma-separated integers, got '1024,x'"),
-    ("launch.bench", ["--cpu"], "launch.bench: needs at least 2 ranks, got 1 (run it under torchrun "
+    ("tp_overlap.launch.tp_mlp", ["--tokens", "0"], "tp_overlap.launch.tp_mlp: --tokens must be > 0, got 0"),
+    ("tp_overlap.launch.tp_mlp", ["--steps", "0"], "tp_overlap.launch.tp_mlp: --steps must be > 0, got 0"),
+    ("tp_overlap.launch.tp_mlp", ["--tokens", "x"],
+     "tp_overlap.launch.tp_mlp: argument --tokens: expected comma-separated integers, got 'x'"),
+    ("tp_overlap.launch.tp_mlp", ["--model", "llama9b"],
+     "tp_overlap.launch.tp_mlp: --model: unknown model 'llama9b'; known: llama8b, llama70b, tiny"),
+    ("tp_overlap.launch.tp_mlp", ["--cuda-graphs"], "tp_overlap.launch.tp_mlp: --cuda-graphs needs CUDA devices"),
+    ("tp_overlap.launch.bench", ["--op", "ag_gemm", "--tokens", "1024,x"],
+     "tp_overlap.launch.bench: argument --tokens: expected comma-separated integers, got '1024,x'"),
+    ("tp_overlap.launch.bench", ["--cpu"], "tp_overlap.launch.bench: needs at least 2 ranks, got 1 (run it under torchrun "
                                 "--nproc-per-node N, N >= 2); one rank has nothing to overlap"),
-    ("launch.kfactor", ["--sweep", "sm_margin=a"], "launch.kfactor: --sweep: sm_margin='a' is not an int"),
-    ("launch.offload_bench", ["--models", "gpt"],
-     "launch.offload_bench: --models: unknown model 'gpt'; known: llama8b, llama70b, tiny"),
+    ("tp_overlap.launch.kfactor", ["--sweep", "sm_margin=a"], "tp_overlap.launch.kfactor: --sweep: sm_margin='a' is not an int"),
+    ("tp_overlap.launch.offload_bench", ["--models", "gpt"],
+     "tp_overlap.launch.offload_bench: --models: unknown model 'gpt'; known: llama8b, llama70b, tiny"),
 ])
 def test_each_bad_argument_is_one_line_and_exit_status_2(tmp_path, module, args, line):
     proc = _python(module, *args, cwd=tmp_path)
@@ -87,22 +88,22 @@ def test_a_yaml_typo_prints_the_config_errors_line(tmp_path):
     raw["ops"]["ag_gemm"]["methd"] = raw["ops"]["ag_gemm"].pop("method")
     config = tmp_path / "typo.yaml"
     config.write_text(yaml.safe_dump(raw))
-    proc = _python("launch.tp_mlp", "--config", str(config), cwd=tmp_path)
+    proc = _python("tp_overlap.launch.tp_mlp", "--config", str(config), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [f"launch.tp_mlp: {config}: ops.ag_gemm.methd: unknown key 'methd'; allowed: "
+    assert proc.stderr.splitlines() == [f"tp_overlap.launch.tp_mlp: {config}: ops.ag_gemm.methd: unknown key 'methd'; allowed: "
                                         "by_m, chunks_per_rank, comm_stream_priority, lead_fraction, method, sm_margin"]
 
 
 def test_debug_adds_the_traceback(tmp_path):
-    proc = _python("launch.tp_mlp", "--steps", "0", "--debug", cwd=tmp_path)
+    proc = _python("tp_overlap.launch.tp_mlp", "--steps", "0", "--debug", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback (most recent call last)" in proc.stderr
-    assert "UsageError" in proc.stderr and proc.stderr.splitlines()[-1] == "launch.tp_mlp: --steps must be > 0, got 0"
+    assert "UsageError" in proc.stderr and proc.stderr.splitlines()[-1] == "tp_overlap.launch.tp_mlp: --steps must be > 0, got 0"
 
 
 # ----- items 2, 4, 5: run folders, one rank, CPU labels ----------------------------------------------------
 def test_one_rank_run_is_labelled_and_writes_a_run_folder_not_results(tmp_path):
     before = _results_listing()
-    proc = _python("launch.tp_mlp", "--tokens", "64", "--steps", "2", "--warmup", "1", cwd=tmp_path)
+    proc = _python("tp_overlap.launch.tp_mlp", "--tokens", "64", "--steps", "2", "--warmup", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "results").exists() and _results_listing() == before
     (written,) = tmp_path.glob("runs/tp_mlp-*/tp_mlp_cpu_tp1.json")
@@ -119,7 +120,7 @@ def test_one_rank_run_is_labelled_and_writes_a_run_folder_not_results(tmp_path):
 
 
 def test_bench_on_cpu_defaults_to_tiny_shapes_and_a_run_folder(tmp_path):
-    proc = _torchrun("launch.bench", "--op", "ag_gemm", "--reps", "2", "--warmup", "1", cwd=tmp_path)
+    proc = _torchrun("tp_overlap.launch.bench", "--op", "ag_gemm", "--reps", "2", "--warmup", "1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (written,) = tmp_path.glob("runs/bench-*/ag_gemm_cpu_tp2.json")
     assert not (tmp_path / "results").exists()
@@ -131,7 +132,7 @@ def test_bench_on_cpu_defaults_to_tiny_shapes_and_a_run_folder(tmp_path):
 
 
 def test_kfactor_on_cpu_has_no_gate_by_default_and_says_so(tmp_path):
-    proc = _torchrun("launch.kfactor", "--ops", "ag_gemm", "--tokens", "256", "--sweep", "sm_margin=0",
+    proc = _torchrun("tp_overlap.launch.kfactor", "--ops", "ag_gemm", "--tokens", "256", "--sweep", "sm_margin=0",
                      "--sweep", "chunks_per_rank=1", "--reps", "3", "--warmup", "1", "--no-plots", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     note = "k-factor gate: off (CPU k values are host-scheduling noise, not contention; --max-k K applies one)"
@@ -143,7 +144,7 @@ def test_kfactor_on_cpu_has_no_gate_by_default_and_says_so(tmp_path):
 
 
 def test_offload_bench_writes_a_run_folder_by_default(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.offload_bench", "--cpu", "--tokens", "32", "--layers", "1",
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap.launch.offload_bench", "--cpu", "--tokens", "32", "--layers", "1",
                            "--reps", "1", "--warmup", "0"], cwd=tmp_path, env=_env(OVERLAP_PROGRESS="0"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

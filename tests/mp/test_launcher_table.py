@@ -1,4 +1,4 @@
-"""Every launcher as a newcomer meets it, on CPU: `python -m launch.X --help` exits 0, prints nothing on stderr
+"""Every launcher as a newcomer meets it, on CPU: `python -m tp_overlap.launch.X --help` exits 0, prints nothing on stderr
 and shows the default of every option that takes a value; each bad argument of the table is ONE line on
 stderr that names what is wrong, exit status 2, no traceback, and nothing is written into the checkout
 (tracked files, results/ and the run folders unchanged). A call "of W ranks" sets torchrun's variables for
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench", "compile_check", "host_cost", "launch_overhead",
@@ -86,14 +87,14 @@ CASES = [
 
 def _env(ranks: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env |= {"PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}   # the CPU answers, also on a GPU machine
+    env |= {"PYTHONPATH": child_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}   # the CPU answers, also on a GPU machine
     if ranks > 1:
         env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks)}
     return env
 
 
 def _call(module: str, argv: list[str], ranks: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"launch.{module}", *argv], cwd=ROOT, env=_env(ranks),
+    return subprocess.run([sys.executable, "-m", f"tp_overlap.launch.{module}", *argv], cwd=ROOT, env=_env(ranks),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -108,7 +109,7 @@ def _table(tmp) -> dict[str, subprocess.CompletedProcess]:
     mine = tmp / "mine.yaml"
     mine.write_text((ROOT / "configs" / "cpu.yaml").read_text() + MINE)
     cases = [(f"help-{m}", m, ["--help"], 1) for m in LAUNCHERS] + [case[:4] for case in CASES]
-    calls = [{"key": key, "module": f"launch.{m}", "argv": [a.replace("{mine}", str(mine)) for a in argv],
+    calls = [{"key": key, "module": f"tp_overlap.launch.{m}", "argv": [a.replace("{mine}", str(mine)) for a in argv],
               "env": _env(ranks), "cwd": str(ROOT), "timeout_s": TIMEOUT_S} for key, m, argv, ranks in cases]
     (tmp / "calls.json").write_text(json.dumps(calls))
     runner = subprocess.run([sys.executable, str(Path(__file__).with_name("_launcher_runner.py")),
@@ -130,7 +131,7 @@ def outcomes(tmp_path_factory):
 
 
 def _foreign(module: str):
-    return [pytest.mark.xfail(strict=True, reason=f"launch.{module} ({FOREIGN[module]})")] if module in FOREIGN else []
+    return [pytest.mark.xfail(strict=True, reason=f"tp_overlap.launch.{module} ({FOREIGN[module]})")] if module in FOREIGN else []
 
 
 def _option_blocks(help_text: str) -> list[str]:
@@ -151,8 +152,8 @@ def test_help_exits_0_and_shows_the_default_of_every_option_with_a_value(outcome
     for block in _option_blocks(proc.stdout):
         takes_value = re.match(r"^\s+(?:-\w, )?--[\w-]+ (?!\s)\S", block) and not block.lstrip().startswith("-h")
         if takes_value:
-            assert "default" in block, f"launch.{module}: {block}"
-        assert block.count("(default") <= 1, f"launch.{module}: two defaults for one option: {block}"
+            assert "default" in block, f"tp_overlap.launch.{module}: {block}"
+        assert block.count("(default") <= 1, f"tp_overlap.launch.{module}: two defaults for one option: {block}"
 
 
 @pytest.mark.parametrize("case,module,argv,ranks,expected",
@@ -162,7 +163,7 @@ def test_a_bad_argument_is_one_line_exit_2_without_a_traceback(outcomes, case, m
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith(f"launch.{module}: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"tp_overlap.launch.{module}: "), proc.stderr
     missing = [text for text in expected if text not in lines[0]]
     assert not missing, (lines[0], missing)
 

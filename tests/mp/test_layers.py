@@ -7,12 +7,12 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children: see launch/tp_mlp.py
 import torch.distributed as dist
 
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import OpPreset, RoleConfig
-from overlap.config.presets import load_preset
-from overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
-from symm_mem import SymmetricPool
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import OpPreset, RoleConfig
+from tp_overlap.config.presets import load_preset
+from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 # tails everywhere: hidden and ffn not multiples of 64, M/W not a multiple of 128 (and M < max_m)

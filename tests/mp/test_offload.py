@@ -12,10 +12,10 @@ import torch
 import torch._dynamo  # noqa: F401  before init_process_group in the children (see launch/cli/dist.py)
 import torch.distributed as dist
 
-from overlap.offload.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
-from overlap.ops.layers import TPMLP, pool_requirements
-from overlap.offload.engine import OffloadEngine, disable_offload, enable_offload, host_bytes
-from overlap.offload.planner import MLPShape, Rates, pacing_offset, plan_offload
+from tp_overlap.offload.host_pool import HostPool, HostSlot, SlotInUseError, StaleSlotError, live_host_pool_count
+from tp_overlap.ops.layers import TPMLP, pool_requirements
+from tp_overlap.offload.engine import OffloadEngine, disable_offload, enable_offload, host_bytes
+from tp_overlap.offload.planner import MLPShape, Rates, pacing_offset, plan_offload
 from tests.multiproc import run_ranks
 
 HIDDEN, FFN, LAYERS = 24, 40, 3
@@ -29,7 +29,7 @@ def _stack(world, dtype, activation, *, overlap=False, pool=None, save_gathered=
     kwargs = dict(group=dist.group.WORLD, max_m=ROWS[0] * world, dtype=dtype, overlap=overlap,
                   save_gathered=save_gathered)
     if overlap:
-        from overlap.config.presets import load_preset
+        from tp_overlap.config.presets import load_preset
         kwargs.update(pool=pool, config=load_preset("cpu", world))
     return [TPMLP(HIDDEN, FFN, activation=activation, name=f"mlp{seed}.{i}", **kwargs) for i in range(LAYERS)]
 
@@ -84,7 +84,7 @@ def _bitwise_equal_to_plain(rank, world, dtype_name, activation, overlap, save_g
     view = overlap and save_gathered == "view"
     pool_ctx = None
     if overlap:
-        from symm_mem import SymmetricPool
+        from tp_overlap.symm_mem.pool import SymmetricPool
         req = pool_requirements(hidden=HIDDEN, max_m=ROWS[0] * world, world_size=world, dtype=dtype)
         pool_ctx = SymmetricPool(2 * LAYERS * req.size_bytes, group=dist.group.WORLD,
                                  num_signal_words=2 * LAYERS * req.num_signal_words,
@@ -360,9 +360,9 @@ def test_staggered_pacing_offsets_ranks_and_stays_bitwise_equal(two_ranks):
 
 def _tp_mlp_report(rank, world):
     """The fields launch.tp_mlp --offload adds to its row, for a forced list and for auto."""
-    from launch.cli.dist import DistContext
-    from launch.measure.offload_report import offload_report
-    from overlap.offload.config import parse_offload_arg
+    from tp_overlap.launch.cli.dist import DistContext
+    from tp_overlap.launch.measure.offload_report import offload_report
+    from tp_overlap.offload.config import parse_offload_arg
 
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, torch.device("cpu"), dist.group.WORLD)

@@ -1,4 +1,4 @@
-"""launch.offload_bench end to end on CPU (a real process): rows for every variant, bitwise-equal gradients,
+"""tp_overlap.launch.offload_bench end to end on CPU (a real process): rows for every variant, bitwise-equal gradients,
 peaks counted on CPU equal to the planner's prediction for every variant, the planner's table, the budget
 sweep, a JSON with provenance and the plot; a tiny time budget skips points with a note."""
 
@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli.common import UsageError
-from launch.offload_bench import budget_item, parse_args
+from tp_overlap.launch.cli.common import UsageError
+from tp_overlap.launch.offload_bench import budget_item, parse_args
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, *extra, timeout=300):
     out = tmp_path / "offload.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OVERLAP_PROGRESS="0", MASTER_PORT=str(29600 + os.getpid() % 300))
-    cmd = [sys.executable, "-m", "launch.offload_bench", "--cpu", "--reps", "2", "--warmup", "1", "--out", str(out),
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), OVERLAP_PROGRESS="0", MASTER_PORT=str(29600 + os.getpid() % 300))
+    cmd = [sys.executable, "-m", "tp_overlap.launch.offload_bench", "--cpu", "--reps", "2", "--warmup", "1", "--out", str(out),
            *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -10,10 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig
-from symm_mem import PeerLostError, PoolError, SymmetricPool, live_pool_count
-from symm_mem.host import SHM_DIR, SHM_PREFIX
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig
+from tp_overlap.symm_mem.errors import PeerLostError, PoolError
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
+from tp_overlap.symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
 TIMEOUT_S = 15.0   # the pools' bound: the failures below must come far sooner

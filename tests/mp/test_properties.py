@@ -8,11 +8,11 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from overlap.gemm import GemmBlocks, triton_mm
-from symm_mem import SymmetricPool
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.gemm import GemmBlocks, triton_mm
+from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
 SETTINGS = dict(derandomize=True, database=None, deadline=None, print_blob=False)

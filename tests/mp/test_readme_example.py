@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "# example.py: torchrun --standalone --nproc-per-node 2 example.py"
@@ -19,7 +20,7 @@ def readme_example() -> str:
 def test_the_readme_example_runs_on_two_cpu_ranks(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(readme_example())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ipc import IpcPool, host_empty, host_free, live_ipc_pool_count
-from overlap.ops.validate import OpInputError
-from overlap.ops.ag_gemm import AgGemm
-from overlap.config.schema import AgGemmConfig, GemmRsConfig
-from overlap.ops.gemm_rs import GemmRs
-from symm_mem import PeerAbortError, PeerLostError, SignalTimeout, SymmetricPool, live_pool_count
-from symm_mem.host import SHM_DIR, SHM_PREFIX
+from tp_overlap.ipc.handles import host_empty, host_free
+from tp_overlap.ipc.pool import IpcPool, live_ipc_pool_count
+from tp_overlap.ops.validate import OpInputError
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.symm_mem.errors import PeerAbortError, PeerLostError, SignalTimeout
+from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
+from tp_overlap.symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
 AG = AgGemmConfig(method="decomposed", comm_stream_priority=0)
@@ -38,7 +40,7 @@ def _skip_signal(rank, world, bad_rank, timeout_s):
     if rank == bad_rank:
         # From call 3 on this rank's "ready" writes are lost (its data is written, the flag never arrives):
         # a signalling path that stops working
-        from overlap.ops import schedule
+        from tp_overlap.ops import schedule
         deliver = schedule.HostDriver._execute
 
         def lossy(driver, step, *args):
@@ -158,7 +160,7 @@ def _two_ops_two_pools(rank, world):
         # a second thread calling an op while it is in flight is refused with a clear error
         slow = threading.Event()
         release = threading.Event()
-        from overlap.ops.schedule import HostDriver
+        from tp_overlap.ops.schedule import HostDriver
         original = HostDriver.run
 
         def held(driver, ctx, compute=None):  # the worker's call is inside the op while this waits

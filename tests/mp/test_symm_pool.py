@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from symm_mem import (PeerAbortError, PoolCapacityError, PoolClosedError, PoolError, SignalTimeout,
-                      SymmetricPool)
-from symm_mem.host import SHM_DIR, SHM_PREFIX
+from tp_overlap.symm_mem.errors import PeerAbortError, PoolCapacityError, PoolClosedError, PoolError, SignalTimeout
+from tp_overlap.symm_mem.pool import SymmetricPool
+from tp_overlap.symm_mem.host import SHM_DIR, SHM_PREFIX
 from tests.multiproc import run_ranks
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from launch.bench import POOL_BW_CPU_NOTE
-from launch.output.report import CPU_NOTE, format_table, write_results
-from launch.measure.timing import bench_interleaved
-from tests.multiproc import run_ranks
+from tp_overlap.launch.bench import POOL_BW_CPU_NOTE
+from tp_overlap.launch.output.report import CPU_NOTE, format_table, write_results
+from tp_overlap.launch.measure.timing import bench_interleaved
+from tests.multiproc import child_pythonpath, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,14 +50,14 @@ def test_results_json_has_provenance(tmp_path):
 
 def test_bench_cli_runs_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "pool_bw.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OVERLAP_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.bench", "--op", "pool_bw", "--sizes-mb", "1,2", "--reps", "3", "--out", str(out)]
+           "-m", "tp_overlap.launch.bench", "--op", "pool_bw", "--sizes-mb", "1,2", "--reps", "3", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["tp"] == 2 and doc["device"] == "cpu" and len(doc["rows"]) == 2
-    assert "launch.bench --op pool_bw --sizes-mb 1,2" in doc["command"]
+    assert "tp_overlap.launch.bench --op pool_bw --sizes-mb 1,2" in doc["command"]
     for row in doc["rows"]:
         assert row["ce_pull_GBps"] > 0 and row["allgather_GBps"] > 0 and row["allgather_backend"] == "gloo"
         assert row["ce_pull_min_ms"] <= row["ce_pull_median_ms"] <= row["ce_pull_max_ms"]
@@ -68,8 +68,8 @@ def test_bench_cli_runs_on_two_cpu_ranks(tmp_path):
 
 
 def test_bench_refuses_one_rank(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": "29731"}
-    proc = subprocess.run([sys.executable, "-m", "launch.bench", "--cpu"], cwd=ROOT, env=env,
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "MASTER_PORT": "29731"}
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap.launch.bench", "--cpu"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr
 
@@ -77,9 +77,9 @@ def test_bench_refuses_one_rank(tmp_path):
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
 def test_op_bench_cli_writes_the_results_schema(tmp_path, op):
     out = tmp_path / f"{op}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.bench", "--op", op, "--shape", "200x72x40", "--reps", "3", "--out", str(out)]
+           "-m", "tp_overlap.launch.bench", "--op", op, "--shape", "200x72x40", "--reps", "3", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,14 +21,14 @@ def test_a_usage_error_under_torchrun_reports_rank_0_alone(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(LATE_START)
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(site), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "launch.tp_mlp", "--tokens", "0"]
+           "-m", "tp_overlap.launch.tp_mlp", "--tokens", "0"]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out   # torchrun's own status for a failed job
-    assert out.splitlines().count("launch.tp_mlp: --tokens must be > 0, got 0") == 1, out
+    assert out.splitlines().count("tp_overlap.launch.tp_mlp: --tokens must be > 0, got 0") == 1, out
     assert "SIGTERM" not in out and "Signal 15" not in out, out
     assert "<NO_OTHER_FAILURES>" in out and out.count("exitcode  : 2 ") == 1, out
     assert time.monotonic() - start < 120 and not (tmp_path / "runs").exists()

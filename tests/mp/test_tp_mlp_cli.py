@@ -1,4 +1,4 @@
-"""`launch.tp_mlp` end to end under torchrun on 2 CPU ranks (gloo + host pool)."""
+"""`tp_overlap.launch.tp_mlp` end to end under torchrun on 2 CPU ranks (gloo + host pool)."""
 
 import json
 import math
@@ -9,15 +9,16 @@ from pathlib import Path
 
 import yaml
 
-from launch.output.report import CPU_NOTE
+from tp_overlap.launch.output.report import CPU_NOTE
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args, tmp_path, timeout=240):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OVERLAP_PROGRESS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OVERLAP_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "launch.tp_mlp", *args]
+           "-m", "tp_overlap.launch.tp_mlp", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -27,7 +28,7 @@ def test_tp_mlp_cli_runs_on_two_cpu_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["tp"] == 2 and doc["device"] == "cpu" and doc["op"] == "tp_mlp"
-    assert doc["preset"].endswith("cpu.yaml") and "launch.tp_mlp --tokens 64,128" in doc["command"]
+    assert doc["preset"].endswith("cpu.yaml") and "tp_overlap.launch.tp_mlp --tokens 64,128" in doc["command"]
     assert [(r["model"], r["M"]) for r in doc["rows"]] == [("tiny", 64), ("tiny", 128)]
     for row in doc["rows"]:
         assert row["hidden"] == 64 and row["ffn_hidden"] == 176 and row["activation"] == "swiglu"
@@ -117,4 +118,4 @@ def test_tp_mlp_cli_fp8_and_offload_columns(tmp_path):
     assert abs(row["offload_time_ratio"] - row["t_step_offload_on_ms"] / row["t_step_offload_off_ms"]) < 1e-9
     assert row["offload_peak_ratio"] is None and "activation offload: rates, plan" in proc.stderr
     proc = _run(["--tokens", "64", "--fp8", "--dtype", "fp32", "--out", str(tmp_path / "x.json")], tmp_path)
-    assert proc.returncode != 0 and "launch.tp_mlp: --fp8 needs --dtype bf16" in proc.stderr
+    assert proc.returncode != 0 and "tp_overlap.launch.tp_mlp: --fp8 needs --dtype bf16" in proc.stderr

@@ -5,8 +5,8 @@ never set. Property test over odd rows per rank (the last chunk shorter or empty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.gemm import ag_chunk_index, ag_chunk_rows
-from overlap.ops.ag_plan import plan_chunks
+from tp_overlap.kernels.gemm import ag_chunk_index, ag_chunk_rows
+from tp_overlap.ops.ag_plan import plan_chunks
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

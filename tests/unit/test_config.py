@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overlap.config.schema import ConfigError, AgGemmConfig, GemmRsConfig
-from overlap.config.presets import dump_config, gpu_slug, load_config, load_preset, migrate, parse_config, preset_path
+from tp_overlap.config.schema import ConfigError, AgGemmConfig, GemmRsConfig
+from tp_overlap.config.presets import dump_config, gpu_slug, load_config, load_preset, migrate, parse_config, preset_path
 
 PRESETS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
@@ -155,7 +155,7 @@ def test_a_method_says_what_runs_and_refuses_fields_it_cannot_honour(cls, fields
 
 
 def test_model_section_parses_validates_and_round_trips(tmp_path):
-    from overlap.config.schema import ModelConfig
+    from tp_overlap.config.schema import ModelConfig
     raw = _base()
     raw["model"] = {"name": "llama8b", "activation": "gelu"}
     cfg = parse_config(raw, file="m.yaml")
@@ -173,7 +173,7 @@ def test_model_section_parses_validates_and_round_trips(tmp_path):
 
 def test_results_record_the_commit_the_script_gave_over_the_checkouts_head(monkeypatch):
     # the GPU machine's copied .git reported a stale HEAD: an explicit commit must win
-    from launch.output.report import git_commit
+    from tp_overlap.launch.output.report import git_commit
     monkeypatch.setenv("OVERLAP_GIT_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
     monkeypatch.delenv("OVERLAP_GIT_COMMIT")
@@ -184,8 +184,8 @@ def test_cuda_graph_benchmarks_refuse_cpu_ranks_with_a_clear_message():
     import pytest
     import torch
 
-    from launch.measure import op_bench
-    from launch.cli.common import UsageError
+    from tp_overlap.launch.measure import op_bench
+    from tp_overlap.launch.cli.common import UsageError
 
     class CpuContext:
         device = torch.device("cpu")

@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-from launch.gemm_tune import FP8_CANDIDATES
-from overlap.gemm import fp8
-from overlap.gemm.blocks import GemmBlocks
+from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
+from tp_overlap.gemm import fp8
+from tp_overlap.gemm.blocks import GemmBlocks
 
 
 def test_the_gl_suffix_round_trips_and_is_not_plain():
@@ -69,7 +69,7 @@ def test_the_table_choice_falls_back_to_plain_blocks_where_tma_cannot_read_the_s
 
 
 def test_gluon_operand_problems_name_the_unaligned_scale_rows():
-    from overlap.gemm.fp8_gluon_launch import gluon_operand_problems
+    from tp_overlap.gemm.fp8_gluon_launch import gluon_operand_problems
 
     out = torch.empty(8, 16, dtype=torch.bfloat16)
     assert gluon_operand_problems(**_operands(m=8), out=out) == []
@@ -84,7 +84,7 @@ def test_gluon_operand_problems_name_the_unaligned_scale_rows():
 def test_row_major_a_scales_with_padded_rows_are_read_as_they_are():
     """An AllGather pool keeps the gathered scales row-major, rows padded to 4 (16 bytes): TMA reads those
     rows directly (boxes [128, 4]); unpadded row-major rows are refused."""
-    from overlap.gemm.fp8_gluon_launch import _a_scale_rows, gluon_operand_problems
+    from tp_overlap.gemm.fp8_gluon_launch import _a_scale_rows, gluon_operand_problems
 
     ops = _operands(m=8)
     padded = torch.zeros(8, fp8.padded_scale_groups(256))[:, :2]
@@ -98,8 +98,8 @@ def test_row_major_a_scales_with_padded_rows_are_read_as_they_are():
 
 def test_every_gluon_choice_of_the_fp8_table_and_the_candidates_is_runnable():
     """A stale entry (e.g. a ring depth the kernel no longer fits) would otherwise fail only on the GPU."""
-    from overlap.gemm.blocks import load_block_table
-    from overlap.gemm.fp8_gluon_launch import gluon_block_problems
+    from tp_overlap.gemm.blocks import load_block_table
+    from tp_overlap.gemm.fp8_gluon_launch import gluon_block_problems
 
     table = load_block_table("h200_fp8")
     names = {e.blocks.name for e in table.entries} | {n for n in FP8_CANDIDATES if GemmBlocks.parse(n).gluon}

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from overlap.gemm import FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight  # noqa: E402
-from overlap.gemm.fp8 import quantize_activation, quantize_activation_reference as reference_activation  # noqa: E402
-from overlap.gemm.fp8 import quantize_weight, quantize_weight_reference as reference_weight  # noqa: E402
+from tp_overlap.gemm import FP8_DTYPE, Fp8WeightCache, dequantize_activation, dequantize_weight  # noqa: E402
+from tp_overlap.gemm.fp8 import quantize_activation, quantize_activation_reference as reference_activation  # noqa: E402
+from tp_overlap.gemm.fp8 import quantize_weight, quantize_weight_reference as reference_weight  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from launch.cluster_gemm_probe import (DEFAULT_POINTS, SHARED_MEMORY_LIMIT, ClusterTile, cluster_support_problem,
+from tp_overlap.launch.cluster_gemm_probe import (DEFAULT_POINTS, SHARED_MEMORY_LIMIT, ClusterTile, cluster_support_problem,
                                        compile_cluster_gemm, main, parse_points)
 
 
@@ -58,7 +58,7 @@ def test_bad_points_are_one_line_usage_errors_that_say_why(capsys):
 @pytest.mark.skipif(cluster_support_problem() is not None, reason="Gluon clusters need Triton >= 3.7")
 @pytest.mark.parametrize("text", ["64+32", "64+16x2", "32+16n2"])
 def test_the_kernel_compiles_for_sm90_as_a_multicasting_cluster_without_idle_warps(text):
-    from launch.compile_check import resource_usage
+    from tp_overlap.launch.compile_check import resource_usage
 
     tile = ClusterTile.parse(text)
     compiled = compile_cluster_gemm(tile)

@@ -1,4 +1,4 @@
-"""launch.gemm_tune and launch.gemm_bench (bf16 and --fp8) end to end on CPU (Triton interpreter, tiny
+"""tp_overlap.launch.gemm_tune and launch.gemm_bench (bf16 and --fp8) end to end on CPU (Triton interpreter, tiny
 shapes, host-clock timing): the table they write loads and drives choose_blocks, the JSON has a row per
 shape and layout, and a budget too small for any shape skips them all instead of overrunning."""
 
@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from launch import gemm_bench, gemm_tune  # noqa: E402
-from launch.measure.canary import run_canaries  # noqa: E402
-from overlap.gemm import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
+from tp_overlap.launch import gemm_bench, gemm_tune  # noqa: E402
+from tp_overlap.launch.measure.canary import run_canaries  # noqa: E402
+from tp_overlap.gemm import PLAIN_BLOCK_M, choose_blocks, load_block_table  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
               pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke runs; on a GPU run the launchers")]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import gemm_bench, gemm_tune
-from launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES, gemm_candidates,
+from tp_overlap.launch import gemm_bench, gemm_tune
+from tp_overlap.launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES, gemm_candidates,
                                 point_seconds, shape_class, splits_k, streams_k, tune_order)
-from launch.measure.shapes import ag_points, rs_points
-from overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
+from tp_overlap.launch.measure.shapes import ag_points, rs_points
+from tp_overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMS = 132

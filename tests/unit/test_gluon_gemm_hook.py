@@ -7,9 +7,9 @@ import pytest
 import torch
 import yaml
 
-from launch.measure.tune import GEMM_CLASSES, GLUON_CANDIDATES
-from overlap.gemm import BlockTableError, GemmBlocks, parse_block_table, triton_gemm, triton_mm
-from overlap.gemm.gluon_launch import gluon_operand_problems
+from tp_overlap.launch.measure.tune import GEMM_CLASSES, GLUON_CANDIDATES
+from tp_overlap.gemm import BlockTableError, GemmBlocks, parse_block_table, triton_gemm, triton_mm
+from tp_overlap.gemm.gluon_launch import gluon_operand_problems
 
 
 def test_gluon_candidates_are_valid_bf16_blocks_in_every_class_and_not_plain():
@@ -89,7 +89,7 @@ def test_the_table_choice_falls_back_to_plain_blocks_where_the_gluon_kernel_cann
 
 
 def test_launch_gemm_refuses_gluon_blocks():
-    from overlap.gemm import launch_gemm
+    from tp_overlap.gemm import launch_gemm
 
     a, b = torch.randn(16, 16).bfloat16(), torch.randn(16, 16).bfloat16()
     with pytest.raises(ValueError, match="name a Gluon kernel"):
@@ -98,7 +98,7 @@ def test_launch_gemm_refuses_gluon_blocks():
 
 
 def test_split_plan_cuts_only_a_partial_last_wave_and_only_when_it_pays():
-    from overlap.gemm.gluon_launch import split_plan
+    from tp_overlap.gemm.gluon_launch import split_plan
 
     tile = 2 * 128 * 128 * 4096
     assert split_plan(264, 132, 64, tile) == (264, 1), "full waves: nothing to split"
@@ -121,13 +121,13 @@ def test_sk1_is_the_only_stream_k_the_gluon_kernel_takes():
 @pytest.mark.parametrize("block_n,boxes", [(96, (64, 32)), (80, (64, 16)), (160, (128, 32)), (192, (128, 64)),
                                            (128, (64, 64)), (48, (32, 16)), (112, None), (16, None), (320, None)])
 def test_box_widths_split_a_width_into_two_powers_of_two(block_n, boxes):
-    from overlap.gemm.blocks import box_widths
+    from tp_overlap.gemm.blocks import box_widths
 
     assert box_widths(block_n) == boxes
 
 
 def test_the_two_box_kernel_runs_block_m_64_and_widths_that_are_not_powers_of_two():
-    from launch.measure.tune import GLUON_BOX_CANDIDATES
+    from tp_overlap.launch.measure.tune import GLUON_BOX_CANDIDATES
 
     assert GemmBlocks.parse("128x96x64w4s7gl").gluon_boxes == (64, 32)
     assert GemmBlocks.parse("64x128x64w4s7gl").gluon_boxes == (64, 64)

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from overlap.offload import numa
-from overlap.offload.host_pool import (SLOT_ALIGN_BYTES, HostPool, OffloadError, SlotInUseError, StaleSlotError,
+from tp_overlap.offload import numa
+from tp_overlap.offload.host_pool import (SLOT_ALIGN_BYTES, HostPool, OffloadError, SlotInUseError, StaleSlotError,
                                live_host_pool_count)
 
 

@@ -1,7 +1,7 @@
 """The new kernels compile for sm_90 without a GPU (Triton's own ptxas), without register spills and within
 the shared memory of one H100/H200 block: what the interpreter cannot check (it accepted a non-constexpr
 global that the compiler refuses). Compiled in a child process without TRITON_INTERPRET (the interpreter
-replaces @triton.jit functions in this one). The full sweep: `python -m launch.compile_check
+replaces @triton.jit functions in this one). The full sweep: `python -m tp_overlap.launch.compile_check
 --candidates --fp8 --table`."""
 
 import json
@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import triton
 
-from overlap.gemm.blocks import SHARED_MEMORY_LIMIT
+from tp_overlap.gemm.blocks import SHARED_MEMORY_LIMIT
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json
-from launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_gluon_gemm,
+from tp_overlap.launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_gluon_gemm,
                                   compile_overlap_kernels, compile_quantizers, compile_swiglu, resource_usage)
-from overlap.gemm import GemmBlocks
+from tp_overlap.gemm import GemmBlocks
+from tests.multiproc import child_pythonpath
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
 out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s5gl")))
@@ -49,7 +50,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
 def test_new_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = child_pythonpath()
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

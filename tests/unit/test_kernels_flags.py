@@ -8,7 +8,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.flags import SET, record_error, wait_for_flag  # noqa: E402
+from tp_overlap.kernels.flags import SET, record_error, wait_for_flag  # noqa: E402
 
 
 @triton.jit

@@ -17,8 +17,8 @@ import triton  # noqa: E402
 
 import triton.language as tl  # noqa: E402
 
-from symm_mem.layout import MISMATCH_BIT  # noqa: E402
-from kernels.gemm import (  # noqa: E402
+from tp_overlap.symm_mem.layout import MISMATCH_BIT  # noqa: E402
+from tp_overlap.kernels.gemm import (  # noqa: E402
     EPILOGUE_LOCAL,
     EPILOGUE_SCATTER,
     TIMER_AVAILABLE,
@@ -31,8 +31,8 @@ from kernels.gemm import (  # noqa: E402
     persistent_gemm_kernel,
     reduce_partials_kernel,
 )
-from kernels.constants import scatter_flags_per_source  # noqa: E402
-from kernels.gemm_mainloop import tile_coordinates  # noqa: E402
+from tp_overlap.kernels.constants import scatter_flags_per_source  # noqa: E402
+from tp_overlap.kernels.gemm_mainloop import tile_coordinates  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy >= 1.25 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

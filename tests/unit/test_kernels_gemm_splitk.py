@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.gemm_splitk import SplitKConfig, split_k_gemm_kernel, split_k_ranges  # noqa: E402
-from overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
-from overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
+from tp_overlap.kernels.gemm_splitk import SplitKConfig, split_k_gemm_kernel, split_k_ranges  # noqa: E402
+from tp_overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
+from tp_overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -150,8 +150,9 @@ def test_names_and_problems_of_split_k_configurations():
 
 COMPILE_CHILD = """
 import json
-from launch.compile_check import compile_split_k_gemm, resource_usage
-from overlap.gemm.blocks import GemmBlocks
+from tp_overlap.launch.compile_check import compile_split_k_gemm, resource_usage
+from tp_overlap.gemm.blocks import GemmBlocks
+from tests.multiproc import child_pythonpath
 out = {}
 for name, transposed in (("128x128x64w4s3sp4", True), ("64x64x64w4s4sp8", False)):
     compiled = compile_split_k_gemm(GemmBlocks.parse(name), b_transposed=transposed)
@@ -167,7 +168,7 @@ def test_split_k_compiles_for_sm90_without_spills_with_its_ordering():
     if not ptxas.exists():
         pytest.skip("this Triton has no bundled ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = child_pythonpath()
     proc = subprocess.run([sys.executable, "-c", COMPILE_CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.gemm import EPILOGUE_LOCAL, GemmConfig, persistent_gemm_kernel  # noqa: E402
-from overlap.gemm import GemmBlocks, triton_mm  # noqa: E402
-from overlap.gemm.blocks import stream_k_tiles  # noqa: E402
+from tp_overlap.kernels.gemm import EPILOGUE_LOCAL, GemmConfig, persistent_gemm_kernel  # noqa: E402
+from tp_overlap.gemm import GemmBlocks, triton_mm  # noqa: E402
+from tp_overlap.gemm.blocks import stream_k_tiles  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -129,8 +129,9 @@ def test_late_contributor_recompute_is_right_on_repeated_calls_with_poisoned_out
 
 
 COMPILE_CHILD = """
-from launch.compile_check import compile_gemm
-from overlap.gemm import GemmBlocks
+from tp_overlap.launch.compile_check import compile_gemm
+from tp_overlap.gemm import GemmBlocks
+from tests.multiproc import child_pythonpath
 ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
 print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
 """
@@ -145,7 +146,7 @@ def test_compiled_finisher_wait_reads_no_per_thread_clock():
         pytest.skip("this Triton has no bundled ptxas")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = child_pythonpath()
     proc = subprocess.run([sys.executable, "-c", COMPILE_CHILD], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]

@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.constants import scatter_flags_per_source  # noqa: E402
-from kernels.gemm import EPILOGUE_SCATTER_REDUCE, GemmConfig, persistent_gemm_kernel  # noqa: E402
-from kernels.rs_epilogue import owner_last_tile  # noqa: E402
+from tp_overlap.kernels.constants import scatter_flags_per_source  # noqa: E402
+from tp_overlap.kernels.gemm import EPILOGUE_SCATTER_REDUCE, GemmConfig, persistent_gemm_kernel  # noqa: E402
+from tp_overlap.kernels.rs_epilogue import owner_last_tile  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overlap.offload.activation import (SavedInputActivation, activation_forward, fused_swiglu_supported,
+from tp_overlap.offload.activation import (SavedInputActivation, activation_forward, fused_swiglu_supported,
                                         swiglu_backward, swiglu_forward)
 
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -22}

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import kfactor
-from launch.cli import common as _cli, limits as _limits, tp_mlp_plan as _tp_mlp_plan
+from tp_overlap.launch import kfactor
+from tp_overlap.launch.cli import common as _cli, limits as _limits, tp_mlp_plan as _tp_mlp_plan
+from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +108,7 @@ def _under_a_fresh_parent(code: str, *, with_sibling: bool) -> str:
               + f"r = subprocess.run([sys.executable, '-c', {code!r}], capture_output=True, text=True)\n"
               + "print(r.stdout.strip() or r.stderr[-500:])\n"
               + "if s: s.kill(); s.wait()\n")
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": child_pythonpath(), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-c", parent], env=env, capture_output=True, text=True,
                           timeout=60).stdout.strip()
 

@@ -6,15 +6,15 @@ import importlib
 
 import pytest
 
-from launch.cli import common as _cli
-from launch.measure import timing
-from launch.output.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
+from tp_overlap.launch.cli import common as _cli
+from tp_overlap.launch.measure import timing
+from tp_overlap.launch.output.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
 
 LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench")
 
 
 def _parser(name: str) -> argparse.ArgumentParser:
-    return importlib.import_module(f"launch.{name}").make_parser()
+    return importlib.import_module(f"tp_overlap.launch.{name}").make_parser()
 
 
 def _visible_options(parser) -> list[str]:
@@ -47,7 +47,7 @@ def test_no_visible_option_is_an_abbreviation_of_a_torchrun_option(name):
 
 
 def test_bench_and_kfactor_keep_m_as_a_hidden_alias_of_tokens():
-    from launch import bench, kfactor
+    from tp_overlap.launch import bench, kfactor
 
     assert bench.parse_args(["--m", "64,128"]).tokens == (64, 128)
     assert bench.parse_args(["--tokens", "64"]).tokens == (64,)
@@ -62,7 +62,7 @@ def test_bench_and_kfactor_keep_m_as_a_hidden_alias_of_tokens():
     (["--tok", "64"], "unrecognized arguments: --tok 64"),   # no abbreviations
 ])
 def test_argument_errors_are_usage_errors_without_internal_names(argv, message):
-    from launch import tp_mlp
+    from tp_overlap.launch import tp_mlp
 
     with pytest.raises(_cli.UsageError) as info:
         tp_mlp.parse_args(argv)
@@ -71,7 +71,7 @@ def test_argument_errors_are_usage_errors_without_internal_names(argv, message):
 
 
 def test_run_launcher_prints_one_line_and_picks_the_exit_status(capsys, monkeypatch):
-    from overlap import ConfigError, OpInputError
+    from tp_overlap import ConfigError, OpInputError
 
     def parse(argv):
         return argv

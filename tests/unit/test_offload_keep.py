@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch.measure.bench_mlp import BenchMLP
-from overlap.offload.activation import SavedInputActivation
-from overlap.offload.engine import OffloadEngine
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import MLPShape, Rates, plan_offload
+from tp_overlap.launch.measure.bench_mlp import BenchMLP
+from tp_overlap.offload.activation import SavedInputActivation
+from tp_overlap.offload.engine import OffloadEngine
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import MLPShape, Rates, plan_offload
 
 H, F, M, LAYERS = 64, 224, 16, 4
 RATES = Rates(d2h_gbps=50, h2d_gbps=50)

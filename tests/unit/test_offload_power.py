@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from overlap.offload import sim
-from overlap.offload.planner import MLPShape, Rates, calibrate, simulate
-from overlap.offload.power import Heat, fit_heat
+from tp_overlap.offload import sim
+from tp_overlap.offload.planner import MLPShape, Rates, calibrate, simulate
+from tp_overlap.offload.power import Heat, fit_heat
 
 HOT = dict(gemm_heat=0.16, heat_ms=60.0, cool_ms=20.0, mem_heat=0.4)
 COOL_MS = 2.45
@@ -137,7 +137,7 @@ def test_a_copy_is_k_copy_slower_only_where_a_gemm_runs_beside_it():
 def test_the_cpu_probes_report_a_backlog_bandwidth_no_heat_and_rates_that_carry_the_heat():
     import torch
 
-    from launch.measure.offload_measure import measure_copies, measure_heat, rates_from
+    from tp_overlap.launch.measure.offload_measure import measure_copies, measure_heat, rates_from
     host, dev = torch.randn(1 << 16).view(torch.uint8), torch.empty(1 << 18, dtype=torch.uint8)
     copies = measure_copies(host, dev, sizes=[1 << 16, 1 << 20, 0], reps=2)
     # sizes are capped at the buffer, empty ones dropped; on CPU nothing runs beside a GEMM
@@ -152,7 +152,7 @@ def test_the_cpu_probes_report_a_backlog_bandwidth_no_heat_and_rates_that_carry_
 
 
 def test_heat_numbers_are_validated():
-    from overlap.offload.planner import OffloadPlanError
+    from tp_overlap.offload.planner import OffloadPlanError
     for bad in (dict(gemm_heat=-0.1), dict(gemm_heat=2.0), dict(mem_heat=1.5), dict(heat_ms=0), dict(cool_ms=-1)):
         with pytest.raises(OffloadPlanError, match="Rates."):
             Rates(d2h_gbps=55, h2d_gbps=55, **bad)

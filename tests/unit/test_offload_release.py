@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from launch.measure.bench_mlp import BenchMLP
-from overlap.offload.engine import OffloadEngine, host_bytes
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import MLPShape, Rates, plan_offload
+from tp_overlap.launch.measure.bench_mlp import BenchMLP
+from tp_overlap.offload.engine import OffloadEngine, host_bytes
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import MLPShape, Rates, plan_offload
 
 H, F, M, LAYERS = 16, 24, 32, 3
 RATES = Rates(d2h_gbps=50, h2d_gbps=50, gemm_tflops=400, hbm_gbps=3000)

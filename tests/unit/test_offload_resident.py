@@ -12,11 +12,11 @@ every gradient exists) and held across the step (the activation peak).
 import pytest
 import torch
 
-from launch.measure.bench_mlp import BenchMLP
-from launch.measure.offload_measure import LiveBytes
-from overlap.offload.engine import OffloadEngine, host_bytes
-from overlap.offload.host_pool import HostPool
-from overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
+from tp_overlap.launch.measure.bench_mlp import BenchMLP
+from tp_overlap.launch.measure.offload_measure import LiveBytes
+from tp_overlap.offload.engine import OffloadEngine, host_bytes
+from tp_overlap.offload.host_pool import HostPool
+from tp_overlap.offload.planner import MLPShape, Rates, plan_offload, simulate
 
 H, F, M, LAYERS = 64, 224, 96, 6   # llama8b's H:F, M != H so that no two tensors share a shape
 # times of a llama8b layer at M = 4096 on one H200, copies slowed to take as long as there (tiny tensors)

@@ -22,7 +22,7 @@ def _bash_lines(text: str) -> list[str]:
 
 def _two_commands() -> tuple[str, str]:
     commands = [line for line in _bash_lines(README) if line.startswith("python3 -m venv .venv")]
-    (main_job,) = [c for c in commands if c.endswith("-m launch.tp_mlp")]
+    (main_job,) = [c for c in commands if c.endswith("-m tp_overlap.launch.tp_mlp")]
     (tests,) = [c for c in commands if c.endswith("-m pytest -q")]
     return main_job, tests
 
@@ -83,7 +83,7 @@ def test_every_launcher_option_in_the_readme_exists():
             continue
         name, rest = match.groups()
         assert (ROOT / "launch" / f"{name}.py").is_file(), name
-        module = importlib.import_module(f"launch.{name}")
+        module = importlib.import_module(f"tp_overlap.launch.{name}")
         if not hasattr(module, "make_parser"):
             continue
         known = {s for a in module.make_parser()._actions for s in a.option_strings}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import results_md
-from launch.measure import timeline as _timeline
-from launch.output import plots as _plots
+from tp_overlap.launch import results_md
+from tp_overlap.launch.measure import timeline as _timeline
+from tp_overlap.launch.output import plots as _plots
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
@@ -27,7 +27,7 @@ def _results_files() -> list[Path]:
 
 def test_the_page_is_the_rendering_of_the_files():
     page = (RESULTS / "README.md").read_text()
-    assert page == results_md.render(RESULTS), "results/README.md is stale: run python -m launch.results_md"
+    assert page == results_md.render(RESULTS), "results/README.md is stale: run python -m tp_overlap.launch.results_md"
     assert "TP0" not in page and "TPNone" not in page and "one one" not in page
     assert "| layer | M | K | N | comm | comp |" in page, "the regimes rows keep their comm and comp columns"
 
@@ -60,10 +60,14 @@ def test_every_recorded_command_runs_from_a_checkout_or_says_why_not(path, monke
         assert doc.get("command_note") and doc.get("command_recorded"), "an empty command says why"
         return
     module, args = _module_and_args(doc["command"])
-    source = ROOT / (module.replace(".", "/") + ".py" if not module.endswith(".py") else module)
+    if module.startswith("launch."):   # recorded before the import names moved under tp_overlap
+        module = f"tp_overlap.{module}"
+    path = module.removeprefix("tp_overlap.")
+    source = ROOT / (path.replace(".", "/") + ".py" if not path.endswith(".py") else path)
     assert source.is_file(), f"{module}: not in the checkout"
     monkeypatch.chdir(ROOT)   # --config paths are relative to a checkout
-    parser = getattr(importlib.import_module(module), "make_parser", None) if module.startswith("launch.") else None
+    is_launcher = module.startswith("tp_overlap.launch.")
+    parser = getattr(importlib.import_module(module), "make_parser", None) if is_launcher else None
     if parser is not None:
         parser().parse_args(args)
     else:   # a script with argparse of its own: every option it is given exists in it

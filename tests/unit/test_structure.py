@@ -10,17 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs")
+FOLDERS = ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs")
+SUBPACKAGES = ("symm_mem", "ipc", "kernels", "launch", "configs")   # tp_overlap.<folder>
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = ["tp_overlap", *parts[1:]] if parts[0] == "overlap" else ["tp_overlap", *parts]
+    return ".".join(parts).removesuffix(".__init__")
+
+
 def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            found[name.removesuffix(".__init__")] = path
-    return found
+    return {_module_name(path): path for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def _package(module: str) -> str:
+    """The top-level folder a module lives in, by import name: `tp_overlap.kernels`, ... or `tp_overlap`
+    (overlap/)."""
+    parts = module.split(".")
+    return f"tp_overlap.{parts[1]}" if len(parts) > 1 and parts[1] in SUBPACKAGES else "tp_overlap"
 
 
 MODULES = _modules()
@@ -50,9 +59,9 @@ def _imports(module: str, path: Path) -> set[str]:
     return {name for name in found if name in MODULES and name != module}
 
 
-def test_the_user_surface_is_one_import_of_at_most_25_names():
-    import overlap
-    assert len(overlap.__all__) <= 25
+def test_the_user_surface_is_one_import_of_at_most_26_names():
+    import tp_overlap as overlap
+    assert len(overlap.__all__) <= 26
     assert len(set(overlap.__all__)) == len(overlap.__all__)
     for name in overlap.__all__:
         assert getattr(overlap, name) is not None, name
@@ -62,10 +71,11 @@ def test_the_user_surface_is_one_import_of_at_most_25_names():
 
 
 def test_every_exception_of_the_project_derives_from_the_one_root():
-    from ipc.errors import OverlapError
+    from tp_overlap.ipc.errors import OverlapError
     seen = []
-    for package in PACKAGES:
-        for info in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}."):
+    for folder in FOLDERS:
+        prefix = "tp_overlap." if folder == "overlap" else f"tp_overlap.{folder}."
+        for info in pkgutil.walk_packages([str(ROOT / folder)], prefix=prefix):
             module = importlib.import_module(info.name)
             for obj in vars(module).values():
                 if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == info.name:
@@ -107,7 +117,7 @@ def test_no_import_cycles_deferred_imports_included():
 
 def test_no_package_imports_another_packages_private_modules():
     wrong = [f"{name} -> {target}" for name, path in MODULES.items() for target in _imports(name, path)
-             if target.split(".")[0] != name.split(".")[0] and _is_private(target)]
+             if _package(target) != _package(name) and _is_private(target)]
     assert wrong == []
 
 
@@ -123,7 +133,7 @@ def test_files_and_functions_are_short():
                   if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES]
     long_functions = []
     for name, path in MODULES.items():
-        if name.startswith("kernels."):  # Triton kernels may be longer: one kernel is one GPU program
+        if name.startswith("tp_overlap.kernels."):  # Triton kernels may be longer: one kernel is one GPU program
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -132,6 +142,9 @@ def test_files_and_functions_are_short():
     assert long_files == [] and long_functions == []
 
 
-@pytest.mark.parametrize("module", ["overlap", "symm_mem", "ipc", "kernels", "launch", "configs"])
-def test_every_top_level_package_carries_the_project_marker(module):
-    assert '__project__ = "tp-overlap"' in (ROOT / module / "__init__.py").read_text()
+@pytest.mark.parametrize("folder", SUBPACKAGES)
+def test_the_top_level_folders_other_than_overlap_are_namespace_portions(folder):
+    # an __init__.py would make a checkout's root on sys.path shadow another project's `kernels`, `launch`, ...
+    assert not (ROOT / folder / "__init__.py").exists()
+    module = importlib.import_module(f"tp_overlap.{folder}")
+    assert str(ROOT / folder) in list(module.__path__)

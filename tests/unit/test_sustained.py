@@ -1,4 +1,4 @@
-"""launch.measure.sustained: the sampler's block windows (ramp-up cuts) and its inert CPU form."""
+"""tp_overlap.launch.measure.sustained: the sampler's block windows (ramp-up cuts) and its inert CPU form."""
 
 import math
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from launch.measure.sustained import GpuSampler, sustained_blocks
+from tp_overlap.launch.measure.sustained import GpuSampler, sustained_blocks
 
 
 def test_window_drops_each_ramp_and_averages_the_rest():

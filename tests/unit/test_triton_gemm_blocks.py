@@ -3,10 +3,10 @@
 
 import pytest
 
-from overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
+from tp_overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
                                   block_table_path, choose_blocks, heuristic_blocks, load_block_table,
                                   parse_block_table, shared_memory_bytes, stream_k_tiles)
-from launch.measure.shapes import ag_points, rs_points
+from tp_overlap.launch.measure.shapes import ag_points, rs_points
 
 H200 = load_block_table("h200")
 
@@ -139,7 +139,7 @@ def test_a_cuda_device_finds_its_table_name(monkeypatch):
     # The CUDA-only branch of gpu_name (the block table's key): off CUDA it is never reached, so fake the name
     import torch
 
-    from overlap.gemm import triton_gemm
+    from tp_overlap.gemm import triton_gemm
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     assert triton_gemm._cuda_gpu_name.__wrapped__(0) == "h200"
     assert load_block_table(triton_gemm._cuda_gpu_name.__wrapped__(0)) is not None

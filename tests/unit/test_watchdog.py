@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from symm_mem.layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
-from symm_mem.control import ControlPages
-from symm_mem.watchdog import TIMEOUT_REASON, Watchdog
+from tp_overlap.symm_mem.layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
+from tp_overlap.symm_mem.control import ControlPages
+from tp_overlap.symm_mem.watchdog import TIMEOUT_REASON, Watchdog
 
 NUM_FLAGS = 8
 
