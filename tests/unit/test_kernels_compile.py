@@ -14,6 +14,7 @@ import pytest
 import triton
 
 from tp_overlap.gemm.blocks import SHARED_MEMORY_LIMIT
+from tests.multiproc import child_pythonpath  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,6 @@ import json
 from tp_overlap.launch.compile_check import (compile_fp8_gemm, compile_fp8_gluon_gemm, compile_gemm, compile_gluon_gemm,
                                   compile_overlap_kernels, compile_quantizers, compile_swiglu, resource_usage)
 from tp_overlap.gemm import GemmBlocks
-from tests.multiproc import child_pythonpath
 out = {name: resource_usage(c) | {"div_rn": "div.rn.f32" in c.asm["ptx"]} for name, c in compile_quantizers().items()}
 out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s4ws")))
 out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s5gl")))

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from tp_overlap.kernels.gemm_splitk import SplitKConfig, split_k_gemm_kernel, split_k_ranges  # noqa: E402
 from tp_overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
 from tp_overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
+from tests.multiproc import child_pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -152,7 +153,6 @@ COMPILE_CHILD = """
 import json
 from tp_overlap.launch.compile_check import compile_split_k_gemm, resource_usage
 from tp_overlap.gemm.blocks import GemmBlocks
-from tests.multiproc import child_pythonpath
 out = {}
 for name, transposed in (("128x128x64w4s3sp4", True), ("64x64x64w4s4sp8", False)):
     compiled = compile_split_k_gemm(GemmBlocks.parse(name), b_transposed=transposed)

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from tp_overlap.kernels.gemm import EPILOGUE_LOCAL, GemmConfig, persistent_gemm_kernel  # noqa: E402
 from tp_overlap.gemm import GemmBlocks, triton_mm  # noqa: E402
 from tp_overlap.gemm.blocks import stream_k_tiles  # noqa: E402
+from tests.multiproc import child_pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -131,7 +132,6 @@ def test_late_contributor_recompute_is_right_on_repeated_calls_with_poisoned_out
 COMPILE_CHILD = """
 from tp_overlap.launch.compile_check import compile_gemm
 from tp_overlap.gemm import GemmBlocks
-from tests.multiproc import child_pythonpath
 ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
 print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
 """

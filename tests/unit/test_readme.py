@@ -78,7 +78,7 @@ def test_every_test_the_docs_name_exists(doc):
 def test_every_launcher_option_in_the_readme_exists():
     checked = 0
     for line in _bash_lines(README):
-        match = re.search(r"-m launch\.(\w+)(.*)", line)
+        match = re.search(r"-m tp_overlap\.launch\.(\w+)(.*)", line)
         if not match:
             continue
         name, rest = match.groups()
