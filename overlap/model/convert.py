@@ -99,6 +99,7 @@ class ParallelModel:
                                       group=group)
                 self.shared = SharedOps(group=group, pool=self.pool, max_m=max_tokens, hidden=hidden, dtype=dtype,
                                         config=config, fp8=config.fp8, name=name)
+                self.collectives.ag = self.shared.ag
             kwargs = dict(max_m=max_tokens, dtype=dtype, device=device, overlap=overlap, baseline=baseline,
                           shared=self.shared, save_gathered="copy")
             replacements = {n: self._convert(n, r, kwargs) for n, r in roles.items() if r not in ("split", "gather")}

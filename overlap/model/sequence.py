@@ -28,15 +28,20 @@ __all__ = ["GroupCollectives", "split_rows", "gather_rows", "sum_grad"]
 
 
 class GroupCollectives:
-    """The process group of a converted model's TP group, reachable from the custom ops by an int id."""
+    """The collectives of a converted model, reachable from the custom ops by an int id. With `ag` (the
+    model's shared AgGemm, bf16 / fp32) every gather and sum runs through the pool like the layers' own
+    AllGathers: the same copy-engine path, capturable, and working for processes that share one GPU;
+    otherwise (overlap=False, fp8 rows, another width) through torch.distributed on `group`."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, ag=None):
+        self.group, self.ag = group, ag
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._via_host = dist.get_backend(group) == "gloo"   # gloo: CUDA tensors go through host memory
         self.id = register_layer_ops(self)
 
     def close(self) -> None:
         unregister_layer_ops(self.id)
+        self.ag = None
 
     def rows(self, total: int) -> tuple[int, int]:
         """(first row, rows) of this rank's share of `total` rows."""
@@ -47,13 +52,28 @@ class GroupCollectives:
         return self.rank * share, share
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
-        return all_gather_rows(out, x.contiguous(), group=self.group)
+        """[W * rows, ...]: every rank's x [rows, ...] in rank order (a new tensor)."""
+        if self._pooled(x) and x.dim() == 2:
+            return self.ag.all_gather(x.contiguous()).clone()
+        return self.dist_all_gather(x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=self.group)
-        return out
+        """The sum over the group of a 1-D x (a new tensor; summed in fp32 through the pool)."""
+        if self._pooled(x) and x.dim() == 1:
+            return self.ag.all_gather(x.view(1, -1)).float().sum(0).to(x.dtype)
+        return self.dist_all_gather(x.view(1, -1)).float().sum(0).to(x.dtype)
+
+    def dist_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """all_gather through torch.distributed (checkpoints, and what the pool cannot carry)."""
+        source = x.detach().cpu() if self._via_host and x.is_cuda else x
+        out = source.new_empty((x.shape[0] * self.world_size, *x.shape[1:]))
+        all_gather_rows(out, source.contiguous(), group=self.group)
+        return out.to(x.device)
+
+    def _pooled(self, x: torch.Tensor) -> bool:
+        ag = self.ag
+        return (ag is not None and not ag.fp8 and x.dtype == ag.dtype and x.device == ag.device
+                and x.shape[-1] == ag.k and x.numel() // ag.k * self.world_size <= ag.max_m)
 
 
 def _collectives(group_id: int) -> GroupCollectives:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops.reference import all_gather_rows
 from ..ops.validate import OpInputError
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -74,8 +73,7 @@ def _whole(tensor):
 def _ranks(tp, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's tensor of the same shape (an all_gather over the model's group)."""
     world = dist.get_world_size(tp.group)
-    out = tensor.new_empty((world * tensor.shape[0], *tensor.shape[1:]))
-    all_gather_rows(out, tensor.contiguous(), group=tp.group)
+    out = tp.collectives.dist_all_gather(tensor.detach().reshape(tensor.shape[0], -1) if tensor.dim() else tensor)
     return list(out.view(world, *tensor.shape).unbind(0))
 
 

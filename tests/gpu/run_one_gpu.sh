@@ -4,12 +4,12 @@
 # wait check, the eager host cost (2 processes), and the Gluon GEMM, FP8, swiglu and offload correctness checks. Each
 # step runs under `timeout`; a failed step does not stop the others.
 #   bash tests/gpu/run_one_gpu.sh                 (ONLY=smoke,zero_sm,... to run some; WORLDS=2,4,8)
-# $OUT (default ./out) gets: summary.txt, smoke_one_gpu.json, zero_sm_wait.json, host_cost.json and
+# $OUT (default ./out) gets: summary.txt, smoke_one_gpu.json, smoke_model.json, zero_sm_wait.json, host_cost.json and
 # logs.tgz (every log). At most 8 files, as the device tool returns.
 set -uo pipefail
 source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; LOGS=${LOGS:-/tmp/one_gpu_logs}; mkdir -p "$OUT" "$LOGS"
-ONLY=${ONLY:-zero_sm,gluon,fp8,swiglu,offload,host_cost,smoke}
+ONLY=${ONLY:-zero_sm,gluon,fp8,swiglu,offload,host_cost,smoke,model}
 SUMMARY=$OUT/summary.txt
 status=0
 echo "commit=${OVERLAP_GIT_COMMIT:-?} only=$ONLY $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)" \
@@ -34,5 +34,6 @@ step swiglu 90 python3 -m tests.gpu.check_swiglu
 step offload 90 python3 -m tests.gpu.check_offload
 step host_cost 200 torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.host_cost --out "$OUT/host_cost.json"
 step smoke 420 python3 -m tests.gpu.smoke_one_gpu --worlds "${WORLDS:-2,4,8}" --json "$OUT/smoke_one_gpu.json"
+step model 300 python3 -m tests.gpu.smoke_model --worlds 2,4 --json "$OUT/smoke_model.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $status

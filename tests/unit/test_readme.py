@@ -31,7 +31,7 @@ def test_the_two_commands_share_the_install_and_ci_runs_the_test_command_as_writ
     main_job, tests = _two_commands()
     install = tests.rsplit(" && ", 1)[0]
     assert main_job.rsplit(" && ", 1)[0] == install
-    assert 'pip install -q torch==2.13.0 triton==3.7.1 -e ".[test]"' in install
+    assert 'pip install -q torch==2.13.0 triton==3.7.1 -e ".[test,hf]"' in install
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci, "the CI must run the README's test command exactly"
 
