@@ -12,7 +12,8 @@ busy by a spin kernel, so the number is the enqueue cost alone. Median of `--rep
   against one `torch.mm` of the op's whole GEMM in the same process; `py_calls` is the number of Python
   function calls of one eager call (cProfile, builtins included, mean over `--reps` calls).
 * the MLP step (forward + backward of `TPMLP` with the preset) against the same step with `overlap=False`
-  on NCCL. Ranks sharing one GPU cannot form an NCCL group (NCCL refuses two ranks on one device), so the
+  on NCCL, and the same for one transformers Llama decoder block (llama8b shapes) converted by
+  `tp_overlap.parallelize` (attention and MLP; `--no-block` skips it, as does a machine without transformers). Ranks sharing one GPU cannot form an NCCL group (NCCL refuses two ranks on one device), so the
   NCCL step runs on a one-rank NCCL group per process: the same calls (collectives, GEMMs, autograd) with
   the same host path; its enqueue cost does not depend on the number of ranks.
 
@@ -126,6 +127,25 @@ def _mlp_steps(ctx, pool, m, hidden, ffn, nccl_self):
     return _step(ours, x, dy), _step(nccl, x1, dy1), ours
 
 
+def _block_steps(ctx, m, nccl_self):
+    """(our step, the overlap=False step on NCCL, the handles to close): forward + backward of one converted
+    transformers Llama decoder block (llama8b shapes, the embedding skipped: inputs_embeds)."""
+    import tp_overlap
+    from transformers import LlamaConfig, LlamaModel
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
+                         num_attention_heads=32, num_key_value_heads=8, attn_implementation="sdpa")
+    dev, bf16, seq = ctx.device, torch.bfloat16, m // 2
+    steps, handles = [], []
+    for group, overlap, name in ((ctx.group, True, "hc.block"), (nccl_self, False, "hc.block.nccl")):
+        torch.manual_seed(0)
+        model = LlamaModel(config).to(dev, bf16)
+        handles.append(tp_overlap.parallelize(model, group=group, max_tokens=m, overlap=overlap, name=name))
+        x = torch.randn(2, seq, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
+        dy = torch.randn(2, seq, HIDDEN, device=dev, dtype=bf16)
+        steps.append(lambda model=model, x=x, dy=dy: model(inputs_embeds=x).last_hidden_state.backward(dy))
+    return steps[0], steps[1], handles
+
+
 def _measure(rows, op, method, graphs, call, ref_name, ref, ctx, args):
     for _ in range(args.warmup):
         call()
@@ -145,6 +165,7 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--tokens", type=int, default=4096, help="M of the op calls and of the MLP step")
     p.add_argument("--reps", type=int, default=30, help="timed calls per variant (median reported)")
     p.add_argument("--warmup", type=int, default=8, help="untimed calls per variant first")
+    p.add_argument("--no-block", action="store_true", help="skip the converted decoder block's step")
     p.add_argument("--backend", default="ipc", choices=BACKENDS,
                    help="pool backend (ipc: several processes may share a GPU)")
     p.add_argument("--out", type=output_file, default=None,
@@ -161,8 +182,9 @@ def _check(args, where) -> None:
     require(where.device.type == "cuda", "needs a CUDA GPU (it measures the host cost of CUDA calls with the "
                                          "device held busy); run it on a GPU machine")
     _dist.check_ranks(PROG, where, 2)
-    require(args.tokens > 0 and args.tokens % where.world_size == 0,
-            f"--tokens must be > 0 and a multiple of the TP size {where.world_size}, got {args.tokens}")
+    require(args.tokens > 0 and args.tokens % (2 * where.world_size) == 0,
+            f"--tokens must be > 0 and a multiple of 2 x the TP size {2 * where.world_size} (the block step runs 2 "
+            f"sequences of tokens / 2), got {args.tokens}")
     require(args.reps >= 3, f"--reps must be >= 3, got {args.reps}")
     require(args.warmup >= 2, f"--warmup must be >= 2 (a call's graph is recorded on its second call), got "
                               f"{args.warmup}")
@@ -170,11 +192,20 @@ def _check(args, where) -> None:
     # 3 x 14336 / W columns) and the one-rank NCCL MLP of the reference step (full weights and activations)
     need = POOL_BYTES + args.tokens * (3 * HIDDEN + 3 * FFN // where.world_size) * 2
     need += (3 * HIDDEN * FFN + args.tokens * (3 * HIDDEN + 3 * FFN)) * 2
+    need *= 1 if args.no_block else 2   # the decoder block: about as much again (attention weights, its NCCL twin)
     require_fits(f"--tokens {args.tokens}", need, where, "give a smaller --tokens")
 
 
 def main(argv=None) -> int:
     return run_launcher(PROG, parse_args, _run, argv)
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        progress("decoder block step skipped: transformers is not installed", rank=0)
+        return False
+    return True
 
 
 def _run(args) -> int:
@@ -198,6 +229,13 @@ def _run(args) -> int:
             mlp.check_errors()
             mlp.close()
             pool.barrier()
+        if not args.no_block and _has_transformers():
+            step, nccl_step, handles = _block_steps(ctx, args.tokens, nccl_groups[ctx.rank])
+            _measure(rows, "decoder block step (fwd+bwd)", "parallelize", True, step, "overlap=False step (NCCL)",
+                     nccl_step, ctx, args)
+            for handle in handles:
+                handle.check_errors()
+                handle.close()
         if ctx.rank == 0:
             out = args.out or str(run_dir("host_cost") / "host_cost.json")
             write_results(out, rows, device=ctx.device_name, tp=ctx.world_size,
