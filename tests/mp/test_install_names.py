@@ -26,7 +26,7 @@ NO_TRANSFORMERS = "transformers is not installed here (pip install -e '.[hf]'): 
 def wheels(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheels")
     source = tmp_path_factory.mktemp("source")  # a copy: a build writes build/ and *.egg-info where it runs
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     for package in ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -70,6 +70,14 @@ def _run(python: Path, code: str, cwd: Path = Path("/")) -> subprocess.Completed
     code = f"import sys; sys.path.append(sys.path.pop(sys.path.index({deps!r})))\n{code}"
     return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd,
                           env={"PYTHONPATH": deps, "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1"})
+
+
+def test_the_wheel_says_its_license_and_authors_and_carries_the_license(wheels):
+    with zipfile.ZipFile(wheels[0]) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: MIT" in metadata and "Author: The tp-overlap developers" in metadata, metadata[:800]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
 
 def test_alone_our_wheel_imports_and_runs(wheels, tmp_path):
