@@ -2,4 +2,5 @@
 (`k_factor`, `step_k`), the per-op benchmarks (`op_bench`, `pool_bw`), the shapes (`shapes`), sustained and
 per-stream timing (`sustained`, `timeline`, `graphs`, `comm_delay`), the GEMM sweeps (`tune`, `canary`,
 `gemm_bench_fp8`) and activation offload's points (`offload_point`, `offload_measure`, `offload_report`,
-`bench_mlp`)."""
+`bench_mlp`), and the training race of `launch.train` (`train_models`: the Llama and its TP variants;
+`train_loop`: the interleaved steps and their comparison)."""
