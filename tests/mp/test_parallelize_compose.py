@@ -1,6 +1,7 @@
 """A converted model composed with what users train it under, CPU ranks (gloo + host pool): FSDP2 over the
 other dimension of a 2-D DeviceMesh (dp 2 x tp 2: loss and every gradient equal the one-process model's on
-both dp batches), and torch.compile (the default inductor backend: the same loss and gradients as eager)."""
+both dp batches), torch.compile (the default inductor backend: the same loss and gradients as eager), and
+transformers' activation checkpointing of the blocks (recomputed forwards call the ops again)."""
 
 import pytest
 import torch
@@ -82,3 +83,27 @@ def _compiled(rank, world):
 def test_torch_compile_matches_eager():
     for worst_loss, worst_grad in run_ranks(_compiled, 2, timeout_s=600, pg_timeout_s=300):
         assert worst_loss <= FP32_TOLERANCE and worst_grad <= FP32_TOLERANCE, (worst_loss, worst_grad)
+
+
+def _checkpointed(rank, world):
+    import tp_overlap
+    from tests.mp._hf_models import batch, rel, tiny
+
+    ref, model = tiny("llama"), tiny("llama")
+    if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.2x renames it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tp = tp_overlap.parallelize(model, group=dist.group.WORLD, max_tokens=12)
+    ids = batch(0)
+    loss, loss_ref = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    loss_ref.backward()
+    grads = tp.full_state_dict(grads=True)
+    tp.close()
+    return abs(loss.item() - loss_ref.item()), max(rel(grads[n], p.grad) for n, p in ref.named_parameters())
+
+
+def test_activation_checkpointing_of_the_blocks_recomputes_the_same():
+    for loss_error, worst_grad in run_ranks(_checkpointed, 2, timeout_s=180):
+        assert loss_error <= FP32_TOLERANCE and worst_grad <= FP32_TOLERANCE, (loss_error, worst_grad)
