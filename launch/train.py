@@ -116,7 +116,7 @@ def _validate(args, where) -> None:
     """Every refusal is a UsageError that says what to give instead, the same on every rank."""
     world, preset = where.world_size, PRESETS[args.model]
     require(importlib.util.find_spec("transformers") is not None,
-            "transformers is not installed; install it (pip install 'transformers>=5') to build the Llama model")
+            "transformers is not installed; install the hf extra (pip install -e '.[hf]' in a checkout, or 'tp-overlap[hf]') to build the Llama model")
     require(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
     require(0 <= args.warmup < args.steps, f"--warmup must be >= 0 and < --steps ({args.steps}), got {args.warmup}: "
             f"tokens/s is the median of the steps after the warm-up")

@@ -24,7 +24,7 @@ from tests.multiproc import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench", "compile_check", "host_cost", "launch_overhead",
-             "results_md", "gemm_bench", "gemm_tune")
+             "results_md", "gemm_bench", "gemm_tune", "train")
 # launchers kept by another owner: their failures here are findings, marked until they are fixed
 FOREIGN: dict[str, str] = {}  # launchers known not to follow the conventions yet (none)
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

@@ -17,7 +17,7 @@ from tests.multiproc import child_pythonpath, run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "tp_overlap.launch.train"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install 'transformers>=5')")
+                                reason="transformers is not installed (pip install -e '.[hf]')")
 
 
 def _env():

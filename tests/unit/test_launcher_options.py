@@ -10,7 +10,7 @@ from tp_overlap.launch.cli import common as _cli
 from tp_overlap.launch.measure import timing
 from tp_overlap.launch.output.report import CPU_NOTE, ONE_RANK_NOTE, run_labels
 
-LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench")
+LAUNCHERS = ("tp_mlp", "bench", "kfactor", "offload_bench", "train")
 
 
 def _parser(name: str) -> argparse.ArgumentParser:
