@@ -119,10 +119,9 @@ def _check_norm(module: nn.Module, name: str, world_size: int) -> None:
     params = list(module.parameters())
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or len(params) != 1 or eps is None:
         raise OpInputError(f"{name}: {type(module).__name__} is not an RMSNorm with one weight and an epsilon")
-    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
     with torch.no_grad():
-        theirs = module(probe.to(weight.dtype)).float()
-        mine = rms_norm(probe.to(weight.dtype), weight, eps).float()
+        theirs, mine = module(probe).float(), rms_norm(probe, weight, eps).float()
     if not torch.allclose(theirs, mine, rtol=1e-3, atol=1e-3):
         raise OpInputError(f"{name}: {type(module).__name__} does not compute weight * x / rms(x) (checked on a "
                            f"probe); the converted norm would differ")

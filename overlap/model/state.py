@@ -84,7 +84,8 @@ def _gather_entry(tp, owner: str, role: str, key: str, tensor) -> dict:
     if role == "mlp":
         if key == "fc1.weight":   # [H, 2F/W] per rank: gate | up columns
             gates, ups = zip(*(p.chunk(2, dim=1) for p in parts))
-            return {f"{owner}.gate_proj.weight": torch.cat(gates, 1).t(), f"{owner}.up_proj.weight": torch.cat(ups, 1).t()}
+            return {f"{owner}.gate_proj.weight": torch.cat(gates, 1).t(),
+                    f"{owner}.up_proj.weight": torch.cat(ups, 1).t()}
         if key == "fc2.weight":
             return {f"{owner}.down_proj.weight": torch.cat(parts, 0).t()}
     attn = tp.module.get_submodule(owner)
