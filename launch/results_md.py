@@ -1,11 +1,12 @@
-"""Render results/README.md from the files in results/: per results file, what was measured, on what hardware,
-at which commit, with which command, its table and figures, and what it means.
+"""Render results/README.md from the files in results/: per result of record, what was measured, on what
+hardware, at which commit, with which command, its numbers and figures, and what it means; then the index of
+the experiments not kept (each with the commit that held its code) and the logs the results cite.
 
     python -m tp_overlap.launch.results_md [--dir results] [--plots]
 
 The numbers, the hardware, the commit and the command come from each JSON; the words (what was measured,
-what it means, figure captions) from the folder's captions.yaml. `--plots` first redraws every PNG from
-the data next to it (launch/output/results_plots.py; needs matplotlib).
+what it means, figure captions, the index) from the folder's captions.yaml. `--plots` first draws every PNG
+from the data next to it (launch/output/results_plots.py; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .output import results_tables as tables
 
 PROG = "tp_overlap.launch.results_md"
 CAPTIONS = "captions.yaml"
+NOT_KEPT = "Experiments not kept"
+LOGS = "Logs (logs/)"
 HEADER = ("<!-- Rendered by `python -m tp_overlap.launch.results_md` from the files in this folder: edit captions.yaml (the "
           "words) or the JSON (the numbers), not this page. -->")
 
@@ -54,28 +57,50 @@ def _provenance(name: str, doc: dict) -> list[str]:
     return lines
 
 
-def _figure(directory: Path, png: str, caption: str | None) -> list[str]:
+def _figure(png: str, caption: str | None) -> list[str]:
     return [f"![{png}]({png})", "", f"*{caption.strip()}*" if caption else f"*{png}*", ""]
 
 
-def _section(directory: Path, name: str, caption: dict) -> list[str]:
-    doc = json.loads((directory / name).read_text())
-    parts = [f"### {caption.get('title', name)}", "", *_provenance(name, doc), ""]
+def _stale(name: str, doc: dict, caption: dict) -> list[str]:
     written = str(caption.get("commit", ""))
     if written and not str(doc.get("commit", "")).startswith(written):
-        parts += [f"(The text of this section was written for the data of commit {written}; this file is from "
-                  f"{tables.short_commit(doc.get('commit'))}: check that it still holds.)", ""]
-    if caption.get("what"):
-        parts += [f"**Measured.** {caption['what'].strip()}", ""]
-    for block in tables.file_tables(name, doc):
-        parts += [block, ""]
-    stem = Path(name).stem
+        return [f"(The text on `{name}` was written for the data of commit {written}; the file is from "
+                f"{tables.short_commit(doc.get('commit'))}: check that it still holds.)", ""]
+    return []
+
+
+def _numbers(files: list[tuple[str, dict]]) -> list[str]:
+    """The summaries and tables of a section's files: one table where they share one kind, else per file."""
+    prefixes = {tables._prefix(name) for name, _ in files}
+    if len(files) > 1 and len(prefixes) == 1 and "" not in prefixes:
+        rows = [{"cuda_graphs": doc.get("cuda_graphs"), **r} for _, doc in files for r in doc.get("rows") or []]
+        return [tables._table(rows, tables.COLUMNS[prefixes.pop()]), ""]
+    parts = []
+    for n, (name, doc) in enumerate(files):
+        for i, block in enumerate(tables.file_tables(name, doc)):
+            parts += [f"`{name}`: {block}" if len(files) > 1 and i == 0 and not block.startswith("|") else block, ""]
+    return parts
+
+
+def _section(directory: Path, name: str, caption: dict) -> list[str]:
+    """One result of record: its file (and the files measured with it), what, the numbers, figures, meaning."""
+    files = [(name, caption)] + list((caption.get("with") or {}).items())
+    docs = [(n, json.loads((directory / n).read_text()), c) for n, c in files if (directory / n).is_file()]
+    parts = [f"### {caption.get('title', name)}", ""]
+    provenance = [line for n, doc, _ in docs for line in _provenance(n, doc)]
+    parts += [line if line.endswith("  ") else line + "  " for line in provenance[:-1]] + provenance[-1:] + [""]
+    for n, doc, c in docs:
+        parts += _stale(n, doc, c)
+    what = [(c.get("what") or "").strip() for _, _, c in docs]
+    if any(what):
+        extra = [f"`{n}`: {w}" for (n, _, _), w in zip(docs[1:], what[1:]) if w]
+        parts += [f"**Measured.** {' '.join([what[0], *extra]).strip()}", ""]
+    parts += _numbers([(n, doc) for n, doc, _ in docs])
     figures = dict(caption.get("figures") or {})
-    for png in (f"{stem}.png", f"{stem}_timeline.png"):
-        if (directory / png).is_file():
-            figures.setdefault(png, None)
+    if (directory / f"{Path(name).stem}.png").is_file():
+        figures.setdefault(f"{Path(name).stem}.png", None)
     for png, text in figures.items():
-        parts += _figure(directory, png, text)
+        parts += _figure(png, text)
     if caption.get("means"):
         parts += [f"**What it means.** {caption['means'].strip()}", ""]
     return parts
@@ -89,7 +114,7 @@ def _anchor(heading: str) -> str:
 def _groups(directory: Path, captions: dict) -> list[dict]:
     """The caption groups, plus one for the results files no caption names."""
     groups = [g for g in captions.get("groups", [])]
-    named = {name for g in groups for name in g["files"]}
+    named = {n for g in groups for name, c in g["files"].items() for n in [name, *((c or {}).get("with") or {})]}
     other = sorted(p.name for p in directory.glob("*.json") if not p.name.endswith(".trace.json")
                    and p.name not in named)
     if other:
@@ -104,49 +129,51 @@ def _undone_commands(directory: Path) -> list[str]:
         if isinstance(doc, dict) and "command" in doc and not doc["command"]:
             rows.append({"file": str(path.relative_to(directory)), "why": doc.get("command_note", ""),
                          "recorded": f"`{doc.get('command_recorded', '')}`"})
-    return [tables.format_table(rows, ["file", "why", "recorded"])] if rows else []
+    if not rows:
+        return []
+    return ["## Recorded commands that do not run from this checkout", "",
+            "Each of these files keeps the command it ran as `command_recorded`; `command` is empty because what it "
+            "ran is not in the repository. Every other file's command runs from a checkout.", "",
+            tables.format_table(rows, ["file", "why", "recorded"]), ""]
 
 
-def _appendix(directory: Path, captions: dict) -> list[str]:
-    parts = ["## Recorded commands that do not run from this checkout", "",
-             "Each of these files keeps the command it ran as `command_recorded`; `command` is empty because "
-             "what it ran is not in the repository. Every other file's command runs from a checkout.", "",
-             *_undone_commands(directory), ""]
-    history = directory / "history"
-    if history.is_dir():
-        steps, ops, other = tables.history_tables(history)
-        parts += ["## Earlier measurements (history/)", "", captions.get("history", "").strip(), "",
-                  "TP MLP training steps:", "", steps, "", "Op benchmarks (best method per point):", "", ops, "",
-                  "Other measurements:", "", other, ""]
-    traces = directory / "traces"
-    if traces.is_dir():
-        about = captions.get("traces", {})
-        parts += ["## Profiles of one step (traces/)", "", about.get("about", "").strip(), "",
-                  tables.trace_table(traces), ""]
-        for png, text in (about.get("figures") or {}).items():
-            parts += _figure(directory, png, text)
+def _not_kept(captions: dict) -> list[str]:
+    about = captions.get("not_kept") or {}
+    rows = [{"experiment": r["what"], "code": f"`{r['commit']}`", "data": r.get("data", "-")}
+            for r in about.get("rows") or []]
+    if not rows:
+        return []
+    return ["## " + NOT_KEPT, "", (about.get("about") or "").strip(), "",
+            tables.format_table(rows, ["experiment", "code", "data"]), ""]
+
+
+def _logs(directory: Path, captions: dict) -> list[str]:
     logs = directory / "logs"
-    if logs.is_dir():
-        about = captions.get("logs", {})
-        parts += ["## Logs (logs/)", "", about.get("gpu_tests", "").strip(), "", tables.suite_table(logs), ""]
-        parts += [f"* `logs/{name}`: {text}" for name, text in (about.get("files") or {}).items()] + [""]
-    return parts
+    if not logs.is_dir():
+        return []
+    about = captions.get("logs", {})
+    lines = [f"* `logs/{name}`: {text}" for name, text in (about.get("files") or {}).items()]
+    lines += [f"* `logs/{p.name}`: {about.get('gpu_tests', 'the GPU test suite')} ({tables.suite_line(p)})."
+              for p in sorted(logs.glob("gpu_tests_*.xml"))]
+    return ["## " + LOGS, "", (about.get("about") or "").strip(), "", *lines, ""]
 
 
 def render(directory: Path) -> str:
     captions_path = directory / CAPTIONS
     captions = yaml.safe_load(captions_path.read_text()) if captions_path.is_file() else {}
     groups = _groups(directory, captions)
-    extra = ["Recorded commands that do not run from this checkout", "Earlier measurements (history/)",
-             "Profiles of one step (traces/)", "Logs (logs/)"]
-    parts = [HEADER, "", "# Measured results", "", (captions.get("intro") or "").strip(), "", "Contents:", ""]
+    appendix = _undone_commands(directory) + _not_kept(captions) + _logs(directory, captions)
+    extra = [line[3:] for line in appendix if line.startswith("## ")]
+    parts = [HEADER, "", "# Results of record", "", (captions.get("intro") or "").strip(), "", "Contents:", ""]
     parts += [f"* [{h}](#{_anchor(h)})" for h in [g["heading"] for g in groups] + extra] + [""]
     for group in groups:
         parts += [f"## {group['heading']}", ""]
+        if group.get("about"):
+            parts += [group["about"].strip(), ""]
         for name, caption in group["files"].items():
             if (directory / name).is_file():
                 parts += _section(directory, name, caption or {})
-    parts += _appendix(directory, captions)
+    parts += appendix
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -1,3 +1,3 @@
 """What the entry points of `launch/` write: one results format (`report`: JSON with provenance plus rows,
-and a markdown table), the plots (`plots`, `offload_plot`, `results_plots`) and the tables of
-results/README.md (`results_tables`)."""
+and a markdown table), the plots (`plots`, `offload_plot`, `record_plots`; `results_plots` draws a results
+folder's) and the numbers of results/README.md (`results_tables`)."""

@@ -1,45 +1,26 @@
-"""The tables of results/README.md, one kind per results file (launch/results_md.py assembles the page).
+"""The numbers of results/README.md, one kind per results file (launch/results_md.py assembles the page).
 
-`file_tables(name, doc)` gives the markdown blocks of one results JSON (a summary line and its tables);
-`history_tables`, `trace_table` and `suite_table` summarise the earlier measurements, the profiled steps and
-the GPU test-suite runs, one line per file.
+`file_tables(name, doc)` gives the markdown blocks of one results JSON: a summary of a few lines, and a table
+only where it is short (the per-shape detail of the long files is in their figures and in the JSON).
+`suite_line` summarises one JUnit XML of the GPU test suite.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from tp_overlap.launch.output.report import format_table
 
-LONG_TABLE_ROWS = 30   # longer tables fold under a <details> line
-COLUMNS = {  # file-name prefix -> columns (those no row has are left out)
-    "pool_bw": ["size_bytes", "ce_pull_median_ms", "ce_pull_GBps", "allgather_median_ms", "allgather_GBps"],
-    "gemm_fp8": ["layer", "tp", "M", "K", "N", "t_cublas_bf16_ms", "t_scaled_mm_ms", "best_blocks", "t_best_ms",
-                 "best_over_scaled_mm", "best_over_bf16", "default_rel_err"],
-    "gemm": ["layer", "op", "tp", "layout", "M", "K", "N", "t_cublas_ms", "t_triton_best_ms", "best_blocks",
-             "triton_over_cublas", "t_table_ms", "table_blocks", "table_over_cublas", "heuristic_over_cublas"],
-    "host_cost": ["op", "method", "eager_graphs", "host_us", "mm_host_us", "ratio_to_mm", "host_min_us",
-                  "host_max_us"],
-    "offload": ["model", "M", "layers", "variant", "peak_gib", "peak_vs_none", "t_step_ms", "time_vs_none", "bitwise",
-                "pred_step_ms", "pred_peak_gib"],
-    "ag_gemm": ["layer", "M", "K", "N", "method", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms", "t_comm_ms",
-                "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch", "k_comm", "k_comp"],
-    "gemm_rs": ["layer", "M", "K", "N", "method", "sm_margin", "t_ours_ms", "t_seq_nccl_ms", "t_torch_ms", "t_gemm_ms",
-                "t_comm_ms", "E_ours", "E_seq", "E_torch", "speedup_vs_seq", "speedup_vs_torch"],
-    "ag_host_cost": ["layer", "M", "variant", "device_hold", "t_device_ms", "t_host_enqueue_ms"],
-    "kfactor": ["op", "layer", "M", "K", "N", "method", "sm_margin", "chunks_per_rank", "t_comm_solo_ms",
-                "t_comp_solo_ms", "k_comm", "k_comp", "E", "t_op_ms", "k_comm_op", "k_comp_op", "start_late_ms"],
-    "kfactor_regimes": ["layer", "M", "K", "N", "comm", "comp", "membound_passes", "t_comm_solo_ms", "t_comp_solo_ms",
-                        "k_comm", "k_comp", "E", "start_late_ms"],
-    "tp_mlp": ["model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
-               "speedup_vs_torch_symm", "speedup_sustained", "speedup_sustained_vs_torch_symm", "sm_clock_overlap_mhz",
-               "sm_clock_baseline_mhz", "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"],
+COLUMNS = {  # file-name prefix -> columns of its table (those no row has are left out)
+    "pool_bw": ["pool_backend", "size_bytes", "ce_pull_median_ms", "ce_pull_GBps", "allgather_median_ms",
+                "allgather_GBps"],
+    "tp_mlp": ["cuda_graphs", "model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
+               "speedup_vs_torch_symm", "speedup_sustained", "sm_clock_overlap_mhz", "sm_clock_baseline_mhz",
+               "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"],
     "launch_overhead": ["launch", "host_us_per_launch", "device_us_per_launch"],
-    "zero_sm_wait": ["copy_start_after_gemm_start_us", "gemm_ms", "copy_ms"],
 }
 
 
@@ -52,11 +33,13 @@ def _prefix(name: str) -> str:
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
-    present = [c for c in columns if any(r.get(c) is not None for r in rows)]
-    text = format_table(rows, present)
-    if len(rows) > LONG_TABLE_ROWS:
-        return f"<details><summary>{len(rows)} rows</summary>\n\n{text}\n\n</details>"
-    return text
+    return format_table(rows, [c for c in columns if any(r.get(c) is not None for r in rows)])
+
+
+def _span(values, digits: int = 2) -> str:
+    values = [v for v in values if v is not None]
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}-{high}"
 
 
 def best_rows(rows: list[dict]) -> list[dict]:
@@ -69,112 +52,160 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return list(best.values())
 
 
-def _bench_summary(rows: list[dict]) -> str:
+def _bench(rows: list[dict]) -> str:
     best = best_rows(rows)
+    methods = ", ".join(f"{m} {sum(r['method'] == m for r in best)}" for m in dict.fromkeys(r["method"] for r in rows))
     e = [r["E_ours"] for r in best]
-    lines = [f"Best configuration per point: median E_ours {statistics.median(e):.3f} (min {min(e):.3f}, max "
-             f"{max(e):.3f}) over {len(best)} points; median E_seq {statistics.median(r['E_seq'] for r in best):.3f}."]
-    for key, what in (("speedup_vs_seq", "NCCL-then-GEMM"), ("speedup_vs_torch", "PyTorch async-TP")):
+    text = (f"Best method per point: median E {statistics.median(e):.3f} (min {min(e):.3f}, max {max(e):.3f}) over "
+            f"{len(best)} points, against {statistics.median(r['E_seq'] for r in best):.3f} for the collective then "
+            f"the GEMM; fastest method: {methods}.")
+    for key, what in (("speedup_vs_seq", "NCCL-then-GEMM"), ("speedup_vs_torch", "PyTorch's async-TP op")):
         if all(r.get(key) for r in best):
-            lines.append(f"Faster than {what} on {sum(r[key] > 1 for r in best)} of {len(best)} points.")
-    return " ".join(lines)
+            wins = [r[key] for r in best]
+            text += f" Faster than {what} on {sum(w > 1 for w in wins)} of {len(best)} ({_span(wins)}x)."
+    return text
 
 
-def _smoke_table(doc: dict) -> str:
-    """One row per case, one column per process count: ok, or FAIL and the error's last line."""
-    cases: dict[str, dict] = {}
+def _kfactor(doc: dict) -> list[str]:
+    rows = [r for r in doc["rows"] if r.get("op") != "ag_regime"]
+    max_k = doc.get("max_k") or float("inf")
+    out = []
+    for key in dict.fromkeys((r["op"], r["method"]) for r in rows):
+        mine = [r for r in rows if (r["op"], r["method"]) == key]
+        out.append({"op": key[0], "method": key[1], "rows": len(mine),
+                    "sm_margin": ",".join(str(s) for s in sorted({r["sm_margin"] for r in mine})),
+                    "k_comm": _span(r["k_comm"] for r in mine), "k_comp": _span(r["k_comp"] for r in mine),
+                    "E": _span(r["E"] for r in mine),
+                    "within_gate": sum(max(r["k_comm"], r["k_comp"]) <= max_k for r in mine)})
+    blocks = [f"Per op and method, over every shape and configuration (gate k <= {doc.get('max_k')}):",
+              format_table(out, list(out[0]))] if out else []
+    regimes = [r for r in doc["rows"] if r.get("op") == "ag_regime"]
+    if regimes:
+        summary = [{"comm": c, "comp": p, "points": len(mine), "k_comm": _span(r["k_comm"] for r in mine),
+                    "k_comp": _span(r["k_comp"] for r in mine)}
+                   for c, p in dict.fromkeys((r["comm"], r["comp"]) for r in regimes)
+                   for mine in [[r for r in regimes if (r["comm"], r["comp"]) == (c, p)]]]
+        blocks += ["The AllGather next to the two kinds of work (`--ops regimes`: comm `ce` = our copy-engine gather, "
+                   "`nccl` = the collective; comp `gemm` = the shape's GEMM, `membound` = RMSNorm passes over the "
+                   "gathered rows), over the AG shapes at each M:", format_table(summary, list(summary[0]))]
+    return blocks
+
+
+def _gemm(doc: dict) -> str:
+    parts = [f"layout {lay}: median {s['median']:.3f}, min {s['min']:.3f}, at least 0.85 on {s['at_least_0.85']} of "
+             f"{s['n']}" for lay, s in (doc.get("summary") or {}).items()]
+    return "Table over cuBLAS per layout: " + "; ".join(parts) + "."
+
+
+def _gemm_fp8(doc: dict) -> str:
+    rows = [r for r in doc["rows"] if r.get("best_over_scaled_mm") is not None]
+    big = [r["best_over_bf16"] for r in doc["rows"] if r["M"] >= 4096 and r.get("best_over_bf16")]
+    return (f"Best over `torch._scaled_mm`: median {statistics.median(r['best_over_scaled_mm'] for r in rows):.3f}, "
+            f"min {min(r['best_over_scaled_mm'] for r in rows):.3f} over {len(rows)} points; over bf16 cuBLAS at "
+            f"M >= 4096: median {statistics.median(big):.2f}, min {min(big):.2f} over {len(big)} points.")
+
+
+def _gemm_tune(doc: dict) -> str:
+    s = doc.get("summary") or {}
+    rows = doc.get("rows") or []
+    return (f"{s.get('measured')} points measured ({s.get('elapsed_s')} s): the fastest candidate over cuBLAS, median "
+            f"{s.get('median_over_cublas', 0):.3f}, min {s.get('min_over_cublas', 0):.3f}; at least 0.85 on "
+            f"{sum(r['best_over_cublas'] >= 0.85 for r in rows)} of {len(rows)}; failed candidates: "
+            f"{len(doc.get('failed') or {})}.")
+
+
+def _host_cost(doc: dict) -> str:
+    ops = [r for r in doc["rows"] if r["op"] in ("ag_gemm", "gemm_rs")]
+    text = []
+    for graphs, what in ((True, "replayed from its plan's graph"), (False, "enqueued step by step")):
+        mine = [r for r in ops if r["eager_graphs"] == graphs]
+        if mine:
+            text.append(f"{what}: {_span(r['ratio'] for r in mine)}x the host time of the op's `torch.mm` "
+                        f"({_span((r['host_us'] for r in mine), 0)} us, {_span((r['py_calls'] for r in mine), 0)} "
+                        "Python calls)")
+    text += [f"{r['op']}: {r['host_us']:.0f} us against {r['ref_host_us']:.0f} us for the {r['ref']} ({r['ratio']:.2f}x)"
+             for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")]
+    return "One eager call " + "; ".join(text) + "."
+
+
+def _offload(doc: dict) -> str:
+    out = []
+    for point in doc.get("points") or []:
+        mine = [r for r in doc["rows"] if (r["model"], r["layers"], r["M"]) == (point["model"], point["layers"],
+                                                                             point["M"])]
+        auto = next((r for r in mine if r["variant"] == "planner"), None)
+        none = next((r for r in mine if r["variant"] == "none"), None)
+        if not (auto and none):
+            continue
+        errors = [abs(r["time_error"]) for r in mine if r.get("time_error") is not None]
+        out.append({"model": point["model"], "layers": point["layers"], "M": point["M"],
+                    "t_none_ms": round(none["t_step_ms"], 1), "planner_time_vs_none": round(auto["time_vs_none"], 3),
+                    "planner_act_vs_none": round(auto["act_vs_none"], 3),
+                    "planner_peak_vs_none": round(auto["peak_vs_none"], 3),
+                    "max_time_error": f"{100 * max(errors):.1f} %",
+                    "peaks_exact": all(r.get("peak_error") == 0 for r in mine),
+                    "bitwise": all(r.get("bitwise") for r in mine)})
+    return ("The planner at its default budget against `none`, per point; every variant's step time against the "
+            "step model's prediction (the table per variant is in the JSON):\n\n" + format_table(out, list(out[0]))
+            if out else "")
+
+
+def _smoke(doc: dict) -> str:
+    """One row per kind of case (its first words), one column per process count: cases ok of cases run."""
+    kinds: dict[str, dict] = {}
     for world, lines in doc["lines"].items():
         for line in lines:
             head, _, status = line.partition(": ")
             case = head.split(" ", 1)[1] if " " in head else head
-            verdict = "ok" if status.startswith("ok") else "FAIL " + status.strip().splitlines()[-1][:60]
-            cases.setdefault(case, {})[f"W={world}"] = verdict
-    worlds = [f"W={w}" for w in doc["lines"]]
-    rows = [{"case": case} | verdicts for case, verdicts in cases.items()]
-    return format_table(rows, ["case", *worlds])
+            words = case.split(" ")
+            kind = " ".join(words[:2] if words[0] in ("pool", "capture", "eager") else words[:1])
+            cell = kinds.setdefault(kind, {}).setdefault(f"W={world}", [0, 0])
+            cell[0] += status.startswith("ok")
+            cell[1] += 1
+    rows = [{"cases": kind} | {w: f"{ok} of {n}" for w, (ok, n) in cells.items()} for kind, cells in kinds.items()]
+    return format_table(rows, ["cases", *[f"W={w}" for w in doc["lines"]]])
 
 
 def file_tables(name: str, doc: dict) -> list[str]:
-    """Markdown blocks for one results JSON: a summary line where there is one, then the table(s)."""
+    """Markdown blocks for one results JSON: a summary where there is one, then a short table."""
     rows = doc.get("rows") if isinstance(doc.get("rows"), list) else []
-    prefix = _prefix(name)
+    op = doc.get("op")
     if name.startswith("smoke_"):
-        return [_smoke_table(doc)]
-    if prefix == "zero_sm_wait":
-        return [f"Median start of the copy after the GEMM's start: {doc['median_start_us']:.1f} us "
-                f"(limit {doc['limit_us']:.0f} us: {'met' if doc['ok'] else 'NOT met'}); {doc['gemm']}, copy "
-                f"{doc['copy']}, wait {doc['wait']}.", _table(rows, COLUMNS[prefix])]
-    if prefix == "kfactor":
-        ops = [r for r in rows if r.get("op") != "ag_regime"]
-        regimes = [r for r in rows if r.get("op") == "ag_regime"]
-        blocks = [_table(ops, COLUMNS["kfactor"])] if ops else []
-        if regimes:
-            blocks += ["The AllGather next to the two kinds of work (`--ops regimes`: comm `ce` = our copy-engine "
-                       "gather, `nccl` = the collective; comp `gemm` = the shape's GEMM, `membound` = RMSNorm "
-                       "passes over the gathered rows):", _table(regimes, COLUMNS["kfactor_regimes"])]
-        return blocks
-    blocks = [_bench_summary(rows)] if rows and "E_ours" in rows[0] else []
-    if isinstance(doc.get("summary"), dict):
-        blocks.append("Summary: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in doc["summary"].items()))
-    return blocks + [_table(rows, COLUMNS.get(prefix) or list(rows[0]) if rows else [])]
+        return [_smoke(doc)]
+    if name.startswith("zero_sm_wait"):
+        return [f"Median start of the copy after the GEMM's start: {doc['median_start_us']:.1f} us over {len(rows)} "
+                f"repeats (limit {doc['limit_us']:.0f} us: {'met' if doc['ok'] else 'NOT met'}); {doc['gemm']}, copy "
+                f"{doc['copy']}, wait {doc['wait']}."]
+    if name.startswith("swiglu_check"):
+        t = doc["times_ms"]
+        return [f"{sum(c['passed'] for c in doc['checks'])} of {len(doc['checks'])} checks bitwise equal. Forward "
+                f"{t['forward_fused_ms']:.3f} ms against {t['forward_unfused_ms']:.3f} ms; backward "
+                f"{t['backward_fused_ms']:.3f} ms against {t['backward_autograd_ms']:.3f} ms."]
+    if name.startswith("gemm_fp8_gluon"):
+        s = doc["summary"]
+        return [f"{sum(c.get('ok', False) for c in doc['correctness'])} of {len(doc['correctness'])} correctness cases "
+                f"pass; over `torch._scaled_mm` median {s['over_scaled_mm_median']:.3f}, min {s['over_scaled_mm_min']:.3f} "
+                f"({s['timed_points']} points); over bf16 cuBLAS at M >= 4096 at least {s['over_bf16_min_at_m_ge_4096']:.2f}."]
+    if doc.get("kind") == "kfactor":
+        return _kfactor(doc)
+    if op in ("ag_gemm", "gemm_rs") and rows:
+        return [_bench(rows)]
+    blocks = {"gemm": _gemm, "gemm_fp8": _gemm_fp8, "gemm_tune": _gemm_tune, "host_cost": _host_cost,
+              "offload_bench": _offload}
+    if op in blocks:
+        return [blocks[op](doc)]
+    columns = COLUMNS.get(_prefix(name))
+    return [_table(rows, columns or list(rows[0]))] if rows else []
 
 
-def _config_of(command: str | None) -> str:
-    match = re.search(r"--config (\S+)", command or "")
-    return Path(match.group(1)).name if match else "preset"
+def suite_line(path: Path) -> str:
+    """One JUnit XML of the GPU test suite: tests, failures, errors, skipped, seconds."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
+    return (f"{counts['tests']} tests, {counts['failures']} failures, {counts['errors']} errors, {counts['skipped']} "
+            f"skipped, {float(counts['time'] or 0):.0f} s")
 
 
-def history_tables(directory: Path) -> list[str]:
-    """The earlier TP MLP steps (one row per point) and op benchmarks (one row per file)."""
-    steps, ops, other = [], [], []
-    for path in sorted(directory.glob("*.json")):
-        doc = json.loads(path.read_text())
-        common = {"file": path.name, "commit": short_commit(doc.get("commit"))}
-        if doc.get("op") == "tp_mlp":
-            steps += [common | {"config": _config_of(doc.get("command") or doc.get("command_recorded")),
-                                "graphs": bool(doc.get("cuda_graphs")), **{k: r.get(k) for k in
-                                ("model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "speedup",
-                                 "speedup_vs_torch_symm")}} for r in doc["rows"]]
-        elif doc.get("op") in ("ag_gemm", "gemm_rs") and doc.get("rows"):
-            best = best_rows(doc["rows"])
-            ops.append(common | {"op": doc["op"], "graphs": bool(doc.get("cuda_graphs")),
-                                 "median_E_ours": statistics.median(r["E_ours"] for r in best),
-                                 "faster_than_seq": f"{sum(r['speedup_vs_seq'] > 1 for r in best)} of {len(best)}"})
-        else:
-            other.append(common | {"what": doc.get("command_note") or doc.get("command")})
-    return [format_table(steps, ["file", "commit", "config", "graphs", "model", "M", "t_step_overlap_ms",
-                                 "t_step_baseline_ms", "speedup", "speedup_vs_torch_symm"]),
-            format_table(ops, ["file", "commit", "op", "graphs", "median_E_ours", "faster_than_seq"]),
-            format_table(other, ["file", "commit", "what"])]
-
-
-def trace_table(directory: Path) -> str:
-    """Each profiled TP MLP step: model, M, eager or graphed, commit, and the span of ours and of the baseline."""
-    from ..measure.timeline import stream_lanes, summarise
-    rows: dict[tuple, dict] = {}
-    for path in sorted(directory.glob("tp_mlp_*_rank0_*.trace.json")):
-        match = re.match(r"tp_mlp_(\w+?)_M(\d+)(_graphs)?_(overlap|baseline)_rank0_(\w+)\.trace\.json$", path.name)
-        if not match:
-            continue
-        model, m, graphs, variant, commit = match.groups()
-        span = summarise(stream_lanes(json.loads(path.read_text())))["span_ms"]
-        png = f"tp_mlp_{model}_M{m}{graphs or ''}_timeline_{commit}.png"
-        row = rows.setdefault((model, int(m), bool(graphs), commit), {
-            "model": model, "M": int(m), "graphs": bool(graphs), "commit": commit,
-            "figure": f"[{png}](traces/{png})" if (directory / png).is_file() else "-"})
-        row[f"span_{variant}_ms"] = span
-    ordered = sorted(rows.values(), key=lambda r: (r["model"], r["M"], r["graphs"], r["commit"]))
-    return format_table(ordered, ["model", "M", "graphs", "commit", "span_overlap_ms",
-                                              "span_baseline_ms", "figure"])
-
-
-def suite_table(directory: Path) -> str:
-    """One row per JUnit XML of the GPU test suite: tests, failures, errors, skipped, seconds."""
-    rows = []
-    for path in sorted(directory.glob("gpu_tests_*.xml")):
-        root = ET.parse(path).getroot()
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        commit = re.search(r"_([0-9a-f]{7})\.xml$", path.name)
-        rows.append({"file": path.name, "commit": commit.group(1) if commit else "-",
-                     **{k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}})
-    return format_table(rows, ["file", "commit", "tests", "failures", "errors", "skipped", "time"])
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,6 +1,8 @@
-"""results/ as a stranger reads it: the page is the rendering of the data (up to date), every results file has
-its words (what was measured, what it means), every recorded command runs from a checkout or says why not,
-the repository's results speak of the project (no diary), and the plots say what they show."""
+"""results/ as a stranger reads it: the page is the rendering of the data (up to date, at most 400 lines), every
+results file has its words (what was measured, what it means), every experiment not kept is one line with its
+commit and no file left in results/, every log is one the results cite, every recorded command runs from a
+checkout or says why not, the repository's results speak of the project (no diary), and every figure is drawn
+from the data next to it and says what it shows."""
 
 import importlib
 import json
@@ -13,7 +15,9 @@ import yaml
 
 from tp_overlap.launch import results_md
 from tp_overlap.launch.measure import timeline as _timeline
+from tp_overlap.launch.output import offload_plot as _offload_plot
 from tp_overlap.launch.output import plots as _plots
+from tp_overlap.launch.output import results_plots as _results_plots
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
@@ -28,22 +32,76 @@ def _results_files() -> list[Path]:
 def test_the_page_is_the_rendering_of_the_files():
     page = (RESULTS / "README.md").read_text()
     assert page == results_md.render(RESULTS), "results/README.md is stale: run python -m tp_overlap.launch.results_md"
+    assert len(page.splitlines()) <= 400, "results/README.md holds results of record only: at most 400 lines"
     assert "TP0" not in page and "TPNone" not in page and "one one" not in page
-    assert "| layer | M | K | N | comm | comp |" in page, "the regimes rows keep their comm and comp columns"
+    assert "| comm | comp | points | k_comm | k_comp |" in page, "the regimes rows keep their comm and comp columns"
+
+
+def _captioned() -> dict[str, dict]:
+    """Every file a section names: its own entry, and the files measured with it (`with`)."""
+    found = {}
+    for group in CAPTIONS["groups"]:
+        for name, text in group["files"].items():
+            found[name] = text
+            found.update(text.get("with") or {})
+    return found
 
 
 def test_every_results_file_at_the_top_has_its_words_and_every_caption_its_file():
-    captioned = {name: text for group in CAPTIONS["groups"] for name, text in group["files"].items()}
+    captioned = _captioned()
     files = {p.name for p in RESULTS.glob("*.json") if not p.name.endswith(".trace.json")}
     assert files - set(captioned) == set(), "a results file without a section in captions.yaml"
     assert set(captioned) - files == set(), "a section in captions.yaml names no file"
+    mains = {name: text for group in CAPTIONS["groups"] for name, text in group["files"].items()}
     for name, text in captioned.items():
-        assert {"title", "commit", "what", "means"} <= set(text), name
+        assert {"title", "commit", "what", "means"} <= set(text) if name in mains else {"commit", "what"} <= set(text)
         assert json.loads((RESULTS / name).read_text())["commit"].startswith(str(text["commit"])), name
-    figures = [png for g in CAPTIONS["groups"] for t in g["files"].values() for png in (t.get("figures") or {})]
-    figures += list(CAPTIONS["traces"]["figures"]) + list(CAPTIONS["logs"]["files"])
+    figures = [png for t in mains.values() for png in (t.get("figures") or {})] + list(CAPTIONS["logs"]["files"])
     missing = [f for f in figures if not (RESULTS / f).exists() and not (RESULTS / "logs" / f).exists()]
     assert not missing, missing
+
+
+def test_each_experiment_not_kept_is_one_line_with_its_commit_and_its_files_are_gone():
+    rows = CAPTIONS["not_kept"]["rows"]
+    assert rows
+    for row in rows:
+        assert re.fullmatch(r"[0-9a-f]{7}(, [0-9a-f]{7})*", str(row["commit"])), row
+        assert "\n" not in row["what"].strip() and "|" not in row["what"], row
+        for path in str(row["data"]).split(", "):
+            assert "*" in path or "<" in path or "{" in path or not (RESULTS / path).exists(), path
+    assert not (RESULTS / "history").exists(), "earlier measurements are listed as not kept, with their commit"
+
+
+def test_every_log_is_one_a_result_cites():
+    listed = set(CAPTIONS["logs"]["files"])
+    present = {p.name for p in (RESULTS / "logs").iterdir() if not p.name.startswith("gpu_tests_")}
+    assert present == listed, (present - listed, listed - present)
+    words = " ".join(json.dumps(text) for text in _captioned().values())
+    uncited = [name for name in listed if f"logs/{name}" not in words and not name.startswith(("install_dry_run",
+               "numpy_cap", "tp_mlp_llama8b_cpu", "triton371"))]   # these four: docs/USAGE.md cites them
+    assert not uncited, uncited
+
+
+def test_every_figure_is_drawn_from_the_data_next_to_it():
+    targets = {png for png, _ in _results_plots._pairs(RESULTS)}
+    assert targets and all(png.is_file() for png in targets), [p.name for p in targets if not p.is_file()]
+    orphans = [p.name for p in RESULTS.rglob("*.png")
+               if p not in targets and not ("_timeline" in p.stem and _results_plots._traces(p))]
+    assert not orphans, orphans
+    names = {p.name for p in targets}
+    for expected in ("tp_mlp_h200_tp2_speedup.png", "ag_gemm_h200_tp2_efficiency.png", "gemm_h200.png",
+                     "gemm_rs_h200_tp2_efficiency.png", "gemm_fp8_h200.png", "host_cost_h200.png", "offload_h200.png"):
+        assert expected in names, expected
+
+
+def test_offload_budgets_that_chose_one_plan_share_one_label():
+    row = {"model": "m", "layers": 2, "M": 64, "pred_step_ms": 10.0, "pred_peak_bytes": 5, "pred_act_peak_bytes": 3,
+           "decisions": ["h=offload"], "t_step_ms": 10.1}
+    rows = [dict(row, variant="planner"), dict(row, variant="planner[+0%]", t_step_ms=10.3),
+            dict(row, variant="planner[+5%]", pred_step_ms=11.0, decisions=["h=offload", "a=recompute"]),
+            dict(row, variant="none")]
+    groups = _offload_plot._plans(rows)
+    assert [[r["variant"] for r in g] for g in groups] == [["planner", "planner[+0%]"], ["planner[+5%]"]]
 
 
 def _module_and_args(command: str) -> tuple[str, list[str]]:
