@@ -2,8 +2,8 @@
 
 The interleaved medians (launch.measure.timing) put a barrier and an L2 flush between steps. A training loop does
 not pause, and on a power-capped GPU the variant that does the same work in less time draws more power and
-runs at a lower clock (2-4 % lower for the overlapped step on 2 x H200:
-results/history/power_probe_5c1a4fa.json). Here every variant runs blocks of the same number of
+runs at a lower clock (2-4 % lower for the overlapped step on 2 x H200, a probe at 5c1a4fa listed under
+"Experiments not kept" in results/README.md). Here every variant runs blocks of the same number of
 back-to-back steps (`seconds` at the fastest variant's interleaved median), two rounds in the order
 A B C, C B A (each variant's blocks sit at mirrored positions, so none always follows the pauses of the
 interleaved phase), and each block reports ms/step (the span of the block over its steps, max over ranks)

@@ -88,8 +88,8 @@ def _panel(ax, rows, frontier, measured_key, predicted_key, front_key, ylabel) -
         label = f"planner {names}" + (": one plan" if len(group) > 1 else "")
         right = first["t_step_ms"] > (low + high) / 2   # a label right of the middle grows to the left
         ax.annotate(label, (first["t_step_ms"], first[measured_key] / GIB), xytext=(-8 if right else 8, 10 + 11 * i),
-                    textcoords="offset points", fontsize=6.5, ha="right" if right else "left", arrowprops={"arrowstyle": "-", "color": "grey",
-                                                                         "linewidth": 0.6},
+                    textcoords="offset points", fontsize=6.5, ha="right" if right else "left",
+                    arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6},
                     bbox={"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlim(low, high)
     ax.set_xlabel("step time (ms; forward, backward, optimizer)", fontsize=7)

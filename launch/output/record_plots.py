@@ -20,6 +20,7 @@ STEP_BARS = (("t_step", "CUDA-graph replay", "tab:blue", ""), ("sustained", "CUD
              "tab:orange", "//"))
 METHOD_COLORS = {"decomposed": "tab:blue", "fused": "tab:orange", "epilogue_reduce": "tab:green", "pair": "tab:purple"}
 OP_NAMES = {"ag_gemm": "AllGather + GEMM", "gemm_rs": "GEMM + ReduceScatter"}
+LAYOUTS = {"kn": "[K, N] row-major", "nk": "the transpose view of [N, K]"}
 
 
 def _save(fig, path, plt) -> Path:
@@ -154,7 +155,7 @@ def plot_gemm_ratios(doc: dict, path: str | Path) -> Path:
     else:
         layouts = list(dict.fromkeys(r["layout"] for r in rows))
         panels = [([r for r in rows if r["layout"] == lay], "table_over_cublas", "cuBLAS",
-                   f"against cuBLAS, layout {lay}: B {'[K, N] row-major' if lay == 'kn' else 'the transpose view of [N, K]'}",
+                   f"against cuBLAS, layout {lay}: B {LAYOUTS.get(lay, lay)}",
                    (0.8, 1.0, 1.1)) for lay in layouts]
         what = "bf16 GEMM with the tuned block table"
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels) + 1.6, 10.5), squeeze=False)

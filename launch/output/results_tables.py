@@ -17,8 +17,8 @@ from tp_overlap.launch.output.report import format_table
 COLUMNS = {  # file-name prefix -> columns of its table (those no row has are left out)
     "pool_bw": ["pool_backend", "size_bytes", "ce_pull_median_ms", "ce_pull_GBps", "allgather_median_ms",
                 "allgather_GBps"],
-    "tp_mlp": ["cuda_graphs", "model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms", "speedup",
-               "speedup_vs_torch_symm", "speedup_sustained", "sm_clock_overlap_mhz", "sm_clock_baseline_mhz",
+    "tp_mlp": ["cuda_graphs", "model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
+               "speedup", "speedup_vs_torch_symm", "speedup_sustained", "sm_clock_overlap_mhz", "sm_clock_baseline_mhz",
                "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"],
     "launch_overhead": ["launch", "host_us_per_launch", "device_us_per_launch"],
 }
@@ -123,8 +123,8 @@ def _host_cost(doc: dict) -> str:
             text.append(f"{what}: {_span(r['ratio'] for r in mine)}x the host time of the op's `torch.mm` "
                         f"({_span((r['host_us'] for r in mine), 0)} us, {_span((r['py_calls'] for r in mine), 0)} "
                         "Python calls)")
-    text += [f"{r['op']}: {r['host_us']:.0f} us against {r['ref_host_us']:.0f} us for the {r['ref']} ({r['ratio']:.2f}x)"
-             for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")]
+    text += [f"{r['op']}: {r['host_us']:.0f} us against {r['ref_host_us']:.0f} us for the {r['ref']} "
+             f"({r['ratio']:.2f}x)" for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")]
     return "One eager call " + "; ".join(text) + "."
 
 
@@ -184,8 +184,9 @@ def file_tables(name: str, doc: dict) -> list[str]:
     if name.startswith("gemm_fp8_gluon"):
         s = doc["summary"]
         return [f"{sum(c.get('ok', False) for c in doc['correctness'])} of {len(doc['correctness'])} correctness cases "
-                f"pass; over `torch._scaled_mm` median {s['over_scaled_mm_median']:.3f}, min {s['over_scaled_mm_min']:.3f} "
-                f"({s['timed_points']} points); over bf16 cuBLAS at M >= 4096 at least {s['over_bf16_min_at_m_ge_4096']:.2f}."]
+                f"pass; over `torch._scaled_mm` median {s['over_scaled_mm_median']:.3f}, min "
+                f"{s['over_scaled_mm_min']:.3f} ({s['timed_points']} points); over bf16 cuBLAS at M >= 4096 at least "
+                f"{s['over_bf16_min_at_m_ge_4096']:.2f}."]
     if doc.get("kind") == "kfactor":
         return _kfactor(doc)
     if op in ("ag_gemm", "gemm_rs") and rows:

@@ -212,9 +212,10 @@ def _wave_efficiency(tiles: int, sm_count: int) -> float:
 
 
 def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm_count: int = 132) -> GemmBlocks:
-    """The fallback (results/gemm_h200_tp2.json, before the table): 128x256x64 tiles with 8 warps, 3 stages
-    and warp specialisation, unless 128x128 tiles (4 warps, 4 stages) fill the last wave of `sm_count`
-    programs clearly better (e.g. M = 1024 with N = 5120, where 256-wide tiles leave a third of the SMs idle)."""
+    """The fallback (`heuristic_over_cublas` in results/gemm_h200.json measures it at every point): 128x256x64
+    tiles with 8 warps, 3 stages and warp specialisation, unless 128x128 tiles (4 warps, 4 stages) fill the last
+    wave of `sm_count` programs clearly better (e.g. M = 1024 with N = 5120, where 256-wide tiles leave a third of
+    the SMs idle)."""
     wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
     narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
     if narrow > wide + WAVE_MARGIN:
