@@ -73,6 +73,7 @@ class SymmetricPool(PoolFailures):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group_ranks = tuple(dist.get_process_group_ranks(group))   # global ranks of the group's members
         self._closed, self._backend, self._control, self._watchdog = True, None, None, None
+        self._allocations = 0   # what stats() reports: counted where memory is allocated, never derived
         self._rendezvous = Rendezvous(group, timeout_s=self.timeout_s)
         try:
             shape = (self.arena_bytes, num_signal_words, num_device_words, self.backend_name)
@@ -81,7 +82,9 @@ class SymmetricPool(PoolFailures):
             self._rendezvous.peer_pids = self.peer_pids
             check_same_shape([theirs for _, theirs in created])
             self._control = ControlPages(num_signal_words, self._rendezvous, self.device)
+            self._allocations += 1
             self._backend = self._make_backend(self.arena_bytes + 4 * num_device_words)
+            self._allocations += 1
             self._device_words(self.rank).zero_()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -91,6 +94,7 @@ class SymmetricPool(PoolFailures):
             self._release()
             raise
         self._regions: dict[str, Region] = {}
+        self._released: set[str] = set()   # regions of closed op contexts: a new one may take them back
         self._views: dict[tuple, torch.Tensor] = {}
         self._arena_used = 0
         self._next_control, self._next_device = 0, 0
@@ -141,14 +145,19 @@ class SymmetricPool(PoolFailures):
         shape = check_spec(name, shape, dtype, num_signals, num_device_flags)
         if name in self._regions:
             region = self._regions[name]
-            if exclusive:
+            released = name in self._released
+            if exclusive and not released:
                 raise PoolError(f"region {name!r} is already reserved by another op context of this pool; "
-                                f"give each op (layer) a unique name")
+                                f"give each op (layer) a unique name, or close() the one that holds it first")
             if (region.shape, region.dtype, region.num_control, region.num_device_flags) != \
                     (shape, dtype, num_signals, num_device_flags):
-                raise PoolError(f"region {name!r} is already reserved as {region.shape} {region.dtype} with "
+                again = ("was released by a closed op; a pool's arena does not shrink, so a released region is "
+                         "only taken back as it was (give the new op another name)") if released else \
+                    "is already reserved"
+                raise PoolError(f"region {name!r} {again}: it is {region.shape} {region.dtype} with "
                                 f"{region.num_control} signals and {region.num_device_flags} device flags; "
                                 f"asked again as {shape} {dtype} with {num_signals} and {num_device_flags}")
+            self._released.discard(name)
             return self.peer(name, self.rank)
         nbytes = math.prod(shape) * dtype.itemsize
         offset = align(self._arena_used)
@@ -167,6 +176,14 @@ class SymmetricPool(PoolFailures):
         self._next_control += num_signals
         self._next_device += num_device_flags
         return self.peer(name, self.rank)
+
+    def release(self, name: str) -> None:
+        """Give region `name` back (an op context's close): a later `reserve` of the same name and spec takes
+        the same memory and flags again, exclusive or not, on every rank alike (the layout does not change:
+        the arena does not shrink). Its flags are left as the last call left them, which is where the
+        protocol's next call expects them."""
+        if not self._closed and name in self._regions:
+            self._released.add(name)
 
     def region(self, name: str) -> Region:
         try:
@@ -221,6 +238,7 @@ class SymmetricPool(PoolFailures):
                      for r in range(self.world_size)]
             table = self._views[key] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64,
                                                     device=self.device)
+            self._allocations += 1
         return table
 
     # ----- control flags ---------------------------------------------------------------------------------
@@ -313,8 +331,13 @@ class SymmetricPool(PoolFailures):
         self._in_flight -= 1
 
     def stats(self) -> PoolStats:
+        """Counters that prove the hot path's claims: `allocations` (memory this pool allocated since creation:
+        its control page, its symmetric allocation and each cached pointer table) and `rendezvous_count` (the
+        collective steps through the group's store: creation's exchanges, each op's agreement step, barriers)
+        only grow outside op calls."""
         live = not self._closed
-        return PoolStats(backend=self.backend_name, rendezvous_count=int(live), allocations=int(live),
+        return PoolStats(backend=self.backend_name, rendezvous_count=self._rendezvous.steps,
+                         allocations=self._allocations,
                          bytes_total=self.arena_bytes, bytes_reserved=self._arena_used if live else 0,
                          num_regions=len(self._regions), control_words_reserved=self._next_control,
                          device_words_reserved=self._next_device,

@@ -61,6 +61,11 @@ class Rendezvous:
         self.peer_pids: tuple[int, ...] | None = None   # set by the pool once exchanged: liveness checks
         self.out_of_step: str | None = None
 
+    @property
+    def steps(self) -> int:
+        """Collective steps (exchanges and barriers) this rank has entered so far."""
+        return self._step
+
     def exchange(self, payload, *, what: str, kind: str = "creation", note: str | None = None) -> list:
         """Every rank's `payload` (picklable), in rank order; raises PoolTimeoutError naming the ranks that
         did not arrive within timeout_s (and makes the ranks that did arrive raise too), PeerLostError if a

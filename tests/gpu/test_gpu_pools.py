@@ -22,6 +22,7 @@ def _peer_reads_and_control_flags(rank, world, backend):
     group = dist.group.WORLD
     dev = torch.device("cuda", torch.cuda.current_device())
     with SymmetricPool(64 << 20, group=group, backend=backend) as pool:
+        created = pool.stats()
         x = pool.reserve("x", (1000, 77), torch.bfloat16, num_signals=world)
         right, left = (rank + 1) % world, (rank - 1) % world
         for step in range(1, 101):
@@ -41,12 +42,16 @@ def _peer_reads_and_control_flags(rank, world, backend):
         reads = [pool.peer("x", r).float().sum().item() for r in range(world)]
         pool.barrier()
         torch.cuda.synchronize()
-        return pool.stats().rendezvous_count, reads
+        after = pool.stats()
+        # the counters count: 2 barriers per step and 1 after the loop are every collective step; flag
+        # signals, waits and views allocate nothing
+        steps = after.rendezvous_count - created.rendezvous_count, after.allocations - created.allocations
+        return steps, reads
 
 
 def test_torch_backend_peer_reads_and_control_flags(num_gpus):
     results = run_ranks(_peer_reads_and_control_flags, 2, "torch", backend="nccl", timeout_s=240)
-    assert all(r[0] == 1 for r in results)
+    assert all(r[0] == (201, 0) for r in results), [r[0] for r in results]
     assert results[0][1] == results[1][1]  # both ranks read the same bytes of every copy
 
 
