@@ -40,6 +40,7 @@ from .errors import PoolError
 __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
            "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
            "MISMATCH_BIT", "BOARD_GEQ", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
+           "CALL_FAILED_REASON",
            "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
            "encode_abort", "decode_abort", "check_spec", "check_timeout", "check_word", "check_same_shape", "layout_difference"]
 
@@ -54,6 +55,7 @@ BOARD_GEQ = -1           # board value of an at-least wait (no disagreement chec
 MISMATCH_REASON = 4      # abort reason: the ranks disagree on a call's M
 FAILURE_CODE_BASE = 1 << 29  # error codes >= this (below MISMATCH_BIT) name a device-side check (`failure_code`)
 CHECK_REASON = 5         # abort reason: a device-side check of an op failed
+CALL_FAILED_REASON = 6   # abort reason: a step of an op call raised where the call could not be completed
 FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
 DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")

@@ -187,6 +187,20 @@ class OpPreset:
                 return value
         return self.default
 
+    def reachable(self, max_m: int, multiple: int = 1) -> list:
+        """The values some M can reach: M a multiple of `multiple` (an op's group size), 0 < M <= max_m, in
+        bucket order, the default last. What an op context checks at construction: a bucket or default no
+        call can reach is never run, so it is not refused."""
+        values, low = [], 0   # the Ms a bucket wins are (the largest earlier m_max, its own m_max]
+        for m_max, value in self.by_m:
+            first = (max(low, 0) // multiple + 1) * multiple   # the smallest M above every earlier bucket
+            if first <= min(m_max, max_m):
+                values.append(value)
+            low = max(low, m_max)
+        if max_m > low:
+            values.append(self.default)
+        return values
+
 
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:

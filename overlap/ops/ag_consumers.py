@@ -20,7 +20,7 @@ class AgConsumers:
     def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool,
                              waits: bool = True) -> None:
         if lead:
-            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
                                     chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
                                     whole=whole)
@@ -31,7 +31,7 @@ class AgConsumers:
                 program.after(COMPUTE, "gathered")
             elif gemm.wait >= 0:
                 program.after(COMPUTE, f"chunk{gemm.wait}")
-            program.run(COMPUTE, self._mm(gemm, m, config.sm_margin))
+            program.run(COMPUTE, self._mm(gemm, m, config.sm_margin), local=True)  # writes out only
 
     def _mm(self, gemm: ConsumerGemm, m: int, margin: int):
         lo, count = gemm.first_row, gemm.num_rows
@@ -65,7 +65,7 @@ class AgConsumers:
             for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
                 program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
         if lead:
-            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead))
+            program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]
         if self.fp8:
             blocks = choose_fp8_blocks(m, n, self.k, warp_specialize=False, device_type=self.device.type)
@@ -83,7 +83,7 @@ class AgConsumers:
             def gemm(call) -> None:
                 launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=blocks,
                             tile_row_offset=offset, chunk_wait=wait)
-        program.run(COMPUTE, gemm)
+        program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)
 
     def _wgrad_lead(self, program: Program, m: int, rows: int, margin: int) -> None:
         """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
@@ -92,7 +92,7 @@ class AgConsumers:
         def lead(call) -> None:
             with sm_carveout(margin):
                 torch.mm(call.x[lo:lo + rows].t(), call.a_shard, out=call.grad)
-        program.run(COMPUTE, lead)
+        program.run(COMPUTE, lead, local=True)
 
     def _wgrad_rest(self, program: Program, m: int, rows: int, *, lead: bool) -> None:
         """grad (+)= x[other rows]^T @ gathered[other rows] (bf16; fp8: the dequantised gathered rows)."""
@@ -106,7 +106,7 @@ class AgConsumers:
                 return
             for first, end in others:  # onto the lead's result in the GEMM epilogue (beta = 1, no extra pass)
                 grad.addmm_(x[first:end].t(), full[first:end])
-        program.run(COMPUTE, rest)
+        program.run(COMPUTE, rest, local=True)
 
 
 def _with_carveout(margin: int, work) -> None:

@@ -71,9 +71,7 @@ class AgGemm(AgConsumers, OpBase):
         self.flags = protocol.AgFlags(f"{name}.a", self.world_size, chunks)
         specs = self.regions(name=name, world_size=self.world_size, max_m=max_m, k=k, dtype=dtype,
                              chunks_per_rank=chunks, fp8=fp8)
-        self.gathered, *scales = (pool.reserve(*spec[:3], num_signals=spec.num_signals,
-                                               num_device_flags=spec.num_device_flags, exclusive=True)
-                                  for spec in specs)
+        self.gathered, *scales = (self._reserve(spec) for spec in specs)
         # the scale rows padded to 16 bytes (the Gluon FP8 GEMM reads them with TMA): pulled whole, used as a view
         self._scale_rows = scales[0] if fp8 else None
         self.scales = self._scale_rows[:, :scale_groups(k)] if fp8 else None
@@ -253,7 +251,7 @@ class AgGemm(AgConsumers, OpBase):
             self._wgrad_rest(program, m, rows, lead=wgrad == "lead")
         if stamp:
             program.after(COMPUTE, "gathered")
-            program.run(COMPUTE, self._bump_version)
+            program.run(COMPUTE, self._bump_version, local=True)
         return program
 
     def _compute(self, program: Program, m: int, n: int, chunks, config) -> Program:

@@ -65,11 +65,11 @@ class OpBase:
         if pool is None or pool.closed:
             raise OpInputError(f"{name}: pool= must be an open SymmetricPool on group=")
         self.preset = config if isinstance(config, OpPreset) else OpPreset(default=config)
-        for cfg in self.configs():
+        for cfg in [self.preset.default] + [cfg for _, cfg in self.preset.by_m]:
             if getattr(cfg, "op", None) != self.kind:
                 raise OpInputError(f"{name}: config is a {type(cfg).__name__}; {type(self).__name__} needs a "
                                    f"{self.kind} config")
-        self.group, self.pool, self.config, self.name = group, pool, self.preset.default, name
+        self.group, self.pool, self.name = group, pool, name
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         check_same_group(name, group, pool)
         for arg, value in static.items():
@@ -80,6 +80,8 @@ class OpBase:
                 raise OpInputError(f"{name}: {arg} must be a positive int, got {value!r}")
         check_divisible(f"{name}: max_m", max_m, self.world_size, "the group size")
         self.max_m, self.device = max_m, pool.device
+        self.config = self.preset.for_m(max_m)  # the config of the largest call (what `op.config` reports)
+        self._region_names: list[str] = []
         self.timeout_s = pool.timeout_s
         self._cuda = self.device.type == "cuda"
         self._static = {"op": self.kind, "name": name, "world_size": self.world_size, **static,
@@ -99,12 +101,20 @@ class OpBase:
         self._last_stream = None   # raw handle of the stream of the last eager call (CUDA)
 
     def configs(self) -> list:
-        """Every config this op may run (the default and each `by_m` bucket's)."""
-        return [self.preset.default] + [cfg for _, cfg in self.preset.by_m]
+        """The configs a call of this op can reach (M a multiple of W, at most max_m; `OpPreset.reachable`):
+        construction checks and sizes for these only."""
+        return self.preset.reachable(self.max_m, self.world_size)
 
     def config_for(self, m: int):
         """The config a call with M = m runs (the first `by_m` bucket with m_max >= m, else the default)."""
         return self.preset.for_m(m)
+
+    def _reserve(self, spec):
+        """Reserve one of this op's regions (`RegionSpec`), exclusively: released again by close()."""
+        view = self.pool.reserve(*spec[:3], num_signals=spec.num_signals, num_device_flags=spec.num_device_flags,
+                                 exclusive=True)
+        self._region_names.append(spec[0])
+        return view
 
     def _agree(self) -> None:
         """Before any reservation: every rank built the same op on the same pool layout so far."""
@@ -240,7 +250,10 @@ class OpBase:
             self._seen.add(key)
             plan.driver.run(call, torch.cuda.current_stream())
             return None
-        graph = self._record(plan, call, torch.cuda.current_stream())
+        try:
+            graph = self._record(plan, call, torch.cuda.current_stream())
+        except Exception:  # nothing recorded ran: the call runs step by step, which completes its protocol
+            graph = None   # or aborts the pool if the step fails again (a capture may fail on its own)
         if graph is None:
             plan.driver.run(call, torch.cuda.current_stream())
             return None
@@ -261,7 +274,7 @@ class OpBase:
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                plan.driver.run(call, side)
+                plan.driver.run(call, side, abort=False)
             finally:
                 graph.capture_end()
         stream.wait_stream(side)
@@ -312,8 +325,9 @@ class OpBase:
             raise OpInputError(str(exc)) from None
 
     def close(self) -> None:
-        """Drop this op's plans, graphs and pool views (the pool is the caller's). Refused while a call is in
-        flight."""
+        """Drop this op's plans, graphs and pool views, and release its pool regions: an op built afterwards
+        with the same name and arguments (on every rank) takes the same regions back; the pool's memory is not
+        freed (an arena does not shrink) and the pool is the caller's. Refused while a call is in flight."""
         if self._closed:
             return
         if self._lock.locked():
@@ -323,6 +337,8 @@ class OpBase:
         self._graphs.clear()
         self._seen.clear()
         self._release()
+        for region in self._region_names:  # an op built later with this name and these arguments takes them
+            self.pool.release(region)
 
     def _release(self) -> None:
         pass

@@ -80,8 +80,7 @@ class GemmRs(OpBase):
         self.flags = protocol.RsFlags(f"{name}.partials", self.world_size, max_m)
         self.flags_per_source = self.flags.flags_per_source
         (spec,) = self.regions(name=name, world_size=self.world_size, max_m=max_m, n=n, dtype=dtype)
-        self.partials = pool.reserve(*spec[:3], num_signals=spec.num_signals,
-                                     num_device_flags=spec.num_device_flags, exclusive=True)
+        self.partials = self._reserve(spec)
         self.row_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._staging = torch.empty(max_m if methods & set(STAGED_METHODS) else 0, n, dtype=dtype, device=self.device)
@@ -208,7 +207,7 @@ class GemmRs(OpBase):
                  "compute": self._compute}[schedule]
         build(program, key, config)
         if wgrad and schedule != "bulk":
-            program.run(COMPUTE, _wgrad)
+            program.run(COMPUTE, _wgrad, local=True)
         return program
 
     def _check_stamp(self, call) -> None:
@@ -294,7 +293,7 @@ class GemmRs(OpBase):
             lo = owner * rows
             if owner == self.rank:
                 own = self._slots(owner, rows)[self.rank]
-                program.run(COMPUTE, self._mm_into(lo, rows, lambda call: own, margin))
+                program.run(COMPUTE, self._mm_into(lo, rows, lambda call: own, margin), local=True)
                 program.record(COMPUTE, "own")
                 continue
             staged = self._staging[lo:lo + rows]
@@ -304,7 +303,7 @@ class GemmRs(OpBase):
             self._push(program, owner, m, staged)
         self._take_pushed(program, REDUCE, m)
         program.after(REDUCE, "own")
-        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False))
+        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False), local=True)
         self._give_free(program, REDUCE)
 
     def _pair(self, program: Program, key: RsPlanKey, config) -> None:
@@ -315,10 +314,10 @@ class GemmRs(OpBase):
         program.record(COMPUTE, "staged")
         program.after(COMM, "staged")
         self._push(program, peer, m, staged)
-        program.run(COMPUTE, self._mm_into(self.rank * rows, rows, lambda call: call.out, margin))
+        program.run(COMPUTE, self._mm_into(self.rank * rows, rows, lambda call: call.out, margin), local=True)
         program.take(COMPUTE, self.flags.pushed(peer), peer=peer, value=m)
         slot = self._slots(self.rank, rows)[peer]
-        program.run(COMPUTE, lambda call: call.out.add_(slot))
+        program.run(COMPUTE, lambda call: call.out.add_(slot), local=True)
         self._give_free(program, COMPUTE)
 
     def _bulk(self, program: Program, key: RsPlanKey, config) -> None:
@@ -329,11 +328,11 @@ class GemmRs(OpBase):
         program.after(COMM, "staged")
         for owner in self._peers():
             self._push(program, owner, m, self._bulk_staging[owner * rows:(owner + 1) * rows])
-        program.run(COMPUTE, _bulk_work)
+        program.run(COMPUTE, _bulk_work, local=True)  # the caller's work (or the weight grad): this rank's only
         self._take_pushed(program, COMPUTE, m)
         own, slots = self._bulk_staging[self.rank * rows:(self.rank + 1) * rows], self._slots(self.rank, rows)
         others = [slots[s] for s in self._peers()]
-        program.run(COMPUTE, lambda call: _sum_into(call.out, own, others))
+        program.run(COMPUTE, lambda call: _sum_into(call.out, own, others), local=True)
         self._give_free(program, COMPUTE)
 
     def _compute(self, program: Program, key: RsPlanKey, config) -> None:
@@ -343,12 +342,12 @@ class GemmRs(OpBase):
             for owner in owners:
                 lo = owner * rows
                 program.run(COMPUTE, self._mm_into(lo, rows, lambda call, lo=lo: call.out[lo:lo + rows],
-                                                   config.sm_margin))
+                                                   config.sm_margin), local=True)
             return
         programs = self.num_sms - config.sm_margin
         blocks = self._gemm_blocks(key, programs)
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
-                                                     blocks=blocks))
+                                                     blocks=blocks), local=True)
 
     def _comm_only(self, program: Program, key: RsPlanKey, config) -> None:
         m, rows = key.m, key.m // self.world_size
@@ -359,7 +358,7 @@ class GemmRs(OpBase):
             self._push(program, owner, m, lambda call, o=owner: call.partials[o * rows:(o + 1) * rows])
         self._take_pushed(program, REDUCE, m)
         program.after(REDUCE, "own")
-        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False))
+        program.run(REDUCE, lambda call: self._reduce(call.out, m, config, wait=False), local=True)
         self._give_free(program, REDUCE)
 
     def _release(self) -> None:

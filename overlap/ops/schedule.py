@@ -9,8 +9,16 @@ thread) and side lanes ("comm", "reduce"; CUDA streams of the op, or worker thre
     set(lane, words)            write SET into device flag words
     copy(lane, dst, src)        copy-engine copy (`src` a view, or a callable `src(call)` for a tensor of the call)
     record(lane, name) / after(lane, name)   an ordering point between lanes
-    run(lane, fn)               enqueue `fn(call)` (a GEMM, a kernel); `call` holds the call's tensors (the op's AgCall / RsCall)
+    run(lane, fn, local=False)  enqueue `fn(call)` (a GEMM, a kernel); `call` holds the call's tensors (the op's
+                                AgCall / RsCall); local: see below
     await_device(lane, words, value)  host driver only: block until device flags hold `value`
+
+A step that raises never leaves the ranks one call apart (a later call would take this call's flags and
+return stale rows). A `local` run step writes only what this rank reads (this call's output, the caller's
+`work` / `lead`): when it raises, the drivers skip the local steps after it and still issue every other step,
+so the protocol completes (the peers' calls are right) before the error is raised here. Any other step that
+raises (a GEMM whose rows a peer waits for, a copy, a flag wait that expired) aborts the pool: every rank
+raises within the wait bound, none returns data (overlap/ops/failure.py).
 
 `value` is SET or the call's M (overlap/ops/protocol.py): a take that finds another nonzero value reports a
 disagreement on M to every rank. The CUDA driver compiles the steps once: consecutive flag steps of a lane
@@ -30,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from .failure import CallState, LaneStopped, abandon, completed, is_local, join_lanes
 from .protocol import CLEAR, SET, Flag
 
 __all__ = ["Program", "CudaDriver", "HostDriver", "COMPUTE"]
@@ -74,8 +83,10 @@ class Program:
     def after(self, lane: str, name: str):
         return self._add("after", lane, name)
 
-    def run(self, lane: str, fn: Callable):
-        return self._add("run", lane, fn)
+    def run(self, lane: str, fn: Callable, *, local: bool = False):
+        """`local`: fn's writes are read by this rank only (see the module docstring: a local step that raises
+        lets the call complete; any other aborts the pool)."""
+        return self._add("run", lane, fn, local)
 
     def await_device(self, lane: str, words: torch.Tensor, *, value: int = SET, code: int = 0):
         """`code`: the error code that names these flags' region (`pool.device_error_code(region, 0)`)."""
@@ -125,8 +136,8 @@ class CudaDriver:
         self.start = torch.cuda.Event()
         self.lane_end = {lane: torch.cuda.Event() for lane in program.lanes}
         self.trace: dict[str, list] | None = None  # lane -> [start event, end event] (timing), when tracing
-        # (lane, enqueue(call, stream), needs the lane's stream to be current)
-        self.items: list[tuple[str, Callable, bool]] = []
+        # (lane, enqueue(call, stream), needs the lane's stream to be current, local)
+        self.items: list[tuple[str, Callable, bool, bool]] = []
         pending: list = []
         pending_lane = None
 
@@ -134,7 +145,8 @@ class CudaDriver:
             nonlocal pending, pending_lane
             for first in range(0, len(pending), 255):
                 batch = memops.MemOpBatch(pending[first:first + 255])
-                self.items.append((pending_lane, lambda call, stream, b=batch: b.enqueue(stream.cuda_stream), False))
+                self.items.append((pending_lane, lambda call, stream, b=batch: b.enqueue(stream.cuda_stream), False,
+                                   False))
             pending, pending_lane = [], None
 
         for step in program.steps:
@@ -148,7 +160,7 @@ class CudaDriver:
                 flush()
             if step.kind == "await_device":
                 continue  # kernels wait for their device flags themselves
-            self.items.append((step.lane, *self._enqueuer(step, memops)))
+            self.items.append((step.lane, *self._enqueuer(step, memops), is_local(step)))
         if pending:
             flush()
 
@@ -181,32 +193,53 @@ class CudaDriver:
         self.trace[COMPUTE][1].synchronize()
         return {lane: start.elapsed_time(end) for lane, (start, end) in self.trace.items()}
 
-    def run(self, call, compute: torch.cuda.Stream) -> None:
+    def run(self, call, compute: torch.cuda.Stream, *, abort: bool = True) -> None:
         """Enqueue one call; `compute` must be the current stream. Side lanes fork from it at their first
-        item and join back into it at the end."""
+        item and join back into it at the end. A local item that raises (the caller's `work`, while being
+        enqueued) is skipped with the local items after it and the rest is enqueued (the protocol completes);
+        any other aborts the pool (module docstring), unless abort=False (an op recording its own graph: nothing
+        recorded has run, and the call runs step by step next). The error is raised once the lanes are joined."""
         trace = self.trace
         if trace:
             trace[COMPUTE][0].record(compute)
         started: list[str] = []
         forked = False
-        for lane, enqueue, needs_stream in self.items:
-            if lane == COMPUTE:
-                enqueue(call, compute)
+        error, fatal = None, False
+        for lane, enqueue, needs_stream, local in self.items:
+            if error is not None and local:
                 continue
-            stream = self.streams[lane]
-            if not forked:  # side lanes start after the compute steps issued before them (the prologue)
-                self.start.record(compute)
-                forked = True
-            if lane not in started:
-                stream.wait_event(self.start)
-                started.append(lane)
-                if trace:
-                    trace[lane][0].record(stream)
-            if needs_stream:
-                with torch.cuda.stream(stream):
+            try:
+                if lane == COMPUTE:
+                    enqueue(call, compute)
+                    continue
+                stream = self.streams[lane]
+                if not forked:  # side lanes start after the compute steps issued before them (the prologue)
+                    self.start.record(compute)
+                    forked = True
+                if lane not in started:
+                    stream.wait_event(self.start)
+                    started.append(lane)
+                    if trace:
+                        trace[lane][0].record(stream)
+                if needs_stream:
+                    with torch.cuda.stream(stream):
+                        enqueue(call, stream)
+                else:
                     enqueue(call, stream)
-            else:
-                enqueue(call, stream)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the lanes are joined
+                error = error or exc
+                if not local:  # the watchdog releases the waits already enqueued: nothing is left waiting
+                    fatal = True
+                    if abort:
+                        abandon(self.program.pool, self.program.op, error)
+                    break
+        self._join(compute, started, trace)
+        if error is not None:
+            if not fatal:
+                completed(self.program.op, error)
+            raise error
+
+    def _join(self, compute, started: list[str], trace) -> None:
         for lane in started:
             stream = self.streams[lane]
             if trace:
@@ -238,27 +271,29 @@ class HostDriver:
         return {lane: (end - start) * 1e3 for lane, (start, end) in self.trace.items()}
 
     def run(self, call, compute=None) -> None:
-        events = {name: threading.Event() for name in self.program.events()}
-        failure: list[BaseException] = []
+        state = CallState(self.pool, self.program)
 
         def run_lane(steps, lane=None):
             if self.trace is not None and lane is not None:
                 self.trace[lane] = [time.perf_counter(), 0.0]
-            try:
-                for step in steps:
-                    self._execute(step, call, events, failure)
-                if self.trace is not None and lane is not None:
-                    self.trace[lane][1] = time.perf_counter()
-            except BaseException as exc:  # noqa: BLE001 - surfaced on the calling thread
-                failure.append(exc)
-                for event in events.values():
-                    event.set()
+            for step in steps:
+                if state.error is not None and is_local(step):
+                    continue  # this call's own work after a failure: its result is raised, not used
+                try:
+                    self._execute(step, call, state)
+                except LaneStopped:
+                    return
+                except BaseException as exc:  # noqa: BLE001 - raised on the calling thread at the end
+                    if not state.fail(exc, local=is_local(step)):
+                        return
+            if self.trace is not None and lane is not None:
+                self.trace[lane][1] = time.perf_counter()
 
         if self.trace is not None:
             self.trace[COMPUTE] = [time.perf_counter(), 0.0]
         run_lane(self.prologue)  # side lanes start after the compute steps issued before them
-        if failure:
-            raise failure[0]
+        if state.fatal:
+            state.raise_error()
         threads = [threading.Thread(target=run_lane, args=(steps, lane), name=f"{self.program.op}-{lane}",
                                     daemon=True) for lane, steps in self.lanes.items()]
         for thread in threads:
@@ -266,14 +301,13 @@ class HostDriver:
         try:
             run_lane(self.compute)
         finally:
-            for thread in threads:
-                thread.join()
+            join_lanes(threads, state)
         if self.trace is not None:
             self.trace[COMPUTE][1] = time.perf_counter()
-        if failure:
-            raise failure[0]
+        if state.error is not None:
+            state.raise_error()
 
-    def _execute(self, step: _Step, call, events, failure) -> None:
+    def _execute(self, step: _Step, call, state: "CallState") -> None:
         pool, kind = self.pool, step.kind
         if kind == "take":
             flag, peer, value = step.args
@@ -298,11 +332,11 @@ class HostDriver:
             dst, src = step.args
             dst.copy_(src(call) if callable(src) else src)
         elif kind == "record":
-            events[step.args[0]].set()
+            state.events[step.args[0]].set()
         elif kind == "after":
-            events[step.args[0]].wait()
-            if failure:
-                raise failure[0]
+            state.events[step.args[0]].wait()  # set by its lane, or by a failure that stops every lane
+            if state.fatal:
+                raise LaneStopped
         else:
             step.args[0](call)
 
@@ -328,3 +362,4 @@ def _device_timeout(pool, op, value):
     pool.abort(1)
     return SignalTimeout(region=f"{op} device flags", index=-1, expected=value, observed=0, timeout_s=pool.timeout_s,
                          op=op)
+

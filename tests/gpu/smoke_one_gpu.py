@@ -18,6 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tests.gpu.smoke_failures import call_failures
 from tests.gpu.smoke_refusals import refusals
 from tests.multiproc import run_ranks
 
@@ -514,6 +515,7 @@ def _checks(rank, world, full):
                   lambda m=mode, f=fullgraph: _mlp(c, 0, compiled=(m, f), rs_method=pair))
     c.run("refusals (no GEMM program, pool layout)", lambda: refusals(c, dev))
     c.run("reliability (mismatch, use after close, lost signal)", lambda: _reliability(c, dev))
+    c.run("a step that raises (bulk work, lead: completed; a pushed GEMM: aborted)", lambda: call_failures(c, dev))
     return c.lines
 
 
