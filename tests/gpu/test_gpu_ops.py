@@ -281,3 +281,48 @@ def test_gpu_ag_gemm_lead_work_runs_once_per_call_eager_and_replayed(num_gpus):
             # the capture (step 2) calls the work once; a replay (step 3) runs it without calling it again
             assert calls == (0 if graphs and step == 3 else 1), (method, graphs, step, calls)
             assert err <= TOL and lead_err <= 1e-4, (method, graphs, step, err, lead_err)
+
+
+# ----- the key of an eager call's recorded graph ---------------------------------------------------------
+def _graph_keys(rank, world):
+    """Eager calls alternating between two sets of input tensors at one M, refilled every step (each output
+    freed after its check, so that the allocator hands its address back, as in a training loop): a call
+    replays only a graph recorded from its own tensors. A key without the tensors' addresses replays the
+    other set's graph from the third call on: it reads the other inputs and writes the other call's output."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group, rows, k, n = dist.group.WORLD, 256, 264, 136
+    worst = 0.0
+    with SymmetricPool(64 << 20, group=group) as pool:
+        rs = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16,
+                    config=GemmRsConfig(method="decomposed", num_comm_sms=4), name="keys.rs")
+        ag = AgGemm(group=group, pool=pool, max_m=rows * world, k=k, n_local=n, dtype=torch.bfloat16,
+                    config=AgGemmConfig(method="decomposed"), name="keys.ag")
+        sets = [(torch.empty(rows * world, k, dtype=torch.bfloat16, device=dev),
+                 torch.empty(rows, k, dtype=torch.bfloat16, device=dev),
+                 torch.empty(k, n, dtype=torch.bfloat16, device=dev)) for _ in range(2)]
+        for step in range(8):
+            a_rs, a_ag, w = sets[step % 2]
+            gen = torch.Generator(device=dev).manual_seed(100 * step + rank)
+            for t in (a_rs, a_ag):
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev))
+            w.copy_(torch.randn(k, n, generator=torch.Generator(device=dev).manual_seed(step), device=dev) / k ** 0.5)
+            _settle()
+            out_rs, out_ag = rs(a_rs, w), ag(a_ag, w)
+            torch.cuda.synchronize()
+            rs.check_errors()
+            gathered = [torch.empty_like(a_ag) for _ in range(world)]
+            dist.all_gather(gathered, a_ag)
+            worst = max(worst, _rel(out_rs, _reference(a_rs, w, rank, world)),
+                        _rel(out_ag, torch.cat(gathered).double() @ w.double()))
+            del out_rs, out_ag, gathered
+        graphs = (rs.num_graphs, ag.num_graphs)
+        rs.close()
+        ag.close()
+        pool.barrier()
+    return worst, graphs
+
+
+def test_gpu_an_eager_call_replays_only_a_graph_recorded_from_its_own_tensors(num_gpus):
+    for worst, graphs in run_ranks(_graph_keys, 2, backend="nccl", timeout_s=240):
+        assert worst <= TOL, worst
+        assert min(graphs) >= 1, graphs   # calls were replayed (else this test would not test the key)

@@ -138,6 +138,29 @@ def test_a_call_whose_m_differs_between_ranks_raises_on_every_rank_naming_both_m
             assert "with different M" in mlp and f": {6 * world}" in mlp and f": {8 * world}" in mlp, mlp
 
 
+def _fused_rs_disagreement(rank, world):
+    rows = 8 if rank else 4
+    start = time.monotonic()
+    fused = GemmRsConfig(method="fused", sm_margin=1, num_comm_sms=1, comm_stream_priority=0)
+    out = _disagree(rank, lambda g, p: GemmRs(group=g, pool=p, max_m=16 * world, k_local=8, n=4,
+                                              dtype=torch.float32, config=fused),
+                    lambda op: op(torch.randn(rows * world, 8), torch.randn(8, 4)))
+    return out, time.monotonic() - start
+
+
+def test_an_m_that_differs_between_ranks_in_the_fused_reduce_scatter_raises_on_every_rank_naming_both_ms():
+    """The fused GemmRs carries M in its scatter epilogue's row-block flags (device flags, polled by the
+    reduction; on CPU by the host before the interpreted reduction): the rank that finds the other M aborts
+    the group, every rank raises naming both values, at once rather than at the 30 s wait bound."""
+    for world in (2, 3):
+        for rank, ((first, later), elapsed) in enumerate(run_ranks(_fused_rs_disagreement, world, timeout_s=120)):
+            assert first.startswith("OpInputError") and "with different M" in first, (rank, first)
+            named = {int(part.split(": ")[1]) for part in first.split("(")[1].split(")")[0].split(", ")}
+            assert named == {4 * world, 8 * world}, (rank, first)
+            assert later.startswith(("OpInputError", "PeerAbortError")), (rank, later)
+            assert elapsed < 15, (rank, elapsed)
+
+
 # ----- 2. use after close -------------------------------------------------------------------------------
 def _after_close(rank, world):
     group = dist.group.WORLD

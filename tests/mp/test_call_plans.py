@@ -152,3 +152,43 @@ def test_a_failure_inside_a_call_releases_the_op():
     for first, locked, right in run_ranks(_failure_releases, 2, timeout_s=120):
         assert first == "a step failed before anything was enqueued"
         assert locked is False and right is True
+
+
+def _wgrad_variants(rank, world):
+    """One op, one M, calls alternating with and without a weight grad (AgGemm: its two orders too): each
+    variant is a plan of its own (a plan built without the weight-grad GEMM must not serve a call with one)."""
+    torch.set_num_threads(1)
+    group, rows, j = dist.group.WORLD, 4, 5
+    worst = 0.0
+    with SymmetricPool(1 << 22, group=group) as pool:
+        ag = AgGemm(group=group, pool=pool, max_m=rows * world, k=16, n_local=8, dtype=torch.float32, config=SMALL)
+        rs = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=16, n=8, dtype=torch.float32,
+                    config=RS_SMALL)
+        for step, variant in enumerate((None, "after", None, "lead", "after", None)):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            a, w = torch.randn(rows, 16, generator=gen), torch.randn(16, 8, generator=torch.Generator())
+            x = torch.randn(rows * world, j, generator=gen)
+            gathered = torch.cat(_gather(a))
+            if variant is None:
+                worst = max(worst, (ag(a, w) - gathered @ w).abs().max().item())
+            else:
+                out, grad = ag(a, w, wgrad_of=x, wgrad_lead=variant == "lead")
+                worst = max(worst, (out - gathered @ w).abs().max().item(),
+                            (grad - x.t() @ gathered).abs().max().item())
+            a_rs, w_rs = torch.randn(rows * world, 16, generator=gen), torch.randn(16, 8, generator=gen)
+            want = sum(p @ q for p, q in zip(_gather(a_rs), _gather(w_rs)))[rank * rows:(rank + 1) * rows]
+            if variant is None:
+                worst = max(worst, (rs(a_rs, w_rs) - want).abs().max().item())
+            else:
+                out, grad = rs(a_rs, w_rs, wgrad_of=x)
+                worst = max(worst, (out - want).abs().max().item(), (grad - x.t() @ a_rs).abs().max().item())
+        plans = (len(ag._plans), len(rs._plans))
+        ag.close()
+        rs.close()
+    return worst, plans
+
+
+def test_a_call_with_a_weight_grad_and_one_without_at_the_same_m_run_plans_of_their_own():
+    for worst, plans in run_ranks(_wgrad_variants, 2, timeout_s=120):
+        assert worst < 1e-4, worst
+        assert plans == (3, 2), plans   # AgGemm: none, after, lead; GemmRs: with and without

@@ -7,6 +7,7 @@ is a disagreement on M: reported at once, with both values, long before the time
 import time
 
 import numpy as np
+import pytest
 
 from tp_overlap.symm_mem.layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
 from tp_overlap.symm_mem.control import ControlPages
@@ -95,20 +96,21 @@ def test_a_wait_that_ends_in_time_is_left_alone():
         dog.stop()
 
 
-def test_a_flag_at_another_m_is_reported_at_once_with_both_values_and_the_wait_released():
+@pytest.mark.parametrize("mine,theirs", [(8, 16), (16, 8)])   # a peer's M larger than this rank's, or smaller
+def test_a_flag_at_another_m_is_reported_at_once_with_both_values_and_the_wait_released(mine, theirs):
     pool = _Pool()
     control = pool._control
     flag = 2
     dog = Watchdog(pool)
     try:
-        dog.expect(flag, 8, timeout_s=30, peer=1)
-        control.own[control.flag_index(flag)] = 16       # the peer called with M = 16
-        control.own[control.board_index(flag)] = 8       # this rank waits for its own M = 8
+        dog.expect(flag, mine, timeout_s=30, peer=1)
+        control.own[control.flag_index(flag)] = theirs   # the peer called with its M
+        control.own[control.board_index(flag)] = mine    # this rank waits for its own M
         started = time.monotonic()
         assert _until(lambda: pool.mismatches, limit_s=2), "the disagreement was not reported"
         assert time.monotonic() - started < 1.0          # not the 30 s bound
-        assert pool.mismatches == [(control.flag_index(flag), 8, 16, 1)]
-        assert _until(lambda: control.own[control.flag_index(flag)] == 8), "the wait was not released"
+        assert pool.mismatches == [(control.flag_index(flag), mine, theirs, 1)]
+        assert _until(lambda: control.own[control.flag_index(flag)] == mine), "the wait was not released"
         assert control.own[ERROR_CODE_WORD] == 0         # a disagreement, not an expired wait
     finally:
         dog.stop()
