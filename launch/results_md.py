@@ -2,11 +2,12 @@
 hardware, at which commit, with which command, its numbers and figures, and what it means; then the index of
 the experiments not kept (each with the commit that held its code) and the logs the results cite.
 
-    python -m tp_overlap.launch.results_md [--dir results] [--plots]
+    python -m tp_overlap.launch.results_md [--dir results] [--plots] [--headline]
 
 The numbers, the hardware, the commit and the command come from each JSON; the words (what was measured,
 what it means, figure captions, the index) from the folder's captions.yaml. `--plots` first draws every PNG
-from the data next to it (launch/output/results_plots.py; needs matplotlib).
+from the data next to it (launch/output/results_plots.py; needs matplotlib). `--headline` also prints the
+README's table of headline results (launch/output/headline.py), rendered from the same files.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from tp_overlap.launch.cli.common import ArgumentParser, require, run_launcher
 
 from .output import results_tables as tables
+from .output.results_tables import current_command
 
 PROG = "tp_overlap.launch.results_md"
 CAPTIONS = "captions.yaml"
@@ -39,12 +41,6 @@ def _on(doc: dict) -> str:
     if not tp or tp == 1:
         return one
     return f"{tp} ranks, {device}"
-
-
-def current_command(recorded: str) -> str:
-    """A recorded command as it runs from this checkout: files written before the import names moved under
-    `tp_overlap` recorded `-m launch.<name>`."""
-    return re.sub(r"(-m )launch\.", r"\1tp_overlap.launch.", recorded)
 
 
 def _provenance(name: str, doc: dict) -> list[str]:
@@ -181,6 +177,8 @@ def make_parser() -> ArgumentParser:
     p = ArgumentParser(PROG, description=__doc__)
     p.add_argument("--dir", default="results", help="the results folder to render (its README.md is rewritten)")
     p.add_argument("--plots", action="store_true", help="redraw every PNG from its data first (needs matplotlib)")
+    p.add_argument("--headline", action="store_true",
+                   help="also print the README's headline table, rendered from the same files")
     return p
 
 
@@ -199,6 +197,9 @@ def _run(args) -> int:
         print(f"redrew {len(done)} PNG(s)" + (f"; no data for {', '.join(missing)}" if missing else ""))
     (directory / "README.md").write_text(render(directory))
     print(f"wrote {directory / 'README.md'}")
+    if args.headline:
+        from .output.headline import headline
+        print(headline(directory))
     return 0
 
 

@@ -8,6 +8,7 @@ only where it is short (the per-shape detail of the long files is in their figur
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -22,6 +23,12 @@ COLUMNS = {  # file-name prefix -> columns of its table (those no row has are le
                "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"],
     "launch_overhead": ["launch", "host_us_per_launch", "device_us_per_launch"],
 }
+
+
+def current_command(recorded: str) -> str:
+    """A recorded command as it runs from this checkout: files written before the import names moved under
+    `tp_overlap` recorded `-m launch.<name>`."""
+    return re.sub(r"(-m )launch\.", r"\1tp_overlap.launch.", recorded)
 
 
 def short_commit(commit) -> str:
