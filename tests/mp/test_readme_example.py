@@ -1,4 +1,4 @@
-"""The README's Python examples, extracted from README.md and run as written on 2 CPU ranks under torchrun."""
+"""The Python examples of README.md and docs/API.md, extracted and run as written on 2 CPU ranks under torchrun."""
 
 import os
 import re
@@ -14,7 +14,9 @@ MARKER = "# example.py: torchrun --standalone --nproc-per-node 2 example.py"
 
 
 def readme_example(marker: str = MARKER) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    """The one Python block of the README or of docs/ that starts with `marker`."""
+    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))]
+    blocks = [b for text in texts for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
     (example,) = [b for b in blocks if b.startswith(marker)]
     return example
 

@@ -1,5 +1,7 @@
-"""The README against the code: its two commands are the CI's and pin versions inside pyproject's bounds,
-every test it names exists, every launcher option its commands use exists, every env var is documented."""
+"""The README and docs/ against the code: the README's two commands are the CI's and pin versions inside
+pyproject's bounds, every test they name exists, every launcher option their commands use exists, every env var
+is documented, every file they link exists, the README stays short and its headline table is the rendering of
+results/."""
 
 import importlib
 import re
@@ -12,6 +14,7 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 def _bash_lines(text: str) -> list[str]:
@@ -63,7 +66,7 @@ def _referenced_tests(text: str) -> list[tuple[str, str | None]]:
     return refs
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/ARCHITECTURE.md"])
+@pytest.mark.parametrize("doc", DOCS)
 def test_every_test_the_docs_name_exists(doc):
     refs = _referenced_tests((ROOT / doc).read_text())
     assert refs or doc != "README.md"
@@ -75,9 +78,9 @@ def test_every_test_the_docs_name_exists(doc):
             assert re.search(pattern, source.read_text()), f"{path}::{name} does not exist"
 
 
-def test_every_launcher_option_in_the_readme_exists():
+def test_every_launcher_option_in_the_readme_and_docs_exists():
     checked = 0
-    for line in _bash_lines(README):
+    for line in [line for doc in DOCS for line in _bash_lines((ROOT / doc).read_text())]:
         match = re.search(r"-m tp_overlap\.launch\.(\w+)(.*)", line)
         if not match:
             continue
@@ -95,9 +98,39 @@ def test_every_launcher_option_in_the_readme_exists():
     assert checked >= 8
 
 
-def test_every_env_var_is_documented_and_the_architecture_is_in_the_repo():
+def test_every_env_var_is_documented_in_one_table_and_the_architecture_is_in_the_repo():
     names = set(re.findall(r"\"(OVERLAP_\w+)\"", (ROOT / "overlap" / "config" / "envs.py").read_text()))
     assert names
+    configuration = (ROOT / "docs" / "CONFIGURATION.md").read_text()
     for name in names:
-        assert f"| `{name}` |" in README, name
+        assert f"| `{name}` |" in configuration, name
+    assert "(docs/CONFIGURATION.md)" in README
     assert "../shared" not in README and "(docs/ARCHITECTURE.md)" in README and ARCHITECTURE.is_file()
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_the_docs_link_or_name_exists(doc):
+    text = (ROOT / doc).read_text()
+    base = (ROOT / doc).parent
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in t]
+    missing = [t for t in links if not (base / t).exists()]
+    folders = "docs|results|configs|tests|kernels|overlap|launch|symm_mem|ipc"
+    named = re.findall(rf"(?<![\w/.])((?:{folders})/[\w./*<>{{}}-]*[\w*>}}])", text)
+    missing += [t for t in named if not set("<*{") & set(t) and not (ROOT / t).exists()]
+    assert not missing, missing
+
+
+def test_the_readme_is_short_and_opens_with_what_it_is_the_two_commands_and_the_model_example():
+    lines = README.splitlines()
+    assert len(lines) <= 250, len(lines)
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[:3] == ["## Words used here", "## The two commands", "## Use it in your model"], headings
+    words = README[:README.index("## The two commands")]
+    assert all(term in words for term in ("**TP, W, M.**", "sm_margin", "**E and k.**")), "terms defined first"
+
+
+def test_the_readme_headline_table_is_the_rendering_of_the_results():
+    from tp_overlap.launch.output.headline import headline
+    table = headline(ROOT / "results")
+    assert table.count("\n") >= 6
+    assert table in README, "the README's table is stale: python -m tp_overlap.launch.results_md --headline"
