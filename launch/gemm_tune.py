@@ -68,7 +68,7 @@ FP8_CANDIDATES = (
     # (relative error 0.28-0.77 and NaN against the dequantised product, results/gemm_fp8_h200.json)
 )
 
-REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (README tolerance policy)
+REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (docs/MEASUREMENT.md)
 COMPILE_SHARE = 0.5        # at most this share of the budget goes to compiling (running every configuration once)
 PLAIN_PREFERENCE = 1.01    # the plain configuration wins unless the fastest is more than 1 % faster
 DEFAULT_JOBS = max(1, min(12, (os.cpu_count() or 2) - 2))

@@ -17,7 +17,7 @@ Layouts (those of cuBLAS's blockwise `torch._scaled_mm`, so one set of tensors f
 
 Every output is written on the current stream and valid there (no other stream or event is involved).
 Quantisation: `scale = max(amax, 2**-64) / 448`, values rounded to nearest e4m3 (kernels/quant_fp8.py).
-Accuracy (README tolerance policy): fp8_gemm matches the fp32 product of the dequantised operands up to
+Accuracy (docs/MEASUREMENT.md): fp8_gemm matches the fp32 product of the dequantised operands up to
 the bf16 rounding of its output; against the unquantised bf16 product, e4m3 operands give ~4e-2 relative
 Frobenius error on Gaussian data.
 """

@@ -359,7 +359,7 @@ class OffloadEngine:
 def enable_offload(mlps, plan: OffloadPlan, *, pool: HostPool, name: str = "offload") -> OffloadEngine:
     """Route the forward of every MLP in `mlps` (forward order: position = list index) through one engine.
 
-    A module with an `offload` attribute that is None (the optional hook in TPMLP.forward, README) gets
+    A module with an `offload` attribute that is None (the optional hook in TPMLP.forward, docs/API.md) gets
     `offload = (engine, position)`; any other module (TPMLP as it is) gets an instance `forward` that calls
     the engine. Undo with disable_offload. The MLPs need fc1, fc2, activation and world_size."""
     mlps = list(mlps)

@@ -14,7 +14,7 @@ set -uo pipefail
 PHASE=${1:-all}
 source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; RES=${RES:-/tmp/overlap_res}; mkdir -p "$RES" "$OUT"
-# nvshmem4py is not installed on the GPU machine: carry its wheel in .whl/ (README "GPU runs").
+# nvshmem4py is not installed on the GPU machine: carry its wheel in .whl/ (docs/GPU_RUNS.md).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -283,7 +283,7 @@ def _misuse(rank, world):
 
 
 def _hooked(rank, world):
-    """The optional hook of TPMLP.forward (README, ~4 lines in layers.py): engine set as an attribute."""
+    """The optional hook of TPMLP.forward (docs/API.md, ~4 lines in layers.py): engine set as an attribute."""
     class HookedMLP(TPMLP):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""What torchrun prints for a bad argument (the README, "Errors and exit status"): our one line once, and a
+"""What torchrun prints for a bad argument (docs/USAGE.md, "Errors and exit status"): our one line once, and a
 failure report that names rank 0 with exit code 2 and no other rank. The other ranks exit 0 before rank 0
 does (rank 0 waits for them, bounded): a rank torchrun still finds running when rank 0 fails is stopped with
 SIGTERM and listed as a failure of its own. Here ranks 1 and 2 start 3 s late (a sitecustomize that sleeps),

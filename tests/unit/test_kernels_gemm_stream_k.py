@@ -22,7 +22,7 @@ from tests.multiproc import child_pythonpath  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = 1e-2  # bf16 output, fp32 accumulation (README tolerance policy)
+TOLERANCE = 1e-2  # bf16 output, fp32 accumulation (the tolerance policy, docs/MEASUREMENT.md)
 BLOCK = 16
 
 
