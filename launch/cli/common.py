@@ -13,6 +13,9 @@ printed as ONE line, `<prog>: <message>`, on stderr, and the process exits non-z
   (`<prog>: rank R: ...`) unless its error is one every rank raises the same way (`OpInputError`,
   `PeerAbortError`: a peer gave up, that peer says why).
 
+Ctrl-C (SIGINT reaches every rank of the terminal's job): one line per rank, `<prog>: rank R: interrupted
+(Ctrl-C)`, exit status 130; an op call it lands in aborts its pool, so no rank is left waiting for it.
+
 `--debug` (every launcher has it) prints the traceback as well. torchrun itself adds its own failure
 report (`ChildFailedError`, ~30 lines) after any job with a failed rank; that part is not ours to change.
 
@@ -27,6 +30,7 @@ import argparse
 import datetime
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,7 +39,7 @@ from typing import Callable
 from tp_overlap.ipc.errors import OverlapError
 
 RUNS_DIR = "runs"
-USAGE_EXIT, ERROR_EXIT = 2, 1
+USAGE_EXIT, ERROR_EXIT, INTERRUPTED_EXIT = 2, 1, 130   # 130: the shell's status of a command ended by SIGINT
 SIBLING_WAIT_S = 10.0
 
 
@@ -128,15 +132,33 @@ def input_file(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """argparse type of a file a run writes at its end: refused now if it cannot be one (a directory, or
-    under a path that is a file), not after the run."""
+    """argparse type of a file a run writes at its end: refused now if it cannot be one (a directory, under
+    a path that is a file, or where this process may not write), not after the run."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give the path of the file to write")
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise argparse.ArgumentTypeError(f"{text}: {blocker} is a file, not a directory")
+    problem = _unwritable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write there ({problem}); give a path this process may "
+                                         f"write")
     return text
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (tried: a probe file created and removed in the nearest folder
+    that exists, where the run would create the missing ones), or None. Write permission bits alone do not
+    tell: root passes every check and still cannot create a file in /proc."""
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "permission denied"
+    folder = next(p for p in path.parents if p.exists())
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def output_dir(text: str) -> str:
@@ -200,8 +222,13 @@ def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> 
     try:
         args = parse_args(argv)
         return body(args)
-    except (KeyboardInterrupt, SystemExit):
+    except SystemExit:
         raise
+    except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: one line each, not a traceback each
+        if debug:
+            print(f"{prog}: rank {rank}: " + "".join(traceback.format_exception(exc)).rstrip(), file=sys.stderr)
+        print(f"{prog}: rank {rank}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     except BaseException as exc:  # noqa: BLE001 - the launcher's one place that reports errors
         from tp_overlap import ConfigError
         usage = isinstance(exc, (UsageError, ConfigError))

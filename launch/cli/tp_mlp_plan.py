@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from tp_overlap.config.schema import MODELS, ModelConfig
+from tp_overlap.config.schema import MODELS, OPS, ModelConfig
 from tp_overlap.ops.layers import BASELINES, pool_requirements
+from tp_overlap.ops.validate import OpInputError, check_method_runs, triton_interpreted
 from tp_overlap.config.presets import FP8_RS_METHODS, load_config, load_preset
 
 from .common import UsageError, distinct, require
@@ -89,6 +90,32 @@ def _check_memory(args, models, tokens, baselines, cfg, where) -> None:
                  "give a smaller --tokens (or --model)")
 
 
+def _check_preset_runs(args, cfg, tokens, where) -> None:
+    """The ops' construction checks, before any group or pool: every config a call of each M can reach (the
+    layers are built with max_m = M) must run on this device, and with --fp8 be a method the FP8 ops run."""
+    for m in tokens:
+        for config in cfg.gemm_rs.reachable(m, where.world_size) if args.fp8 else ():
+            require(config.method in FP8_RS_METHODS,
+                    f"--fp8: the preset's gemm_rs method for some M <= {m} is {config.method}; FP8 needs "
+                    f"{' or '.join(FP8_RS_METHODS)} (set ops.gemm_rs.method, or a by_m bucket, in a --config YAML)")
+        for op in OPS:
+            for config in getattr(cfg, op).reachable(m, where.world_size):
+                try:
+                    check_method_runs(f"ops.{op} at M={m}", config, where.device)
+                except OpInputError as exc:
+                    cpu = where.device.type != "cuda" and args.config
+                    raise UsageError(f"{'--config ' + _shown(cfg.source) if args.config else 'the preset'} cannot "
+                                     f"run here: {exc}" + ("; or leave --config out: on CPU the default preset is "
+                                                           "configs/cpu.yaml" if cpu else "")) from None
+
+
+def _check_fp8_runs(args, where) -> None:
+    if args.fp8 and where.device.type != "cuda" and not triton_interpreted():
+        raise UsageError("--fp8 on CPU runs the FP8 kernels (Triton) under the Triton interpreter: put "
+                         "TRITON_INTERPRET=1 in the environment (TRITON_INTERPRET=1 python -m tp_overlap.launch."
+                         "tp_mlp --fp8 ...), or leave --fp8 out")
+
+
 def _baselines(args, cuda: bool) -> list[str]:
     default = ["nccl", "torch_symm"] if cuda and not args.cuda_graphs else ["nccl"]
     baselines = args.baselines.split(",") if args.baselines else default
@@ -117,17 +144,14 @@ def plan(args, where) -> SimpleNamespace:
     cfg.check_world_size(where.world_size)
     args.fp8 = args.fp8 or cfg.fp8   # the preset's `fp8: true` adds the FP8 variant too
     require(not args.fp8 or args.dtype == "bf16", "--fp8 needs --dtype bf16 (the FP8 GEMMs write bf16)")
+    _check_fp8_runs(args, where)
     models = _models(args, cfg, cuda)
     tokens = args.tokens or (GPU_TOKENS if cuda else CPU_TOKENS)
     baselines = _baselines(args, cuda)
     for model in models:
         _check_model_fits(model, where.world_size, cfg.source)
     _check_tokens(args, tokens, where.world_size)
-    for m in tokens:
-        method = cfg.op_config("gemm_rs", m).method
-        require(not args.fp8 or method in FP8_RS_METHODS,
-                f"--fp8: the preset's gemm_rs method at M={m} is {method}; FP8 needs {' or '.join(FP8_RS_METHODS)} "
-                f"(set ops.gemm_rs.method, or a by_m bucket, in a --config YAML)")
+    _check_preset_runs(args, cfg, tokens, where)
     _check_memory(args, models, tokens, baselines, cfg, where)
     return SimpleNamespace(cfg=cfg, models=models, tokens=tokens, baselines=baselines,
                            warmup=args.warmup if args.warmup is not None else (20 if cuda else 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -54,16 +55,18 @@ def git_commit() -> str:
 
 
 def command_line() -> str:
-    """The command that reproduces this run: OVERLAP_COMMAND if a script set it, else reconstructed."""
+    """The command that reproduces this run: OVERLAP_COMMAND if a script set it, else reconstructed, with the
+    environment it needs in front (`envs.recorded_environment`, e.g. TRITON_INTERPRET=1 on CPU)."""
     given = envs.command()
     if given:
         return given
     module = next((a for a in sys.orig_argv if a.startswith("tp_overlap.launch.")), None) if hasattr(sys, "orig_argv") else None
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
     world = envs.torchrun_world()
+    env = "".join(f"{name}={shlex.quote(value)} " for name, value in envs.recorded_environment().items())
     if module and world:
-        return f"torchrun --standalone --nproc-per-node {world[2]} -m {module} {args}".strip()
-    return " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv))
+        return f"{env}torchrun --standalone --nproc-per-node {world[2]} -m {module} {args}".strip()
+    return env + " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv))
 
 
 def device_slug(device_name: str) -> str:
@@ -77,10 +80,15 @@ def write_results(path: str | Path, rows: list[dict], *, device: str, tp: int, e
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            **(extra or {}), "rows": rows}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # named by the path asked for, not the temporary file written first
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write the results to {path}: {exc.strerror or exc}") from None
     return path
 
 

@@ -7,6 +7,9 @@
 | OVERLAP_COMMAND     | exact command line recorded in results (set by scripts)   | derived |
 | OVERLAP_PROGRESS    | 0 silences progress lines on stderr                        | 1       |
 | OVERLAP_EAGER_GRAPHS| 0: eager CUDA calls enqueue their plan step by step (no replay of a recorded call) | 1 |
+
+A results file's recorded command carries the variables of `RECORDED` that were set (Triton's
+TRITON_INTERPRET among them: a CPU run of Triton kernels fails without it), so that it runs again as it ran.
 """
 
 from __future__ import annotations
@@ -48,3 +51,11 @@ def torchrun_world() -> tuple[int, int, int] | None:
 def eager_graphs() -> bool:
     """Replay eager CUDA op calls as CUDA graphs recorded from their plans (overlap/ops/base.py)."""
     return os.environ.get("OVERLAP_EAGER_GRAPHS", "1") != "0"
+
+
+RECORDED = ("TRITON_INTERPRET", "OVERLAP_TIMEOUT_S", "OVERLAP_EAGER_GRAPHS", "CUDA_VISIBLE_DEVICES")
+
+
+def recorded_environment() -> dict[str, str]:
+    """The variables of RECORDED that are set: what a recorded command must set again to do the same run."""
+    return {name: os.environ[name] for name in RECORDED if name in os.environ}

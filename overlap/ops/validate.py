@@ -13,7 +13,7 @@ from tp_overlap.ipc.errors import OverlapError
 from ..gemm import num_sms
 
 __all__ = ["OpInputError", "check_tensor", "check_divisible", "check_at_most",
-           "check_weight", "check_method_runs", "check_same_group"]
+           "check_weight", "check_method_runs", "check_same_group", "triton_interpreted"]
 
 # methods whose GEMM is the persistent Triton kernel on num_sms - sm_margin programs (config.op -> methods)
 TRITON_METHODS = {"ag_gemm": ("fused",), "gemm_rs": ("fused", "epilogue_reduce")}
@@ -85,15 +85,19 @@ def check_method_runs(name: str, config, device: torch.device) -> None:
         config.validate(num_sms=sms)
     if config.method not in TRITON_METHODS[config.op]:
         return
+    programs = sms - config.sm_margin
     if device.type != "cuda":
         if config.method == "epilogue_reduce":
             raise OpInputError(f"{name}: method epilogue_reduce needs a GPU (its own-row waits run inside the GEMM "
                                f"that also produces the peers' rows); on CPU use fused, decomposed or pair")
-        if not _triton_interpreted():
+        if not triton_interpreted():
+            # both problems at once when both hold: advice that fixes one only would meet the other next
+            margin = "" if programs >= 1 else (
+                f" with at least 1 GEMM program (it counts as {sms} SMs: sm_margin <= {sms - 1}; this config has "
+                f"sm_margin {config.sm_margin}, {sms} - {config.sm_margin} = {programs} programs)")
             raise OpInputError(f"{name}: method {config.method} runs a Triton kernel, which needs a GPU or, on "
                                f"{device.type}, the Triton interpreter (TRITON_INTERPRET=1 in the environment "
-                               f"before triton is imported); without them use method decomposed")
-    programs = sms - config.sm_margin
+                               f"before triton is imported){margin}; without them use method decomposed")
     if programs < 1:
         raise OpInputError(f"{name}: method {config.method} runs its GEMM on num_sms - sm_margin = {sms} - "
                            f"{config.sm_margin} = {programs} programs on {device}; it needs at least 1 (sm_margin "
@@ -107,7 +111,7 @@ def _on_cpu(config, sms: int) -> str:
             f"configs/cpu.yaml has it")
 
 
-def _triton_interpreted() -> bool:
+def triton_interpreted() -> bool:
     """Whether the GEMM kernel runs under Triton's interpreter (decided when kernels/ was imported)."""
     from tp_overlap.kernels.gemm import persistent_gemm_kernel
 
