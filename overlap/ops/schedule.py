@@ -291,15 +291,16 @@ class HostDriver:
 
         if self.trace is not None:
             self.trace[COMPUTE] = [time.perf_counter(), 0.0]
-        run_lane(self.prologue)  # side lanes start after the compute steps issued before them
-        if state.fatal:
-            state.raise_error()
         threads = [threading.Thread(target=run_lane, args=(steps, lane), name=f"{self.program.op}-{lane}",
                                     daemon=True) for lane, steps in self.lanes.items()]
-        for thread in threads:
-            thread.start()
         try:
-            run_lane(self.compute)
+            run_lane(self.prologue)  # side lanes start after the compute steps issued before them
+            if not state.fatal:
+                for thread in threads:
+                    thread.start()
+                run_lane(self.compute)
+        except BaseException as exc:  # noqa: BLE001 - between steps: a lane that did not start, an interrupt
+            state.fail(exc, local=False)
         finally:
             join_lanes(threads, state)
         if self.trace is not None:
