@@ -1,4 +1,4 @@
-"""The one module that reads environment variables (debugging and provenance only; see README).
+"""The one module that reads environment variables (debugging and provenance only; the table: docs/CONFIGURATION.md).
 
 | variable            | meaning                                                   | default |
 |---------------------|-----------------------------------------------------------|---------|
