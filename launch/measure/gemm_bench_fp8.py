@@ -42,7 +42,7 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
     failed = _canary_failures(args, dev, candidates, points, started)
     rows, skipped, entries = [], [], {}
     for i, (layer, op, world, m, n, k) in enumerate(points):
-        default = choose_fp8_blocks(m, n, k, device_type=dev.type)
+        default = choose_fp8_blocks(m, n, k, device_type=dev.type, gpu=gpu_name(dev))
         blocks = {name: blk for name, blk in {"default": default, **candidates}.items() if blk.name not in failed}
         estimate = (len(blocks) + 2) * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S)
         if time.monotonic() - started + estimate > args.time_budget_s:
@@ -72,7 +72,7 @@ def run_fp8(args, *, dev: torch.device, device_name: str, points: list[tuple[str
 def _canary_failures(args, dev: torch.device, candidates: dict, points: list, started: float) -> dict[str, str]:
     """Every configuration once in a child process first (launch/measure/canary.py): the configurations a
     crash, a hang or the budget dropped, by name, with why."""
-    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type).name
+    names = sorted(set(candidates) | {choose_fp8_blocks(m, n, k, device_type=dev.type, gpu=gpu_name(dev)).name
                                       for _, _, _, m, n, k in points})
     verdicts = precompile("fp8", [(name, "nk") for name in names], started + 0.5 * args.time_budget_s,
                           jobs=args.jobs, device=dev.type, shape=args.canary_shape)

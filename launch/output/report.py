@@ -70,15 +70,23 @@ def command_line() -> str:
 
 
 def device_slug(device_name: str) -> str:
-    from tp_overlap.config.presets import gpu_slug
+    from tp_overlap.gemm.blocks import gpu_slug
     return gpu_slug(device_name)
 
 
+def gemm_blocks_source(device: str) -> str:
+    """What chose the Triton GEMMs' blocks on `device` (a device name): its block table, or the heuristic."""
+    from tp_overlap.gemm.blocks import block_table_name
+    slug = device_slug(device)
+    return "the CPU interpreter's small tiles" if slug == "cpu" else block_table_name(slug)
+
+
 def write_results(path: str | Path, rows: list[dict], *, device: str, tp: int, extra: dict | None = None) -> Path:
-    """Write {"device", "tp", "commit", "command", "date", "rows", ...extra} as JSON; returns the path."""
+    """Write {"device", "tp", "commit", "command", "date", "gemm_blocks", "rows", ...extra} as JSON; returns the
+    path. `gemm_blocks` says what chose the Triton GEMMs' blocks (a GPU without a table: the heuristic)."""
     doc = {"device": device, "tp": tp, "commit": git_commit(), "command": command_line(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           **(extra or {}), "rows": rows}
+           "gemm_blocks": gemm_blocks_source(device), **(extra or {}), "rows": rows}
     path = Path(path)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     try:

@@ -10,6 +10,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from ..gemm.blocks import gpu_slug   # the tables' and the presets' GPU names: one rule
 from .schema import (MODELS, OP_CLASSES, OPS, ROLES, ConfigError, ModelConfig, NodeConfig, OpPreset, OverlapConfig,
                      RoleConfig, _bad, _int_in)
 
@@ -204,13 +205,6 @@ def load_config(path: str | Path) -> OverlapConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}", file=str(path)) from None
     return parse_config(raw, file=str(path))
-
-
-def gpu_slug(device_name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100', 'cpu' -> 'cpu'."""
-    name = device_name.lower().replace("nvidia", " ")
-    match = re.search(r"\b([a-z]+\d+[a-z]*)\b", name)
-    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "unknown"
 
 
 def preset_path(device_name: str, world_size: int) -> Path:

@@ -39,7 +39,8 @@ from pathlib import Path
 from tp_overlap.ipc.errors import OverlapError
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
-           "load_block_table", "block_table_path", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS",
+           "load_block_table", "block_table_path", "block_table_name", "gpu_slug", "stream_k_tiles",
+           "shared_memory_bytes", "LAYOUTS",
            "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
 
 LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major [N, K]
@@ -326,6 +327,21 @@ def load_block_table(gpu: str | None = DEFAULT_GPU, path: str | None = None) -> 
 
 
 @functools.lru_cache(maxsize=4096)  # pure, and called on every launch of the ops
+def gpu_slug(device_name: str) -> str:
+    """The name tables and presets are keyed by: 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100',
+    'cpu' -> 'cpu'."""
+    name = device_name.lower().replace("nvidia", " ")
+    match = re.search(r"\b([a-z]+\d+[a-z]*)\b", name)
+    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "unknown"
+
+
+def block_table_name(gpu: str | None) -> str:
+    """What chooses the blocks on `gpu` (a slug): its table's file name, or that the heuristic does."""
+    if gpu and block_table_path(gpu).is_file():
+        return block_table_path(gpu).name
+    return f"heuristic (no table for {gpu or 'this device'})"
+
+
 def choose_blocks(m: int, n: int, k: int, *, b_transposed: bool = False, device_type: str = "cuda",
                   warp_specialize: bool = True, sm_count: int = 132, gpu: str | None = DEFAULT_GPU,
                   table: BlockTable | None = None) -> GemmBlocks:

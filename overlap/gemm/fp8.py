@@ -30,9 +30,10 @@ import torch
 
 from tp_overlap.kernels.constants import SCALE_GROUP
 
-from .blocks import GemmBlocks, load_block_table
+from .blocks import DEFAULT_GPU, GemmBlocks, load_block_table
 from .fp8_gluon_launch import gluon_block_problems, gluon_operand_problems, launch_fp8_gluon_gemm
 from .fp8_launch import ChunkWait, launch_fp8_gemm, launch_quantize_activation, launch_quantize_weight
+from .triton_gemm import gpu_name
 
 SCALE_ROW_ALIGN = 4  # stored rows of fp32 scales are padded to 16 bytes: the Gluon GEMM reads them with TMA
 
@@ -166,7 +167,7 @@ def _check_gemm_operands(a8, a_scales, w8, w_scales, out) -> tuple[int, int, int
 
 
 def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, device_type: str = "cuda",
-                      gpu: str | None = "h200") -> GemmBlocks:
+                      gpu: str | None = DEFAULT_GPU) -> GemmBlocks:
     """Blocks of the FP8 GEMM (BLOCK_K is the scale group, 128): the table `configs/gemm_blocks/<gpu>_fp8.yaml`
     when it has (N, K) (written by `tp_overlap.launch.gemm_bench --fp8 --write-table`), else plain 128x128 tiles."""
     if device_type != "cuda":
@@ -196,11 +197,12 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
         out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
     operand_problems = None
     if blocks is None:
-        blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type)
+        gpu = gpu_name(a8.device)
+        blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type, gpu=gpu)
         if blocks.gluon:
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
             if operand_problems:  # e.g. scale rows of M % 4 != 0: the table's plain blocks for this shape
-                blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type)
+                blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type, gpu=gpu)
     if blocks.block_k != SCALE_GROUP or blocks.stream_k or (blocks.block_n > SCALE_GROUP and
                                                             blocks.block_n % SCALE_GROUP):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "

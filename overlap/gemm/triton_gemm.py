@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .blocks import GemmBlocks, choose_blocks
+from .blocks import GemmBlocks, choose_blocks, gpu_slug
 from .gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from .launch import b_operand, launch_gemm
 from .splitk import launch_split_k
@@ -55,7 +55,6 @@ def gpu_name(device: torch.device) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_gpu_name(index: int) -> str:
-    from ..config.presets import gpu_slug
     return gpu_slug(torch.cuda.get_device_name(index))
 
 

@@ -52,9 +52,10 @@ class AgConsumers:
                 torch.mm(a, call.w, out=call.out[lo:lo + count])
         return mm
 
-    def _fused_consumer(self, program: Program, m: int, n: int, chunks, config, *, lead: bool) -> None:
+    def _fused_consumer(self, program: Program, key, chunks, config, *, lead: bool) -> None:
         from tp_overlap.kernels.gemm import ag_tile_row_offset
 
+        m = key.m
         rows = m // self.world_size
         programs = self.num_sms - config.sm_margin
         wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
@@ -68,7 +69,8 @@ class AgConsumers:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]
         if self.fp8:
-            blocks = choose_fp8_blocks(m, n, self.k, warp_specialize=False, device_type=self.device.type)
+            blocks = choose_fp8_blocks(m, key.n, self.k, warp_specialize=False, device_type=self.device.type,
+                                       gpu=self.gpu)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
 
             def gemm(call) -> None:
@@ -76,7 +78,8 @@ class AgConsumers:
                 fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
                          num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
         else:
-            blocks = choose_blocks(m, n, self.k, device_type=self.device.type, warp_specialize=False,
+            blocks = choose_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                                   device_type=self.device.type, warp_specialize=False,
                                    sm_count=programs)
             offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
 

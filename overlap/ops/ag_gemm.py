@@ -183,7 +183,8 @@ class AgGemm(AgConsumers, OpBase):
         self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         m = a_shard.shape[0] * self.world_size
         call, _ = self._new_call(m, a_shard, w)
-        self._run_alone(AgPlanKey(m, "compute", None, False, False, False, False, w.shape[1]), m, call)
+        self._run_alone(AgPlanKey(m, "compute", None, False, False, False, False, w.shape[1], not w.is_contiguous()),
+                        m, call)
         return call.out
 
     def _new_call(self, m: int, a_shard: torch.Tensor, w: torch.Tensor) -> tuple[AgCall, tuple]:
@@ -217,7 +218,8 @@ class AgGemm(AgConsumers, OpBase):
                                f"this call has M = {m}")
         zero_copy = call.a_shard.data_ptr() == self._gathered_ptr + self.rank * rows * self._row_bytes
         n = 0 if call.w is None else call.w.shape[1]
-        key = AgPlanKey(m, consumer, wgrad, lead, zero_copy, claimed, stamp, n)
+        transposed = call.w is not None and not call.w.is_contiguous()
+        key = AgPlanKey(m, consumer, wgrad, lead, zero_copy, claimed, stamp, n, transposed)
         self._launch(self._plans.get(key) or self._plan(key, m), call, addresses)
         self._claimed = None
 
@@ -227,11 +229,11 @@ class AgGemm(AgConsumers, OpBase):
             for peer in self._ring():
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
             return program
-        m, consumer, wgrad, lead, zero_copy, claimed, stamp, n = key
+        m, consumer, wgrad, lead, zero_copy, claimed, stamp = key[:7]
         rows = m // self.world_size
         chunks = plan_chunks(rank=self.rank, world_size=self.world_size, m=m, chunks_per_rank=config.chunks_per_rank)
         if consumer == "compute":
-            return self._compute(program, m, n, chunks, config)
+            return self._compute(program, key, chunks, config)
         if consumer == "op":
             consumer = config.method
         fused = consumer == "fused"
@@ -243,7 +245,7 @@ class AgGemm(AgConsumers, OpBase):
         if wgrad == "lead":
             self._wgrad_lead(program, m, rows, config.sm_margin)
         if fused:
-            self._fused_consumer(program, m, n, chunks, config, lead=lead)
+            self._fused_consumer(program, key, chunks, config, lead=lead)
         elif consumer == "decomposed":
             self._decomposed_consumer(program, m, chunks, config, whole=whole, lead=lead)
         if wgrad is not None:
@@ -254,10 +256,11 @@ class AgGemm(AgConsumers, OpBase):
             program.run(COMPUTE, self._bump_version, local=True)
         return program
 
-    def _compute(self, program: Program, m: int, n: int, chunks, config) -> Program:
+    def _compute(self, program: Program, key: AgPlanKey, chunks, config) -> Program:
+        m = key.m
         if config.method == "fused":
             program.set(COMPUTE, self.chunk_flags)  # every chunk is present: the kernel's waits pass at once
-            self._fused_consumer(program, m, n, chunks, config, lead=False)
+            self._fused_consumer(program, key, chunks, config, lead=False)
         else:
             self._decomposed_consumer(program, m, chunks, config, whole=False, lead=False, waits=False)
         return program

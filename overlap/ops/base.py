@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tp_overlap.symm_mem.errors import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
 from ..config import envs
+from ..gemm import gpu_name
 from .validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
 from ..config.schema import OpPreset
 from .schedule import CudaDriver, HostDriver
@@ -98,6 +99,7 @@ class OpBase:
         self._use_graphs = self._cuda and envs.eager_graphs()
         self._capture_stream = None
         self._device_index = self.device.index if self._cuda else None
+        self.gpu = gpu_name(self.device)   # the block tables' name of this GPU (None off CUDA)
         self._last_stream = None   # raw handle of the stream of the last eager call (CUDA)
 
     def configs(self) -> list:

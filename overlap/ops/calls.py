@@ -52,6 +52,7 @@ class AgPlanKey(NamedTuple):
     claimed: bool          # input_slot was called for this call
     stamp: bool            # the call stamps its gathered input (a column layer's forward)
     n: int                 # w's width (0: no consumer)
+    b_transposed: bool     # w is the transpose view of a row-major [N, K] (nn.Linear's layout; blocks by layout)
 
 
 class RsPlanKey(NamedTuple):
@@ -62,3 +63,4 @@ class RsPlanKey(NamedTuple):
     work: bool             # bulk with a caller's work callable
     check: bool            # the call checks a producer's version stamp first
     k: int                 # a's width K_local (0: no GEMM)
+    b_transposed: bool     # w is the transpose view of a row-major [N, K_local] (blocks by layout)

@@ -19,9 +19,9 @@ Plans (config.method; the same stream operations eager, replayed or captured):
                    o); a side stream waits until pushed[s] of every source holds M and runs the reduction.
   pair:            W = 2: cuBLAS GEMM of the peer's rows, copy-engine push while the own rows' GEMM runs, then
                    wait pushed[peer] and add.
-`bulk(a, w, wgrad_of=g)` (a column layer's backward with bulk_wgrad): the whole GEMM on cuBLAS, the pushes
-of `decomposed`, the weight grad g^T @ a meanwhile, then the reduction on the compute stream.
-`reduce_scatter(partials)` is the decomposed plan without a GEMM: the measured comm path.
+`bulk(a, w, wgrad_of=g)` (a column layer's backward with bulk_wgrad): the whole GEMM on cuBLAS, the pushes of
+`decomposed`, g^T @ a meanwhile, the reduction on the compute stream. `reduce_scatter(partials)`: decomposed
+without a GEMM (the measured comm path).
 fp8=True (decomposed, pair): the input is quantised once, the FP8 GEMM runs per owner chunk, the partials stay
 bf16 (sums already rounded once: e4m3 partials would add a second, coarser rounding to every reduction).
 Every wait of the push path is a memory operation: the copy engine starts while a GEMM holds every SM.
@@ -110,10 +110,9 @@ class GemmRs(OpBase):
 
     # ----- public --------------------------------------------------------------------------------------
     def __call__(self, a: torch.Tensor, w: torch.Tensor, *, wgrad_of: torch.Tensor | None = None, check=None):
-        """out_shard [M/W, N] for a [M, K_local], w [K_local, N]; with wgrad_of g [M, J] also
-        (out_shard, g^T @ a [J, K_local]) (a column layer's backward: a its output grad, g its gathered input).
-        check: (stamp, version, code), int64 [1] device tensors and a `pool.failure_code`: before anything
-        else the call records that failure (raised on every rank) if they differ (custom_ops' stale check)."""
+        """out_shard [M/W, N] for a [M, K_local], w [K_local, N]; with wgrad_of g [M, J], (out_shard, g^T @ a
+        [J, K_local]) (a column layer's backward: a its output grad, g its gathered input). check: (stamp,
+        version, code), int64 [1] tensors and a `pool.failure_code`: first, a failure on every rank if they differ."""
         self._check_operands("a", a, self.k_local, w, self.k_local, self.n)
         self._check_wgrad_of(wgrad_of, a.shape[0])
         return self._call(a.shape[0], "op", a, w, wgrad_of, None, check)
@@ -154,7 +153,7 @@ class GemmRs(OpBase):
         check_tensor("partials", partials, dtype=self.dtype, device=self.device, shape=(None, self.n))
         m = partials.shape[0]
         out = torch.empty(m // self.world_size, self.n, dtype=self.dtype, device=self.device)
-        key = RsPlanKey(m, "comm_only", False, False, False, 0)
+        key = RsPlanKey(m, "comm_only", False, False, False, 0, False)
         self._launch(self._plan(key, m), RsCall(out=out, partials=partials), (partials.data_ptr(), out.data_ptr()))
         return out
 
@@ -176,7 +175,8 @@ class GemmRs(OpBase):
         if self.fp8:  # quantised once for all the chunk GEMMs (a kernel on the current stream)
             call.a_fp8, call.w_fp8 = quantize_activation(a), self._weights.get(w.t())
             addresses += tuple(t.data_ptr() for pair in (call.a_fp8, call.w_fp8) for t in pair)
-        key = RsPlanKey(m, schedule, wgrad_of is not None, work is not None, check is not None, a.shape[1])
+        key = RsPlanKey(m, schedule, wgrad_of is not None, work is not None, check is not None, a.shape[1],
+                        not w.is_contiguous())
         if schedule == "compute":
             self._run_alone(key, m, call)
             return out
@@ -233,8 +233,9 @@ class GemmRs(OpBase):
                        error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
     def _gemm_blocks(self, key: RsPlanKey, programs: int):
-        return dataclasses.replace(choose_blocks(key.m, self.n, key.k, device_type=self.device.type,
-                                                 warp_specialize=False, sm_count=programs), block_m=FLAG_BLOCK_M)
+        blocks = choose_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                               device_type=self.device.type, warp_specialize=False, sm_count=programs)
+        return dataclasses.replace(blocks, block_m=FLAG_BLOCK_M)
 
     def _used_row_flags(self, rows: int) -> torch.Tensor:
         """The device flags a call of `rows` rows per rank sets on this owner, [W, used] (for the host driver)."""

@@ -102,9 +102,9 @@ class _ParallelLinear(nn.Module):
     """Shared construction: validation, the op contexts, the registry id, the weight [in, out] shard.
 
     Keywords: group (the TP group, required); max_m (largest token count M, a multiple of W; each call
-    runs the preset's op and role settings for its own M, `by_m` buckets included); dtype; pool (SymmetricPool on `group`, required when overlap=True;
-    the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it, the caller owns and closes it);
-    config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
+    runs the preset's op and role settings for its own M, `by_m` buckets included); dtype; pool (SymmetricPool
+    on `group`, required when overlap=True; the layer reserves `<name>.fwd.*` / `<name>.bwd.*` regions in it,
+    the caller owns and closes it); config (OverlapConfig; None = the preset for this GPU and TP size); overlap; baseline ("nccl" |
     "torch_symm", used when overlap=False); save_gathered ("view" | "copy", see custom_ops); fp8 (the
     forward and input-grad GEMMs in FP8 e4m3 with 1x128 / 128x128 scales, the AllGathers moving e4m3 rows
     and their scales; weight grads in bf16 on the dequantised gathered inputs; overlap=True only; None: the
