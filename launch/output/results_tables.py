@@ -157,6 +157,21 @@ def _offload(doc: dict) -> str:
             if out else "")
 
 
+def _offload_heat(doc: dict) -> str:
+    """tests/unit/test_offload_heat_out_of_sample.py: the step model with and without heat, out of sample."""
+    scales = {"own_plain_step": "the predicted point's plain step", "fit_point": "the fit point"}
+    rows = [{"model": r["model"], "compute scale from": scales[r["scale"]], "predictions": r["predictions"],
+             "mean error": f"{100 * r['mean_abs_error']:.2f} %", "worst": f"{100 * r['max_abs_error']:.2f} %",
+             "within 3 %": r["within_3pct"]} for r in doc["rows"]]
+    plans = doc.get("plans") or []
+    text = format_table(rows, list(rows[0]))
+    if plans:
+        text += (f"\n\nThe planner's default plan with and without heat: the same decisions at "
+                 f"{sum(p['same_plan'] for p in plans)} of {len(plans)} points, the same predicted peak at "
+                 f"{sum(p['same_peak'] for p in plans)}.")
+    return text
+
+
 def _smoke(doc: dict) -> str:
     """One row per kind of case (its first words), one column per process count: cases ok of cases run."""
     kinds: dict[str, dict] = {}
@@ -199,7 +214,7 @@ def file_tables(name: str, doc: dict) -> list[str]:
     if op in ("ag_gemm", "gemm_rs") and rows:
         return [_bench(rows)]
     blocks = {"gemm": _gemm, "gemm_fp8": _gemm_fp8, "gemm_tune": _gemm_tune, "host_cost": _host_cost,
-              "offload_bench": _offload}
+              "offload_bench": _offload, "offload_heat": _offload_heat}
     if op in blocks:
         return [blocks[op](doc)]
     columns = COLUMNS.get(_prefix(name))
