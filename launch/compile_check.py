@@ -156,9 +156,9 @@ def compile_fp8_gemm(blocks: GemmBlocks, *, arch: int = 90, wait_chunks: bool = 
                               num_stages=blocks.num_stages, arch=arch)
 
 
-def compile_gluon(fn, types: dict, constexprs: dict, *, num_warps: int, arch: int = 90, num_ctas: int = 1):
+def compile_gluon(fn, types: dict, constexprs: dict, *, num_warps: int, arch: int = 90):
     """triton.compile of the Gluon kernel `fn` for sm_<arch> (types and constexprs as `compile_for_target`,
-    tensor descriptors written `tensordesc<dtype[block],layout>`); `num_ctas` > 1: thread-block clusters."""
+    tensor descriptors written `tensordesc<dtype[block],layout>`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -170,8 +170,7 @@ def compile_gluon(fn, types: dict, constexprs: dict, *, num_warps: int, arch: in
         else:
             signature[name] = _typed(types[name], (index,), attrs)
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    options = {"num_warps": num_warps} | ({"num_ctas": num_ctas} if num_ctas > 1 else {})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def _gluon_descriptor(layout_of, dtype: str, block: list[int]) -> str:

@@ -89,25 +89,23 @@ def tma_row_problems(named: tuple[tuple[str, torch.Tensor], ...]) -> list[str]:
 
 
 @functools.cache
-def tma_shared_layout(block: tuple[int, int], dtype: torch.dtype, cga_layout: tuple[tuple[int, int], ...] = ()):
+def tma_shared_layout(block: tuple[int, int], dtype: torch.dtype):
     """The shared-memory layout of a TMA box of `dtype` (the Gluon kernels' host descriptors): NVMMA's default
-    swizzle, except the FP8 scale boxes (fp32, one row or four columns: no swizzle). `cga_layout`: how the CTAs
-    of a thread-block cluster share the box (kernels/gemm_gluon_cluster.py; Triton >= 3.7)."""
+    swizzle, except the FP8 scale boxes (fp32, one row or four columns: no swizzle)."""
     from triton.experimental.gluon import language as gl
 
     if dtype == torch.float32 and min(block) <= 4:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
                 torch.float32: gl.float32}[dtype]
-    cluster = {"cga_layout": [list(basis) for basis in cga_layout]} if cga_layout else {}
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype, **cluster)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def tma_descriptor(t: torch.Tensor, block: tuple[int, int], cga_layout: tuple[tuple[int, int], ...] = ()):
+def tma_descriptor(t: torch.Tensor, block: tuple[int, int]):
     """A host TMA descriptor of the 2-D tensor `t` in boxes of `block` (its `tma_row_problems` empty)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = tma_shared_layout(tuple(block), t.dtype, cga_layout)
+    layout = tma_shared_layout(tuple(block), t.dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
 
