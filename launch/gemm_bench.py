@@ -153,7 +153,7 @@ def bench_device(name: str) -> tuple[torch.device, str]:
 
 
 def _run_bf16(args) -> int:
-    from tp_overlap.gemm import release_split_k_workspaces
+    from tp_overlap.gemm import release_workspaces
 
     started = time.monotonic()
     dev, device_name = bench_device(args.device)
@@ -179,7 +179,7 @@ def _run_bf16(args) -> int:
                          for name, blk in usable.items()})
         stats = bench_interleaved(variants, group=None, device=dev, warmup=3, reps=args.reps,
                                   hold_device_us=args.hold_us)
-        release_split_k_workspaces()  # one per (shape, configuration): 240 shapes would keep them all
+        release_workspaces()  # one per (shape, configuration): 240 shapes would keep them all
         t_cublas = stats["cublas"].median_ms
         row = {"layer": layer, "op": op, "tp": world, "layout": layout, "M": m, "K": k, "N": n,
                "t_cublas_ms": t_cublas, "table_blocks": variants_blocks["table"].name,

@@ -331,7 +331,7 @@ class _Sweep:
         import torch
 
         from tp_overlap.launch.measure.timing import bench_interleaved, progress
-        from tp_overlap.gemm import GemmBlocks, release_split_k_workspaces, triton_mm
+        from tp_overlap.gemm import GemmBlocks, release_workspaces, triton_mm
 
         a, b = operands(m, n, k, layout, self.dev, seed=m + n + k)
         ref = torch.mm(a, b)
@@ -363,7 +363,7 @@ class _Sweep:
                          for name, blk in usable.items()})
         stats = bench_interleaved(variants, group=None, device=self.dev, warmup=2, reps=self.args.reps,
                                   hold_device_us=self.args.hold_us)
-        release_split_k_workspaces()  # one per (shape, configuration): a sweep would keep hundreds
+        release_workspaces()  # one per (shape, configuration): a sweep would keep hundreds
         return {name: s.median_ms for name, s in stats.items()}
 
     def write(self) -> None:

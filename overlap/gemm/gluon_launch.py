@@ -12,7 +12,7 @@ from tp_overlap.kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
 from .launch import tma_descriptor, tma_row_problems
-from .splitk import stream_buffers
+from .workspaces import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)

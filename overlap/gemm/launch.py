@@ -18,6 +18,7 @@ import torch
 from tp_overlap.kernels.constants import EPILOGUE_LOCAL
 
 from .blocks import GemmBlocks, stream_k_tiles
+from .workspaces import stream_buffers
 
 __all__ = ["ChunkWait", "Scatter", "launch_gemm", "launch_reduce"]
 
@@ -41,22 +42,6 @@ def ensure_allocator() -> None:
 
     triton.set_allocator(_descriptor_scratch)
     _allocator_state.set = True
-
-
-_stream_k_state = {}
-
-
-def _stream_k_buffers(device: torch.device, programs: int, tile_elements: int):
-    """(fp32 workspace, int32 flags) of stream-K for the current stream: private per stream (two GEMMs
-    running at once must not share them), grown on demand, the flags zero (every launch leaves them so)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    workspace, flags = _stream_k_state.get(key, (None, None))
-    if workspace is None or workspace.numel() < programs * tile_elements or flags.numel() < programs:
-        workspace = torch.empty(programs * tile_elements, dtype=torch.float32, device=device)
-        flags = torch.zeros(programs, dtype=torch.int32, device=device)
-        _stream_k_state[key] = (workspace, flags)
-    return workspace, flags
 
 
 def b_operand(w: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -185,7 +170,8 @@ def _chunk_wait_args(wait: ChunkWait | None):
 
 
 def _stream_k_args(device: torch.device, programs: int, blocks: GemmBlocks):
-    workspace, flags = _stream_k_buffers(device, programs, blocks.block_m * blocks.block_n)
+    # a workspace slot and a flag per program (kernels/gemm_mainloop.py); every launch leaves the flags at zero
+    workspace, flags = stream_buffers(device, ("stream_k",), programs * blocks.block_m * blocks.block_n, programs)
     return workspace, flags, STREAM_K_TIMEOUT_NS
 
 

@@ -1,11 +1,8 @@
 """The launcher of the split-K GEMM (kernels/gemm_splitk.py): its workspace, its grid and its operands.
 
-`triton_mm` calls `launch_split_k` for a configuration with `split_k > 1` (a name ending in `sp<S>`).
-The fp32 workspace and the tile counters are allocated on the first launch of a (stream, shape,
-configuration) and reused by every later one (the kernel leaves the counters at zero): no allocation per
-call, and a CUDA graph captured after a warm-up keeps using the same buffers. They are private to a stream,
-since two GEMMs of one shape running at once must not share counters. `release_split_k_workspaces()` frees
-them (a sweep over many shapes; never while a captured graph still uses them).
+`triton_mm` calls `launch_split_k` for a configuration with `split_k > 1` (a name ending in `sp<S>`). The fp32
+workspace and the tile counters (the kernel leaves them at zero) come from the launchers' per-stream cache,
+one pair per (stream, shape, configuration) (workspaces.py).
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import GemmBlocks
-
-_workspaces: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}   # every pair allocated, newest last
+from .workspaces import stream_buffers
 
 
 def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,29 +18,6 @@ def split_k_workspace(device: torch.device, m: int, n: int, blocks: GemmBlocks) 
     tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
     return stream_buffers(device, ("split_k", m, n, blocks.block_m, blocks.block_n, blocks.split_k),
                           tiles * blocks.split_k * blocks.block_m * blocks.block_n, tiles)
-
-
-def stream_buffers(device: torch.device, key: tuple, workspace_elements: int,
-                   counter_words: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 workspace of any contents, int32 counters at zero) of at least these sizes for `key` on the current
-    stream. A request larger than the buffers held allocates new ones of twice the old size at least (the old
-    ones stay held: a CUDA graph captured with them may still replay), so shapes that vary cost a few
-    allocations, not one per shape. Callers that share a key must leave the counters at zero."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    full_key = (device, stream) + key
-    held = _workspaces.get(full_key)
-    if held is None or held[-1][0].numel() < workspace_elements or held[-1][1].numel() < counter_words:
-        grown = (0, 0) if held is None else (2 * held[-1][0].numel(), 2 * held[-1][1].numel())
-        buffers = (torch.empty(max(workspace_elements, grown[0]), dtype=torch.float32, device=device),
-                   torch.zeros(max(counter_words, grown[1]), dtype=torch.int32, device=device))
-        _workspaces[full_key] = (held or []) + [buffers]
-    return _workspaces[full_key][-1]
-
-
-def release_split_k_workspaces() -> None:
-    """Forget every workspace, the Gluon GEMM's split-tail buffers too (the caching allocator reuses the memory
-    once no launch holds it): never while a CUDA graph captured with them may still replay."""
-    _workspaces.clear()
 
 
 def launch_split_k(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: GemmBlocks,

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from tp_overlap.kernels.gemm_splitk import SplitKConfig, split_k_gemm_kernel, split_k_ranges  # noqa: E402
 from tp_overlap.gemm.blocks import SHARED_MEMORY_LIMIT, GemmBlocks  # noqa: E402
-from tp_overlap.gemm import release_split_k_workspaces, split_k_workspace, triton_mm  # noqa: E402
+from tp_overlap.gemm import release_workspaces, split_k_workspace, triton_mm  # noqa: E402
 from tests.multiproc import child_pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -90,7 +90,7 @@ def test_repeated_calls_reuse_one_workspace_and_stay_right():
         check(a, b, out)
         workspace, counters = split_k_workspace(a.device, 40, 72, blocks)
         assert workspace is first[0] and counters is first[1] and (counters == 0).all()
-    release_split_k_workspaces()
+    release_workspaces()
     assert split_k_workspace(torch.device(DEVICE), 40, 72, blocks)[0] is not first[0]
 
 
