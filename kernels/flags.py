@@ -19,23 +19,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# %globaltimer is read with inline asm, which the interpreter cannot run: the default USE_TIMER of the kernels.
+# The interpreter runs a launch's programs one after another, so a flag set by another program or a peer never
+# changes inside its poll loop: there the kernels poll once (USE_TIMER False) and the host waits for the flags
+# first. The default USE_TIMER of the kernels.
 TIMER_AVAILABLE = not triton.knobs.runtime.interpret
 
-from .constants import CLEAR, SET  # the flag values (kernels/constants.py)
+from .constants import CLEAR, MISMATCH_BIT, SET  # the flag values and the error code's bit (kernels/constants.py)
 
 SET_FLAG = tl.constexpr(SET)  # the same, for @triton.jit code (kernels read only constexpr globals)
+MISMATCH_FLAG_BIT = tl.constexpr(MISMATCH_BIT)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "POLL_NS", "read_globaltimer",
+__all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "MISMATCH_FLAG_BIT", "POLL_NS",
            "wait_for_flag", "wait_for_value", "wait_for_count", "await_flag", "record_error", "record_mismatch"]
-
-MISMATCH_BIT = tl.constexpr(1 << 30)  # symm_mem/layout.py: the flag held another nonzero value
-
-
-@triton.jit
-def read_globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
 
 
 POLL_NS = tl.constexpr(250)  # the assumed cost of one poll: the bound in polls is timeout_ns // POLL_NS
@@ -138,4 +133,4 @@ def record_mismatch(error_ptr, code, expected, seen):
     if tl.load(error_ptr, volatile=True) == 0:
         tl.store(error_ptr + 3, seen)
         tl.store(error_ptr + 1, expected)
-        tl.store(error_ptr, code | MISMATCH_BIT)
+        tl.store(error_ptr, code | MISMATCH_FLAG_BIT)

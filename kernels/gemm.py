@@ -95,7 +95,7 @@ A [M, K] is being gathered while the kernel runs. It is made of owner blocks of 
 ``chunks_per_rank`` chunks of ``rows_per_chunk = cdiv(rows_per_rank, chunks_per_rank)`` rows (the last
 chunk of an owner may be shorter, or even empty: no row maps to it and its flag is never read). Row r is in
 chunk ``(r // rows_per_rank) * chunks_per_rank + (r % rows_per_rank) // rows_per_chunk``
-(``ag_chunk_index``; ``ag_chunk_rows`` gives a chunk's rows). ``chunk_flags_ptr`` is a LOCAL int32 array
+(``ag_chunk_index`` in kernels/constants.py; ``ag_chunk_rows`` gives a chunk's rows). ``chunk_flags_ptr`` is a LOCAL int32 array
 with one flag per chunk (owner-major: index = owner * chunks_per_rank + chunk of that owner, NOT arrival
 order), written by whoever finishes the chunk's copy (release, e.g. a release-store kernel or a stream
 write after the copy-engine copy). Before a tile's K loop reads A rows ``[m0, min(m0 + BLOCK_M, M))``,
@@ -123,10 +123,10 @@ code only) so that the TMA loads of A are ordered after the generic-proxy acquir
 without them (only the kernel's parameter list grows).
 
 Bounded waits (both kernels): ``USE_TIMER=True`` (the default unless the process runs the Triton
-interpreter, where the inline asm cannot run) polls until the flag is ready or ``timeout_ns`` of wall time
-(``%globaltimer``, ``tp_overlap.kernels.flags.read_globaltimer``) have passed since that wait began; JIT-compiling
-peers can take seconds, so a spin count is not a usable bound. ``USE_TIMER=False`` (interpreter, CPU
-tests) polls exactly once and treats a flag that is not ready as a timeout; never use it on the GPU.
+interpreter, which runs the programs one after another) polls until the flag is ready or about ``timeout_ns``
+have passed since that wait began (``timeout_ns // POLL_NS`` polls, kernels/flags.py: every thread of a
+program leaves at the same poll); JIT-compiling peers can take seconds, so the bound is in time units.
+``USE_TIMER=False`` (interpreter, CPU tests) polls exactly once and treats a flag that is not ready as a timeout; never use it on the GPU.
 ``timeout_ns`` may exceed 2**31 (a Python int; it is passed as int64 then): keep it the same type from
 call to call, or the kernel recompiles once per type.
 
@@ -157,8 +157,7 @@ from .gemm_mainloop import k_loop, store_tile, stream_k_part, tile_coordinates, 
 from .rs_epilogue import owner_last_tile, publish_row_block, reduce_own_tile, reduce_partials_kernel, scatter_stores
 
 __all__ = ["EPILOGUE_LOCAL", "EPILOGUE_SCATTER", "EPILOGUE_SCATTER_REDUCE", "GemmConfig", "persistent_gemm_kernel",
-           "reduce_partials_kernel", "cdiv", "num_output_tiles", "ag_rows_per_chunk",
-           "ag_chunk_index", "ag_chunk_rows", "ag_tile_row_offset", "TIMER_AVAILABLE"]
+           "reduce_partials_kernel", "TIMER_AVAILABLE"]
 
 _LOCAL = tl.constexpr(EPILOGUE_LOCAL)  # the same, for @triton.jit code
 _SCATTER = tl.constexpr(EPILOGUE_SCATTER)
@@ -179,39 +178,6 @@ class GemmConfig(NamedTuple):
     EPILOGUE_SUBTILE: int = 1
     STREAM_K_WAVES: int = 0         # > 0: the last partial wave plus STREAM_K_WAVES - 1 full ones split by K steps
     USE_TIMER: bool = TIMER_AVAILABLE
-
-
-def cdiv(numerator: int, denominator: int) -> int:
-    return -(-numerator // denominator)
-
-
-def num_output_tiles(m: int, n: int, block_m: int, block_n: int) -> int:
-    return cdiv(m, block_m) * cdiv(n, block_n)
-
-
-def ag_rows_per_chunk(rows_per_rank: int, chunks_per_rank: int) -> int:
-    """Rows of every chunk of an owner block but the last (WAIT_CHUNKS geometry)."""
-    return cdiv(rows_per_rank, chunks_per_rank)
-
-
-def ag_chunk_index(row: int, rows_per_rank: int, chunks_per_rank: int) -> int:
-    """Index into chunk_flags of the chunk holding gathered row ``row`` (owner-major)."""
-    return ((row // rows_per_rank) * chunks_per_rank
-            + (row % rows_per_rank) // ag_rows_per_chunk(rows_per_rank, chunks_per_rank))
-
-
-def ag_chunk_rows(chunk_index: int, rows_per_rank: int, chunks_per_rank: int) -> tuple[int, int]:
-    """(first row, row count) in the gathered A of chunk ``chunk_index``; the count may be 0."""
-    owner, chunk = divmod(chunk_index, chunks_per_rank)
-    per_chunk = ag_rows_per_chunk(rows_per_rank, chunks_per_rank)
-    first = min(chunk * per_chunk, rows_per_rank)
-    last = min(first + per_chunk, rows_per_rank)
-    return owner * rows_per_rank + first, last - first
-
-
-def ag_tile_row_offset(rank: int, rows_per_rank: int, block_m: int) -> int:
-    """tile_row_offset for the AllGather consumer: the first row block starting at or after the first local row."""
-    return cdiv(rank * rows_per_rank, block_m)
 
 
 @triton.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank"])

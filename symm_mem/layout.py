@@ -35,11 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_overlap.kernels.constants import MISMATCH_BIT  # the kernels record it, the watchdog decodes it
+
 from .errors import PoolError
 
 __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
            "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
-           "MISMATCH_BIT", "BOARD_GEQ", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
+           "MISMATCH_BIT", "BOARD_GEQ", "DEFAULT_TIMEOUT_S", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
            "CALL_FAILED_REASON",
            "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
            "encode_abort", "decode_abort", "check_spec", "check_timeout", "check_word", "check_same_shape", "layout_difference"]
@@ -50,8 +52,8 @@ ERROR_VALUE_WORD = 1
 ABORT_WORD = 2
 ERROR_OBSERVED_WORD = 3  # the flag's value when a host-side wait expired (before any release)
 MISMATCH_MINE_WORD, MISMATCH_SEEN_WORD, MISMATCH_WHO_WORD, MISMATCH_FLAG_WORD = 4, 5, 6, 7
-MISMATCH_BIT = 1 << 30   # in a kernel's error code: the flag held another nonzero value than the one awaited
 BOARD_GEQ = -1           # board value of an at-least wait (no disagreement check)
+DEFAULT_TIMEOUT_S = 30.0  # a pool's bound on its waits, creation and barrier unless timeout_s= says otherwise
 MISMATCH_REASON = 4      # abort reason: the ranks disagree on a call's M
 FAILURE_CODE_BASE = 1 << 29  # error codes >= this (below MISMATCH_BIT) name a device-side check (`failure_code`)
 CHECK_REASON = 5         # abort reason: a device-side check of an op failed

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import _waits
-from .layout import (ABORT_WORD, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align, check_same_shape, check_spec, check_timeout,
-                      check_word, resolve_backend)
+from .layout import (ABORT_WORD, DEFAULT_TIMEOUT_S, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align,
+                      check_same_shape, check_spec, check_timeout, check_word, resolve_backend)
 from .control import ControlPages
 from .failures import PoolFailures
 from .errors import PeerLostError, PoolCapacityError, PoolClosedError, PoolError
@@ -43,14 +43,15 @@ class SymmetricPool(PoolFailures):
     """`size_bytes` of symmetric memory on every rank of `group`, `num_signal_words` control flags (what
     streams and host threads wait on) and `num_device_words` device flags (what kernels poll).
 
-    Creation is collective and bounded by `timeout_s`; `reserve` and the views are local and must be
+    Creation, barriers and waits are bounded by `timeout_s` (DEFAULT_TIMEOUT_S unless given; the pools tp_overlap
+    builds pass OVERLAP_TIMEOUT_S, docs/CONFIGURATION.md); `reserve` and the views are local and must be
     called with the same arguments in the same order on every rank, so that offsets agree. Views handed
     out (`reserve`, `peer`, `signals`) are valid until `close()`.
     """
 
     def __init__(self, size_bytes: int, *, group: dist.ProcessGroup, backend: str = "auto",
                  device: torch.device | str | None = None, num_signal_words: int = 1024,
-                 num_device_words: int = 4096, timeout_s: float = 30.0):
+                 num_device_words: int = 4096, timeout_s: float = DEFAULT_TIMEOUT_S):
         global _live_pools
         for arg, value, low in (("size_bytes", size_bytes, 1), ("num_signal_words", num_signal_words, 0),
                                 ("num_device_words", num_device_words, 0)):

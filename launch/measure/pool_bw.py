@@ -1,7 +1,7 @@
 """Pool peer-read bandwidth: copy-engine pull of every peer's region vs NCCL/gloo AllGather.
 
 Both variants move the same bytes into each rank: (W - 1) x size. The pull runs on a high-priority side
-stream in ring order from rank + 1 (no two ranks read one peer at once) and is joined back into the
+stream in the ops' ring order (`ring_order`: from rank + 1, no two ranks read one peer at once) and is joined back into the
 current stream, as AG+GEMM will use it.
 """
 
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tp_overlap.config import envs
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.ops.protocol import ring_order
 from tp_overlap.symm_mem.pool import SymmetricPool
 
 from ..cli.dist import DistContext
@@ -22,16 +23,14 @@ CPU_SIZES_MB = (1, 4, 16)
 
 def ring_pull(pool: SymmetricPool, out: torch.Tensor, nbytes: int, stream) -> None:
     """out[r, :nbytes] = shard of rank r for every peer r, pulled on `stream` (joined on return)."""
-    rank, world = pool.rank, pool.world_size
+    peers = ring_order(pool.rank, pool.world_size)
     if stream is None:
-        for step in range(1, world):
-            peer = (rank + step) % world
+        for peer in peers:
             out[peer, :nbytes].copy_(pool.peer("shard", peer)[:nbytes])
         return
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for step in range(1, world):
-            peer = (rank + step) % world
+        for peer in peers:
             out[peer, :nbytes].copy_(pool.peer("shard", peer)[:nbytes], non_blocking=True)
     torch.cuda.current_stream().wait_stream(stream)
 

@@ -1,12 +1,6 @@
-"""The one module that reads environment variables (debugging and provenance only; the table: docs/CONFIGURATION.md).
-
-| variable            | meaning                                                   | default |
-|---------------------|-----------------------------------------------------------|---------|
-| OVERLAP_TIMEOUT_S   | bound of every flag wait / pool barrier, seconds          | 30      |
-| OVERLAP_GIT_COMMIT  | commit recorded in results (else `git rev-parse HEAD`)    | unset   |
-| OVERLAP_COMMAND     | exact command line recorded in results (set by scripts)   | derived |
-| OVERLAP_PROGRESS    | 0 silences progress lines on stderr                        | 1       |
-| OVERLAP_EAGER_GRAPHS| 0: eager CUDA calls enqueue their plan step by step (no replay of a recorded call) | 1 |
+"""The one module that reads environment variables (debugging and provenance only): OVERLAP_TIMEOUT_S,
+OVERLAP_GIT_COMMIT, OVERLAP_COMMAND, OVERLAP_PROGRESS, OVERLAP_EAGER_GRAPHS, and torchrun's RANK, LOCAL_RANK and
+WORLD_SIZE. What each means and its default: the table in docs/CONFIGURATION.md.
 
 A results file's recorded command carries the variables of `RECORDED` that were set (Triton's
 TRITON_INTERPRET among them: a CPU run of Triton kernels fails without it), so that it runs again as it ran.
@@ -18,7 +12,13 @@ import os
 
 
 def timeout_s() -> float:
-    value = os.environ.get("OVERLAP_TIMEOUT_S", "30")
+    """OVERLAP_TIMEOUT_S, else the pool's default: what the pools tp_overlap builds pass as their `timeout_s`
+    (`tp_overlap.parallelize`, the launchers); a SymmetricPool built by hand takes its own argument."""
+    from tp_overlap.symm_mem.layout import DEFAULT_TIMEOUT_S   # the one default (symm_mem reads no environment)
+
+    value = os.environ.get("OVERLAP_TIMEOUT_S")
+    if value is None:
+        return DEFAULT_TIMEOUT_S
     try:
         parsed = float(value)
     except ValueError:

@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 from tp_overlap.ipc.errors import OverlapError
+from tp_overlap.kernels.constants import ROW_BLOCK_M
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
            "load_block_table", "block_table_path", "block_table_name", "gpu_slug", "stream_k_tiles",
@@ -47,7 +48,7 @@ LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major 
 DEFAULT_GPU = "h200"            # the table callers get when they do not name a GPU
 SHARED_MEMORY_LIMIT = 232448    # bytes per block on sm_90 (227 KB)
 SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the blocks resident there
-PLAIN_BLOCK_M = 128             # GemmRs flags 128-row blocks (overlap/ops/gemm_rs.py FLAG_BLOCK_M)
+PLAIN_BLOCK_M = ROW_BLOCK_M     # the scatter GEMMs run the plain entry: their row-block flags cover this many rows
 # Gluon tile widths that are not powers of two: two B boxes (kernels/gemm_gluon_boxes.py, `box_widths`)
 GLUON_BOX_WIDTHS = (48, 80, 96, 144, 160, 192)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from tp_overlap.kernels.constants import ag_tile_row_offset
+
 from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
 from .ag_plan import ConsumerGemm, plan_consumer_gemms
 from .schedule import COMPUTE, Program
@@ -53,8 +55,6 @@ class AgConsumers:
         return mm
 
     def _fused_consumer(self, program: Program, key, chunks, config, *, lead: bool) -> None:
-        from tp_overlap.kernels.gemm import ag_tile_row_offset
-
         m = key.m
         rows = m // self.world_size
         programs = self.num_sms - config.sm_margin

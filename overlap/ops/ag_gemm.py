@@ -31,6 +31,7 @@ from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activ
                      scale_groups)
 from . import protocol
 from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
+from .protocol import ring_order
 from .ag_consumers import AgConsumers
 from .base import OpBase
 from .calls import AgCall, AgPlanKey
@@ -226,7 +227,7 @@ class AgGemm(AgConsumers, OpBase):
     def _build(self, key, config) -> Program:
         program = Program(self.pool, op=self.name)
         if key[0] == "claim":
-            for peer in self._ring():
+            for peer in ring_order(self.rank, self.world_size):
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
             return program
         m, consumer, wgrad, lead, zero_copy, claimed, stamp = key[:7]
@@ -269,15 +270,12 @@ class AgGemm(AgConsumers, OpBase):
         self.version.add_(1)
         call.stamp.copy_(self.version)
 
-    def _ring(self) -> list[int]:
-        return [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
-
     def _publish(self, program: Program, m: int, rows: int, chunks, *, zero_copy: bool, claimed: bool,
                  fused: bool) -> None:
         # On the compute stream, before any GEMM: the copy runs on SMs (a same-device copy), so behind a GEMM
         # that holds them all the peers' ready flags would wait for the whole GEMM.
         if not claimed:
-            for peer in self._ring():
+            for peer in ring_order(self.rank, self.world_size):
                 program.take(COMPUTE, self.flags.consumed(peer), peer=peer)
         slot = self.gathered[self.rank * rows:(self.rank + 1) * rows]
         if self.fp8:  # quantised straight into the slot: e4m3 rows and their scales
@@ -290,7 +288,7 @@ class AgGemm(AgConsumers, OpBase):
                 if chunk.owner == self.rank:
                     program.set(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1])
         program.record(COMPUTE, "published")
-        for peer in self._ring():
+        for peer in ring_order(self.rank, self.world_size):
             program.give(COMPUTE, self.flags.ready(self.rank), peer, value=m)
 
     def _pulls(self, program: Program, m: int, chunks, *, fused: bool) -> None:

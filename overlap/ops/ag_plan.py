@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from tp_overlap.kernels.constants import ag_chunk_rows
+
+from .protocol import ring_order
+
 __all__ = ["Chunk", "ConsumerGemm", "LEAD_ROW_ALIGN", "plan_chunks", "plan_consumer_gemms"]
 
 
@@ -29,15 +33,16 @@ class ConsumerGemm(NamedTuple):
 
 
 def plan_chunks(*, rank: int, world_size: int, m: int, chunks_per_rank: int) -> list[Chunk]:
-    """Chunks of the gathered [m, K] in arrival order: `rank`'s own first, then rank+1, rank+2, ..."""
+    """Chunks of the gathered [m, K] in arrival order: `rank`'s own first, then the peers in ring order. An
+    owner's empty trailing chunk (the split leaves it no row) is not planned: no copy, no flag write."""
     rows = m // world_size
-    rows_per_chunk = -(-rows // chunks_per_rank)  # the fused kernel maps a row to its chunk flag the same way
     out = []
-    for step in range(world_size):
-        owner = (rank + step) % world_size
-        bounds = [owner * rows + min(rows, i * rows_per_chunk) for i in range(chunks_per_rank + 1)]
-        out.extend(Chunk(owner, lo, hi - lo, owner * chunks_per_rank + c)
-                   for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
+    for owner in [rank, *ring_order(rank, world_size)]:
+        for c in range(chunks_per_rank):
+            index = owner * chunks_per_rank + c   # the fused kernel's chunk flag of these rows
+            first_row, num_rows = ag_chunk_rows(index, rows, chunks_per_rank)
+            if num_rows:
+                out.append(Chunk(owner, first_row, num_rows, index))
     return out
 
 

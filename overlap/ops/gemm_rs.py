@@ -34,13 +34,13 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE
+from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
 from tp_overlap.symm_mem.regions import RegionSpec
 
 from ..gemm import (Fp8WeightCache, Scatter, choose_blocks, fp8_gemm, launch_gemm, launch_reduce, num_sms,
                     quantize_activation, sm_carveout)
 from . import protocol
-from .protocol import FLAG_BLOCK_M
+from .protocol import ring_order
 from .base import OpBase
 from .calls import RsCall, RsPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
@@ -87,7 +87,7 @@ class GemmRs(OpBase):
         # bulk=True: bulk()'s staging now, not at its first call, which may run inside a warm-up whose
         # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
         self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
-        self._tile_counters = torch.zeros(-(-max_m // FLAG_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
+        self._tile_counters = torch.zeros(-(-max_m // ROW_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -159,7 +159,7 @@ class GemmRs(OpBase):
 
     def owners(self) -> list[int]:
         """Ring order from rank + 1; the own chunk last (its reduction input needs no transfer)."""
-        return [(self.rank + step) % self.world_size for step in range(1, self.world_size + 1)]
+        return ring_order(self.rank, self.world_size) + [self.rank]
 
     def _call(self, m: int, schedule: str, a, w, wgrad_of, work, check):
         out = torch.empty(m if schedule == "compute" else m // self.world_size, self.n, dtype=self.dtype,
@@ -195,8 +195,8 @@ class GemmRs(OpBase):
         m, schedule, wgrad, check = key.m, key.schedule, key.wgrad, key.check
         if schedule == "op":
             schedule = config.method
-            if schedule == "epilogue_reduce" and (m // self.world_size) % FLAG_BLOCK_M:
-                raise OpInputError(f"{self.name}: method epilogue_reduce needs M/W % {FLAG_BLOCK_M} == 0 (its own "
+            if schedule == "epilogue_reduce" and (m // self.world_size) % ROW_BLOCK_M:
+                raise OpInputError(f"{self.name}: method epilogue_reduce needs M/W % {ROW_BLOCK_M} == 0 (its own "
                                    f"row blocks may not straddle owners); M = {m}, W = {self.world_size}. Use a "
                                    f"by_m bucket with another method for this M")
         program = Program(self.pool, op=self.name)
@@ -235,11 +235,11 @@ class GemmRs(OpBase):
     def _gemm_blocks(self, key: RsPlanKey, programs: int):
         blocks = choose_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
                                device_type=self.device.type, warp_specialize=False, sm_count=programs)
-        return dataclasses.replace(blocks, block_m=FLAG_BLOCK_M)
+        return dataclasses.replace(blocks, block_m=ROW_BLOCK_M)
 
     def _used_row_flags(self, rows: int) -> torch.Tensor:
         """The device flags a call of `rows` rows per rank sets on this owner, [W, used] (for the host driver)."""
-        used = ((self.rank + 1) * rows - 1) // FLAG_BLOCK_M - (self.rank * rows) // FLAG_BLOCK_M + 1
+        used = ((self.rank + 1) * rows - 1) // ROW_BLOCK_M - (self.rank * rows) // ROW_BLOCK_M + 1
         return self.row_flags.view(self.world_size, self.flags_per_source)[:, :used]
 
     def _fused(self, program: Program, key: RsPlanKey, config) -> None:
@@ -247,7 +247,7 @@ class GemmRs(OpBase):
         programs = self.num_sms - config.sm_margin
         blocks, scatter = self._gemm_blocks(key, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
-        offset = ((self.rank + 1) % self.world_size) * rows // FLAG_BLOCK_M  # owners interleave across ranks
+        offset = ((self.rank + 1) % self.world_size) * rows // ROW_BLOCK_M  # owners interleave across ranks
         own = self._slots(self.rank, rows)[0]
         program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs,
                                                      blocks=blocks, epilogue=EPILOGUE_SCATTER, tile_row_offset=offset,
@@ -273,7 +273,7 @@ class GemmRs(OpBase):
         launch_reduce(partials=self._slots(self.rank, rows), out=out, flags=self.row_flags,
                       error_words=self.pool.error_words(),
                       error_code_base=self.pool.device_error_code(self.flags.region, 0), rows_per_rank=rows,
-                      world_size=self.world_size, flags_per_source=self.flags_per_source, gemm_block_m=FLAG_BLOCK_M,
+                      world_size=self.world_size, flags_per_source=self.flags_per_source, gemm_block_m=ROW_BLOCK_M,
                       owner_rank=self.rank, num_programs=max(1, config.num_comm_sms), wait=wait,
                       timeout_s=self.timeout_s)
 

@@ -45,9 +45,13 @@ from typing import NamedTuple
 
 from tp_overlap.kernels.constants import CLEAR, ROW_BLOCK_M, SET, scatter_flags_per_source  # one home: kernels and host agree
 
-__all__ = ["SET", "CLEAR", "FLAG_BLOCK_M", "Flag", "AgFlags", "RsFlags", "flags_per_source", "initialise"]
+__all__ = ["SET", "CLEAR", "Flag", "AgFlags", "RsFlags", "flags_per_source", "initialise", "ring_order"]
 
-FLAG_BLOCK_M = ROW_BLOCK_M  # rows per GemmRs device flag: the scatter GEMM's BLOCK_M
+
+def ring_order(rank: int, world_size: int) -> list[int]:
+    """The peers in the order this rank visits them: rank + 1, rank + 2, ..., rank - 1. Every rank starts at its
+    next neighbour, so at each step no two ranks read from (or push to) the same peer."""
+    return [(rank + step) % world_size for step in range(1, world_size)]
 
 
 class Flag(NamedTuple):
@@ -57,7 +61,7 @@ class Flag(NamedTuple):
 
 def flags_per_source(max_m: int, world_size: int) -> int:
     """Device flags a GemmRs region keeps per source (the row blocks of one owner's rows, + 1 straddling)."""
-    return scatter_flags_per_source(max_m // world_size, FLAG_BLOCK_M)
+    return scatter_flags_per_source(max_m // world_size, ROW_BLOCK_M)
 
 
 class _RegionFlags:
@@ -97,7 +101,7 @@ class AgFlags(_RegionFlags):
 
 class RsFlags(_RegionFlags):
     """GemmRs: free[owner] (the owner's slot for this source may be written), pushed[source] (value M:
-    source's partial is in); a device flag per FLAG_BLOCK_M row block of each source (scatter epilogues)."""
+    source's partial is in); a device flag per ROW_BLOCK_M row block of each source (scatter epilogues)."""
     _starts_second = False
 
     def __init__(self, region: str, world_size: int, max_m: int):

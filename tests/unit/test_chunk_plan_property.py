@@ -5,7 +5,7 @@ never set. Property test over odd rows per rank (the last chunk shorter or empty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tp_overlap.kernels.gemm import ag_chunk_index, ag_chunk_rows
+from tp_overlap.kernels.constants import ag_chunk_index, ag_chunk_rows
 from tp_overlap.ops.ag_plan import plan_chunks
 
 

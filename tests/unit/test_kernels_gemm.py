@@ -23,15 +23,11 @@ from tp_overlap.kernels.gemm import (  # noqa: E402
     EPILOGUE_SCATTER,
     TIMER_AVAILABLE,
     GemmConfig,
-    ag_chunk_index,
-    ag_chunk_rows,
-    ag_rows_per_chunk,
-    ag_tile_row_offset,
-    cdiv,
     persistent_gemm_kernel,
     reduce_partials_kernel,
 )
-from tp_overlap.kernels.constants import scatter_flags_per_source  # noqa: E402
+from tp_overlap.kernels.constants import (ag_chunk_index, ag_chunk_rows, ag_rows_per_chunk,  # noqa: E402
+                                          ag_tile_row_offset, cdiv, scatter_flags_per_source)
 from tp_overlap.kernels.gemm_mainloop import tile_coordinates  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy >= 1.25 deprecates.

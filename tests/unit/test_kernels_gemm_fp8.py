@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tp_overlap.kernels.gemm import ag_tile_row_offset  # noqa: E402
+from tp_overlap.kernels.constants import ag_tile_row_offset  # noqa: E402
 from tp_overlap.gemm import (FP8_DTYPE, ChunkWait, GemmBlocks, dequantize_activation, dequantize_weight,  # noqa: E402
                           fp8_gemm, quantize_activation, quantize_weight, scaled_mm_reference)
 
