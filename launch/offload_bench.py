@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap.config.schema import MODELS
-from tp_overlap.offload.config import DEFAULT_MAX_ADDED, PACING
+from tp_overlap.config.offload import DEFAULT_MAX_ADDED, PACING
 from tp_overlap.offload.host_pool import HostPool, OffloadError
 from tp_overlap.offload.planner import MLPShape, OffloadPlanError, Rates, simulate, tensor_bytes
 from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap.config.schema import ConfigError
-from tp_overlap.offload.config import OffloadConfig, parse_offload_arg
+from tp_overlap.config.offload import OffloadConfig, parse_offload_arg
 from tp_overlap.offload.engine import OffloadEngine, host_bytes
 from tp_overlap.offload.host_pool import HostPool
 from tp_overlap.offload.planner import Rates, plan_for

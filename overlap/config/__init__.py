@@ -1,2 +1,3 @@
-"""Configuration: the validated, frozen dataclasses (`schema`), the YAML presets and their one loader
-(`presets`), and the one module that reads environment variables (`envs`)."""
+"""Configuration: the validated, frozen dataclasses (`schema`; activation offload's `OffloadConfig`: `offload`),
+the YAML presets and their one loader (`presets`), and the one module that reads environment variables
+(`envs`)."""

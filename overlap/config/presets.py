@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..gemm.blocks import gpu_slug   # the tables' and the presets' GPU names: one rule
+from .offload import parse_offload_section
 from .schema import (MODELS, OP_CLASSES, OPS, ROLES, ConfigError, ModelConfig, NodeConfig, OpPreset, OverlapConfig,
                      RoleConfig, _bad, _int_in)
 
@@ -164,7 +165,6 @@ def parse_config(raw, *, file: str = "<config>") -> OverlapConfig:
     model = _parse_model(raw["model"], file) if raw.get("model") is not None else None
     offload = None
     if raw.get("offload") is not None:
-        from ..offload.config import parse_offload_section
         offload = parse_offload_section(raw["offload"], file=file)
     fp8 = raw.get("fp8", False)
     if not isinstance(fp8, bool):

@@ -7,7 +7,7 @@ NUMA-placed host slots), `numa` (placement), `activation` (the MLP activation th
 """
 
 from .activation import SavedInputActivation, activation_forward
-from .config import DEFAULT_MAX_ADDED, PACING, OffloadConfig, parse_offload_arg, parse_offload_section
+from ..config.offload import DEFAULT_MAX_ADDED, PACING, OffloadConfig, parse_offload_arg, parse_offload_section
 from .engine import OffloadEngine, disable_offload, enable_offload, host_bytes
 from .host_pool import HostPool, OffloadError
 from .planner import (MLPShape, OffloadPlanError, Rates, calibrate, pacing_offset, plan_for, plan_offload, plan_sweep,

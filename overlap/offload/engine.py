@@ -7,7 +7,7 @@
         disable_offload(mlps); engine.close()
 
 Per layer p and saved tensor n (x: the column layer's gathered input, h: fc1's output, a: act(h), s:
-swiglu's silu(gate); see overlap/offload/config.py), the plan says keep, offload or recompute. The op that
+swiglu's silu(gate); see overlap/config/offload.py), the plan says keep, offload or recompute. The op that
 saves a tensor the plan moves runs under `torch.autograd.graph.saved_tensors_hooks` (the custom ops
 `tp_overlap::column_forward` / `row_forward` and the activation save through it; weights and anything
 that is not the expected tensor are kept as they are); an op whose tensor is kept runs without hooks,
@@ -42,7 +42,7 @@ import weakref
 import torch
 
 from .activation import SavedInputActivation, activation_forward, lean_activation_forward
-from .config import CANDIDATES, SAVED
+from ..config.offload import CANDIDATES, SAVED
 from .host_pool import HostPool, OffloadError
 from .planner import OffloadPlan, tensor_bytes
 from .records import Offloaded, Recomputed, identity_matcher

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .activation import fused_swiglu_available
 from ._shapes import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
-from .config import ALLOWED, CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
+from ..config.offload import ALLOWED, CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
 from .sim import SimResult, calibrate, simulate
 
 __all__ = ["MLPShape", "Rates", "OffloadPlanError", "plan_offload", "plan_sweep", "plan_for", "simulate",

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
                       layer_times, tensor_bytes)
-from .config import CANDIDATES
+from ..config.offload import CANDIDATES
 from .power import Heat
 
 __all__: list[str] = []  # the planner re-exports what others use

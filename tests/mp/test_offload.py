@@ -362,7 +362,7 @@ def _tp_mlp_report(rank, world):
     """The fields launch.tp_mlp --offload adds to its row, for a forced list and for auto."""
     from tp_overlap.launch.cli.dist import DistContext
     from tp_overlap.launch.measure.offload_report import offload_report
-    from tp_overlap.offload.config import parse_offload_arg
+    from tp_overlap.config.offload import parse_offload_arg
 
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, torch.device("cpu"), dist.group.WORLD)

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from tp_overlap.config.schema import ConfigError
-from tp_overlap.offload.config import (CANDIDATES, DEFAULT_MAX_ADDED, MAX_PREFETCH_DEPTH, OffloadConfig,
+from tp_overlap.config.offload import (CANDIDATES, DEFAULT_MAX_ADDED, MAX_PREFETCH_DEPTH, OffloadConfig,
                                     parse_offload_arg, parse_offload_section)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..config.schema import ConfigError
+from .schema import ConfigError
 
 __all__ = ["OffloadConfig", "parse_offload_section", "parse_offload_arg", "DEFAULT_MAX_ADDED", "PACING"]
 
