@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.bench --op ag_gemm [--tokens 1024,4096] [--methods fused]
     torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.bench --op gemm_rs [--sm-margins 0,8,16]
 
-ag_gemm / gemm_rs run every point of the shape table (launch/measure/shapes.py) at the job's TP size (or --shape MxKxN):
+ag_gemm / gemm_rs run every point of the shape table (launch/cli/shapes.py) at the job's TP size (or --shape MxKxN):
 ours (each method; gemm_rs fused also per sm_margin), NCCL-then-GEMM ("seq"), PyTorch async-TP
 ("torch"), GEMM alone (cuBLAS and Triton) and communication alone, with E and speedup columns. On CPU
 (gloo + the host pool; a functional check, labelled so) the default shapes are tiny: M = 256, 512 with
@@ -23,7 +23,7 @@ from tp_overlap.config.schema import METHODS
 from tp_overlap.config.presets import load_config, load_preset
 from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
 from tp_overlap.launch.measure.timing import progress
-from tp_overlap.launch.measure.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
+from tp_overlap.launch.cli.shapes import CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, ShapePoint, ag_points, rs_points
 
 from .cli import dist as _dist
 from .cli.common import (ArgumentParser, UsageError, distinct, input_file, int_list, output_file, require, run_dir,

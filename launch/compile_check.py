@@ -312,13 +312,13 @@ def parse_args(argv=None):
 
 
 def _jobs(args) -> set:
-    from tp_overlap.launch.gemm_tune import candidate_names, fp8_candidate_names
+    from tp_overlap.launch.measure.tune import FP8_CANDIDATES, GEMM_CANDIDATES
     from tp_overlap.gemm import LAYOUTS, block_table_path, load_block_table
 
     jobs = set()
     names = [n for n in args.configs.split(",") if n]
     if args.candidates:
-        names += candidate_names()
+        names += GEMM_CANDIDATES
     if args.table:
         table_dir = block_table_path("x").parent
         for path in sorted(table_dir.glob("*.yaml")):
@@ -332,9 +332,9 @@ def _jobs(args) -> set:
         for layout in LAYOUTS:
             jobs.add(("gemm", name, layout == "nk"))
     if args.fp8:
-        for name in fp8_candidate_names():
+        for name in FP8_CANDIDATES:
             jobs.add(("fp8", name, False))
-        jobs.add(("fp8", fp8_candidate_names()[0], True))
+        jobs.add(("fp8", FP8_CANDIDATES[0], True))
     return jobs
 
 

@@ -24,16 +24,16 @@ import time
 
 import torch
 
-from tp_overlap.launch.cli.common import ArgumentParser, UsageError, int_list, require, run_dir, run_launcher
+from tp_overlap.launch.cli.common import (ArgumentParser, UsageError, int_list, parse_shapes, require, run_dir,
+                                          run_launcher)
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
-from tp_overlap.launch.measure.shapes import ag_points, rs_points
+from tp_overlap.launch.cli.shapes import ag_points, rs_points
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks, gpu_name, heuristic_blocks,
                           load_block_table, triton_mm)
 
-from .measure.canary import CANARY_SHAPE, operands
+from .measure.canary import CANARY_SHAPE, DEFAULT_JOBS, operands
 from .measure.gemm_bench_fp8 import run_fp8
-from .gemm_tune import DEFAULT_JOBS, parse_shapes
 
 REL_TOLERANCE = 1e-2
 PER_CALL_OVERHEAD_S = 6e-4
@@ -95,7 +95,7 @@ def make_parser() -> ArgumentParser:
 
 
 def _parse(argv):
-    from tp_overlap.launch.measure.shapes import AG_LAYERS, RS_LAYERS
+    from tp_overlap.launch.cli.shapes import AG_LAYERS, RS_LAYERS
 
     args = make_parser().parse_args(argv)
     layers = set(AG_LAYERS) | set(RS_LAYERS)

@@ -34,70 +34,26 @@ Progress lines go to stderr; the last lines give the median and minimum Triton/c
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from tp_overlap.launch.cli.common import ArgumentParser, int_list, require, run_dir, run_launcher
+from tp_overlap.launch.cli.common import ArgumentParser, int_list, parse_shapes, require, run_dir, run_launcher
 
-from .measure.canary import CANARY_SHAPE, operands, run_canaries
-
-# The union of the shape classes' lists and the split-K and stream-K candidates (launch/measure/tune.py):
-# what `--candidates all` means and what launch.compile_check --candidates compiles.
-def _all_classes() -> tuple[str, ...]:
-    from tp_overlap.launch.measure.tune import GEMM_CLASSES, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES
-    lists = (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES)
-    return tuple(dict.fromkeys(name for names in lists for name in names))
-
-
-CANDIDATES = _all_classes()
-
-# The FP8 GEMM's (kernels/gemm_fp8.py; BLOCK_K is the scale group), timed by launch.gemm_bench --fp8.
-# 128x128 tiles with 8 warps hold the accumulator and one fresh product per thread (162 registers); 128x256
-# spills. Two CTAs per SM (`o2`, 64x128 or 128x64 tiles, 4 warps) let one CTA scale its product into the
-# accumulator while the other's MMAs run: within one CTA Triton waits for each MMA before the scaling.
-FP8_CANDIDATES = (
-    "128x128x128w8s4", "128x128x128w8s4g16", "128x128x128w8s3", "64x128x128w4s4o2", "64x128x128w4s3o2",
-    "64x128x128w4s4g16o2", "128x64x128w4s4o2",
-    # the Gluon kernel (kernels/gemm_fp8_gluon.py: a TMA warp and two consumer warpgroups, 168 registers)
-    "128x128x128w4s4gl", "128x128x128w4s5gl", "128x64x128w4s5gl",
-    # warp-specialised FP8 ("...w4s4ws") is left out: compiled for the H200 by Triton 3.6 it gave wrong tiles
-    # (relative error 0.28-0.77 and NaN against the dequantised product, results/gemm_fp8_h200.json)
-)
+from .measure.canary import CANARY_SHAPE, DEFAULT_JOBS, operands, precompile
+from .measure.tune import write_table
 
 REL_TOLERANCE = 1e-2       # bf16 output against cuBLAS's (docs/MEASUREMENT.md)
 COMPILE_SHARE = 0.5        # at most this share of the budget goes to compiling (running every configuration once)
 PLAIN_PREFERENCE = 1.01    # the plain configuration wins unless the fastest is more than 1 % faster
-DEFAULT_JOBS = max(1, min(12, (os.cpu_count() or 2) - 2))
-
-
-def candidate_names() -> list[str]:
-    return list(CANDIDATES)
-
-
-def fp8_candidate_names() -> list[str]:
-    return list(FP8_CANDIDATES)
-
-
-def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
-    """'1024x3072x4096,...' (M x N x K) -> ((1024, 3072, 4096), ...)."""
-    try:
-        shapes = tuple(tuple(int(v) for v in item.split("x")) for item in text.split(",") if item)
-    except ValueError:
-        shapes = ()
-    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-        raise ValueError(f"expected MxNxK[,MxNxK...] with positive integers, got {text!r}")
-    return shapes
 
 
 def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
     """Unique (m, n, k) over the AG and RS tables at each TP size (or the given `shapes`), in measuring
     order (launch/measure/tune.py tune_order), with their layer names."""
     from tp_overlap.launch.measure.tune import tune_order
-    from tp_overlap.launch.measure.shapes import ag_points, rs_points
+    from tp_overlap.launch.cli.shapes import ag_points, rs_points
 
     layers: dict[tuple[int, int, int], list[str]] = {}
     for m, n, k in shapes:
@@ -106,45 +62,6 @@ def tune_points(tps, ms, shapes=()) -> list[tuple[int, int, int, list[str]]]:
         for p in ag_points(world, ms=ms) + rs_points(world, ms=ms):
             layers.setdefault((p.m, p.n, p.k), []).append(f"{p.layer}@tp{world}")
     return tune_order([(m, n, k, names) for (m, n, k), names in layers.items()])
-
-
-def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
-                operand_bytes: int = 2) -> None:
-    """The YAML table (format: overlap/gemm/blocks.py), one flow-style entry per line, sorted."""
-    import yaml
-
-    kind = "FP8 GEMM (kernels/gemm_fp8.py; `gl` blocks: kernels/gemm_fp8_gluon.py)" if operand_bytes == 1 \
-        else "GEMM (kernels/gemm.py; `gl` blocks: kernels/gemm_gluon.py, or gemm_gluon_boxes.py for two B boxes)"
-    lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
-             "# overlap/gemm/blocks.py). vs_cublas = reference time / Triton time, device time.",
-             f"gpu: {gpu}", f"num_sms: {num_sms_}"]
-    if operand_bytes != 2:
-        lines.append(f"operand_bytes: {operand_bytes}")
-    lines += ["source: " + yaml.safe_dump(source, default_flow_style=True, width=1 << 20).strip(), "entries:"]
-    for key in sorted(entries, key=lambda k: (k[0], k[2], k[3], k[1])):
-        e = entries[key]
-        ratios = "".join(f", {name}: {value:.4g}" for name, value in (("vs_cublas", e.vs_cublas),
-                                                                       ("plain_vs_cublas", e.plain_vs_cublas))
-                         if value is not None)
-        lines.append(f"  - {{layout: {e.layout}, m: {e.m}, n: {e.n}, k: {e.k}, blocks: {e.blocks.name}, "
-                     f"plain: {e.plain.name}{ratios}}}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-
-
-def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
-               shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
-    """launch/measure/canary.py's verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time,
-    each given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
-    slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
-    verdicts: dict[tuple[str, str], str] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(slices)) as pool:
-        for result in pool.map(lambda part: run_canaries(kind, part, deadline, device=device, shape=shape), slices):
-            verdicts.update(result)
-    return verdicts
 
 
 def make_parser() -> ArgumentParser:

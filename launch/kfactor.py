@@ -15,7 +15,7 @@ to last about as long as the CE gather ("membound").
 starts a new key, so `--sweep sm_margin=0,8,chunks_per_rank=1,2` also works). A method applies only to
 the ops that have it (`method=decomposed,fused,epilogue_reduce` sweeps epilogue_reduce for gemm_rs only). Keys not swept keep the
 preset's value; for gemm_rs num_comm_sms follows sm_margin (the reduction runs on the reserved SMs) and
-chunks_per_rank is not used. Shapes: the table of launch/measure/shapes.py at the job's TP size on GPUs, tiny ones on CPU
+chunks_per_rank is not used. Shapes: the table of launch/cli/shapes.py at the job's TP size on GPUs, tiny ones on CPU
 (M = 256, 512; K = N = 64; with --layers, the table's), or --shapes MxKxN (K, N local to a rank; applies to
 every op).
 
@@ -56,7 +56,7 @@ from tp_overlap.launch.measure.k_factor import (LATE_START_MS, k_from_trace, mea
 from tp_overlap.launch.measure.timeline import step_timeline
 from tp_overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
 from tp_overlap.launch.output.report import device_slug, format_table, run_labels, write_results
-from tp_overlap.launch.measure.shapes import ShapePoint
+from tp_overlap.launch.cli.shapes import ShapePoint
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.symm_mem.pool import SymmetricPool
 

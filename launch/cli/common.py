@@ -99,6 +99,17 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
+    """'1024x3072x4096,...' (M x N x K) -> ((1024, 3072, 4096), ...) (an argparse type: its name is in the error)."""
+    try:
+        shapes = tuple(tuple(int(v) for v in item.split("x")) for item in text.split(",") if item)
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise ValueError(f"expected MxNxK[,MxNxK...] with positive integers, got {text!r}")
+    return shapes
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UsageError(message)

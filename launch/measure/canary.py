@@ -13,6 +13,7 @@ child that dies or stays silent past STEP_TIMEOUT_S is restarted without the ite
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import queue
@@ -23,6 +24,19 @@ import time
 
 STEP_TIMEOUT_S = 90.0             # compile + run of one configuration; longer counts as a hang
 CANARY_SHAPE = (1024, 3072, 512)  # M, N, K: 96 tiles of 128x256 (a partial wave), K short
+DEFAULT_JOBS = max(1, min(12, (os.cpu_count() or 2) - 2))   # child processes compiling at once
+
+
+def precompile(kind: str, items: list[tuple[str, str]], deadline: float, *, jobs: int, device: str,
+               shape: tuple[int, int, int]) -> dict[tuple[str, str], str]:
+    """`run_canaries`' verdicts ({(name, layout): "" or why not}) from `jobs` child processes at a time, each
+    given every jobs-th item: Triton compiles on one core, so the compile phase shrinks ~jobs-fold."""
+    slices = [items[i::jobs] for i in range(max(1, min(jobs, len(items))))]
+    verdicts: dict[tuple[str, str], str] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(slices)) as pool:
+        for result in pool.map(lambda part: run_canaries(kind, part, deadline, device=device, shape=shape), slices):
+            verdicts.update(result)
+    return verdicts
 
 
 def operands(m, n, k, layout, dev, seed):

@@ -3,12 +3,12 @@
 
 Per shape: a bf16 activation [M, K] and weight [N, K] (nn.Linear layout) are quantised once by
 overlap.gemm.fp8 (1x128 and 128x128 scales); the variants -- bf16 `torch.mm(a, w.t())`, `torch._scaled_mm`,
-our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch.gemm_tune.FP8_CANDIDATES, or
+our default blocks (`choose_fp8_blocks`) and every FP8 candidate (launch/measure/tune.py FP8_CANDIDATES, or
 `--configs`) -- are
 checked against `torch._scaled_mm`'s output on a NaN-poisoned output (relative error <= 5e-3 in norm and
 <= 1e-2 of the largest output in the worst element: both round the same fp32 sums to bf16) and timed
 interleaved (device time, as the bf16 bench). The configurations first run once each on a small shape,
-`--jobs` child processes at a time (launch.gemm_tune.precompile): compiling is most of the cost. `--write-table PATH` writes the fastest
+`--jobs` child processes at a time (launch/measure/canary.py precompile): compiling is most of the cost. `--write-table PATH` writes the fastest
 candidate per shape (and the fastest plain one) as an FP8 block table that `choose_fp8_blocks` reads
 from configs/gemm_blocks/<gpu>_fp8.yaml.
 """
@@ -26,8 +26,8 @@ from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.gemm import (PLAIN_BLOCK_M, BlockTableEntry, GemmBlocks, choose_fp8_blocks, fp8_gemm, gpu_name, num_sms,
                           quantize_activation, quantize_weight, scaled_mm_reference)
 
-from .canary import operands
-from ..gemm_tune import FP8_CANDIDATES, precompile, write_table
+from .canary import operands, precompile
+from .tune import FP8_CANDIDATES, write_table
 
 FP8_REL_TOLERANCE = 5e-3       # Frobenius norm of the difference over the reference's
 FP8_MAX_REL_TOLERANCE = 1e-2   # the worst element's difference over the reference's largest magnitude

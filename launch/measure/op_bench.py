@@ -24,7 +24,7 @@ from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.ops.gemm_rs import GemmRs
 from tp_overlap.ops.reference import ag_gemm_reference, gemm_rs_reference
 from tp_overlap.launch.measure.k_factor import k_from_trace, trace_op
-from tp_overlap.launch.measure.shapes import ShapePoint
+from tp_overlap.launch.cli.shapes import ShapePoint
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.symm_mem.pool import SymmetricPool
 

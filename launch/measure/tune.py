@@ -1,11 +1,13 @@
 """Choosing from sweeps, pure functions unit-tested on CPU: from a k-factor sweep the best config per op and
 M bucket, the tuned preset and the k gate; for the GEMM block tuner (launch.gemm_tune) its plan -- which
-candidates each shape class tries, in which order the points are measured, what a point costs."""
+candidates each shape class tries (and every bf16 and FP8 candidate), in which order the points are
+measured, what a point costs -- and the block table it writes (`write_table`, also launch.gemm_bench --fp8's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from tp_overlap.config.schema import OpPreset, OverlapConfig
 
@@ -140,6 +142,22 @@ SPLIT_K_MIN_K = 1024
 # candidates (128x128 ones have twice as many, so their last wave is partial there too unless it is full).
 STREAM_K_CANDIDATES = ("128x256x64w8s3sk1", "128x128x64w8s4sk1")
 STREAM_K_WAVES = 3
+# Every bf16 candidate: the union of the classes' lists and the split-K and stream-K ones (what
+# launch.compile_check --candidates compiles).
+GEMM_CANDIDATES = tuple(dict.fromkeys(name for names in (*GEMM_CLASSES.values(), SPLIT_K_CANDIDATES,
+                                                         STREAM_K_CANDIDATES) for name in names))
+# The FP8 GEMM's (kernels/gemm_fp8.py; BLOCK_K is the scale group), timed by launch.gemm_bench --fp8.
+# 128x128 tiles with 8 warps hold the accumulator and one fresh product per thread (162 registers); 128x256
+# spills. Two CTAs per SM (`o2`, 64x128 or 128x64 tiles, 4 warps) let one CTA scale its product into the
+# accumulator while the other's MMAs run: within one CTA Triton waits for each MMA before the scaling.
+FP8_CANDIDATES = (
+    "128x128x128w8s4", "128x128x128w8s4g16", "128x128x128w8s3", "64x128x128w4s4o2", "64x128x128w4s3o2",
+    "64x128x128w4s4g16o2", "128x64x128w4s4o2",
+    # the Gluon kernel (kernels/gemm_fp8_gluon.py: a TMA warp and two consumer warpgroups, 168 registers)
+    "128x128x128w4s4gl", "128x128x128w4s5gl", "128x64x128w4s5gl",
+    # warp-specialised FP8 ("...w4s4ws") is left out: compiled for the H200 by Triton 3.6 it gave wrong tiles
+    # (relative error 0.28-0.77 and NaN against the dequantised product, results/gemm_fp8_h200.json)
+)
 _SECONDS_PER_CALL = 7e-4     # L2 flush, device hold (300 us), synchronisation and launch around one timed call
 _SECONDS_PER_POINT = 0.15    # operands, the cuBLAS reference, one checked call per candidate
 _ASSUMED_FLOPS = 600e12      # a pessimistic bf16 rate for the estimate
@@ -187,3 +205,30 @@ def tune_order(points, ms_order=M_ORDER):
 def point_seconds(m: int, n: int, k: int, variants: int, reps: int, warmup: int = 2) -> float:
     """Estimated wall time of one tuning point: `variants` timed (reps + warmup) times each."""
     return _SECONDS_PER_POINT + variants * (reps + warmup) * (2 * m * n * k / _ASSUMED_FLOPS + _SECONDS_PER_CALL)
+
+
+def write_table(path: str | Path, entries: dict, *, gpu: str, num_sms_: int, source: dict,
+                operand_bytes: int = 2) -> None:
+    """The YAML table (format: overlap/gemm/blocks.py), one flow-style entry per line, sorted."""
+    import yaml
+
+    kind = "FP8 GEMM (kernels/gemm_fp8.py; `gl` blocks: kernels/gemm_fp8_gluon.py)" if operand_bytes == 1 \
+        else "GEMM (kernels/gemm.py; `gl` blocks: kernels/gemm_gluon.py, or gemm_gluon_boxes.py for two B boxes)"
+    lines = [f"# Block table of the persistent Triton {kind} on {gpu} (format and fallback:",
+             "# overlap/gemm/blocks.py). vs_cublas = reference time / Triton time, device time.",
+             f"gpu: {gpu}", f"num_sms: {num_sms_}"]
+    if operand_bytes != 2:
+        lines.append(f"operand_bytes: {operand_bytes}")
+    lines += ["source: " + yaml.safe_dump(source, default_flow_style=True, width=1 << 20).strip(), "entries:"]
+    for key in sorted(entries, key=lambda k: (k[0], k[2], k[3], k[1])):
+        e = entries[key]
+        ratios = "".join(f", {name}: {value:.4g}" for name, value in (("vs_cublas", e.vs_cublas),
+                                                                       ("plain_vs_cublas", e.plain_vs_cublas))
+                         if value is not None)
+        lines.append(f"  - {{layout: {e.layout}, m: {e.m}, n: {e.n}, k: {e.k}, blocks: {e.blocks.name}, "
+                     f"plain: {e.plain.name}{ratios}}}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)

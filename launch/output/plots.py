@@ -190,7 +190,7 @@ def plot_timeline(steps: list[tuple[str, dict]], path: str | Path, *,
     Named events (a profiled trace) are coloured by kind and their lanes named by what they run."""
     from matplotlib.patches import Patch
 
-    from ..measure.timeline import event_kind, lane_roles
+    from .trace_lanes import event_kind, lane_roles
     plt = _pyplot()
     count = max(1, len(steps))
     height = sum(1.0 + 0.42 * max(1, len(lanes)) for _, lanes in steps) + 1.0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import plots as _plots
 from . import record_plots as _record
-from ..measure.timeline import stream_lanes, summarise
+from .trace_lanes import stream_lanes, summarise
 
 PARTS = ("overlap_rank0", "baseline_rank0", "ag_gemm", "gemm_rs")
 XLABEL = "ms from the step's first GPU activity (rank 0)"

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         return 1
     cpu = dev.type == "cpu"
     from tp_overlap.kernels.constants import ag_tile_row_offset
-    from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
+    from tp_overlap.launch.measure.tune import FP8_CANDIDATES
     from tp_overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
     from tp_overlap.gemm.launch import _stream_k_buffers
 

@@ -3,7 +3,7 @@
     OVERLAP_GIT_COMMIT=$(git rev-parse --short HEAD) python -m tests.gpu.check_fp8_gluon
         --json results/gemm_fp8_gluon_h200.json [--max-seconds 120]     (one line; ~60-90 s on one H200)
 
-(a) every Gluon candidate (launch.gemm_tune.FP8_CANDIDATES ending in `gl`) against torch._scaled_mm with the
+(a) every Gluon candidate (launch/measure/tune.py FP8_CANDIDATES ending in `gl`) against torch._scaled_mm with the
 same scale tensors where cuBLAS takes them (K/128 a multiple of 4), else against the fp32 product of the
 dequantised operands: worst element <= 1e-2 of the largest output. K tails (1280, 1344), M and N tails, A
 poisoned with NaN past K (TMA must read zeros there) and in the padding of scale rows, the output inside a
@@ -40,7 +40,7 @@ TIMED_BLOCKS = ("128x128x128w4s4gl", "128x128x128w4s5gl")
 
 
 def tp2_shapes() -> list[tuple[str, int, int]]:
-    from tp_overlap.launch.measure.shapes import AG_LAYERS, RS_LAYERS
+    from tp_overlap.launch.cli.shapes import AG_LAYERS, RS_LAYERS
 
     out = [(name, h, n_total // 2) for name, (h, n_total) in AG_LAYERS.items()]   # (layer, K, N)
     out += [(name, k_total // 2, h) for name, (h, k_total) in RS_LAYERS.items()]
@@ -178,7 +178,7 @@ def _summary(timed: list[dict]) -> dict:
 def child(args) -> int:
     import torch
 
-    from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
+    from tp_overlap.launch.measure.tune import FP8_CANDIDATES
 
     started = time.monotonic()
     dev = torch.device("cuda", torch.cuda.current_device())

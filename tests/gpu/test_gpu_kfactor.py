@@ -28,7 +28,7 @@ def _sweep(rank, world):
     from tp_overlap.launch.measure.comm_delay import inject_comm_delay
     from tp_overlap.launch.measure.k_factor import measure
     from tp_overlap.ops.reference import gemm_rs_reference
-    from tp_overlap.launch.measure.shapes import ag_points, rs_points
+    from tp_overlap.launch.cli.shapes import ag_points, rs_points
     from tp_overlap.symm_mem.pool import SymmetricPool
 
     group, dev, dtype = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from tp_overlap.launch.gemm_tune import FP8_CANDIDATES
+from tp_overlap.launch.measure.tune import FP8_CANDIDATES
 from tp_overlap.gemm import fp8
 from tp_overlap.gemm.blocks import GemmBlocks
 

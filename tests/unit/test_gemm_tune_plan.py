@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from tp_overlap.launch import gemm_bench, gemm_tune
-from tp_overlap.launch.measure.tune import (GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES, STREAM_K_CANDIDATES, gemm_candidates,
-                                point_seconds, shape_class, splits_k, streams_k, tune_order)
-from tp_overlap.launch.measure.shapes import ag_points, rs_points
+from tp_overlap.launch.measure.tune import (FP8_CANDIDATES, GEMM_CANDIDATES, GEMM_CLASSES, M_ORDER, SPLIT_K_CANDIDATES,
+                                           STREAM_K_CANDIDATES, gemm_candidates, point_seconds, shape_class, splits_k,
+                                           streams_k, tune_order)
+from tp_overlap.launch.cli.shapes import ag_points, rs_points
 from tp_overlap.gemm import PLAIN_BLOCK_M, GemmBlocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ def test_every_candidate_can_run_and_every_class_has_a_plain_128_row_configurati
         assert all(not b.problems() for b in blocks), cls
         assert [b.name for b in blocks] == list(names), "names must be canonical (the table stores .name)"
         assert any(b.plain and b.block_m == PLAIN_BLOCK_M for b in blocks), cls
-    for name in gemm_tune.FP8_CANDIDATES:
+    for name in FP8_CANDIDATES:
         blocks = GemmBlocks.parse(name)
         assert blocks.block_k == 128 and not blocks.problems(operand_bytes=1) and blocks.name == name
 
@@ -79,12 +80,12 @@ def test_stream_k_candidates_are_tried_where_128x256_tiles_leave_a_partial_wave_
         assert all((name in names) == expected for name in STREAM_K_CANDIDATES if name not in GEMM_CLASSES[cls])
     for name in STREAM_K_CANDIDATES:
         blocks = GemmBlocks.parse(name)
-        assert blocks.stream_k == 1 and not blocks.problems() and name in gemm_tune.CANDIDATES
+        assert blocks.stream_k == 1 and not blocks.problems() and name in GEMM_CANDIDATES
 
 
 def test_split_k_candidates_are_canonical_and_never_the_plain_choice():
     splits = {GemmBlocks.parse(name).split_k for name in SPLIT_K_CANDIDATES}
-    assert splits == {2, 4, 8} and set(SPLIT_K_CANDIDATES) <= set(gemm_tune.CANDIDATES)
+    assert splits == {2, 4, 8} and set(SPLIT_K_CANDIDATES) <= set(GEMM_CANDIDATES)
     for name in SPLIT_K_CANDIDATES:
         blocks = GemmBlocks.parse(name)
         assert blocks.name == name and not blocks.problems() and not blocks.plain

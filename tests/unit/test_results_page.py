@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from tp_overlap.launch import results_md
-from tp_overlap.launch.measure import timeline as _timeline
 from tp_overlap.launch.output import offload_plot as _offload_plot
 from tp_overlap.launch.output import plots as _plots
 from tp_overlap.launch.output import results_plots as _results_plots
+from tp_overlap.launch.output import trace_lanes as _trace_lanes
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
@@ -167,8 +167,8 @@ def test_timeline_lanes_are_named_by_what_they_ran_not_by_stream_number():
              "stream 21": [(0, 1, "Memcpy PtoP (Device -> Device)"), (1, 1.01, "wait_kernel")],
              "stream 22": [(1, 2, "Memcpy DtoD (Device -> Device)")],
              "stream 30": [(0, 2, "ncclDevKernel_AllGather_RING_LL")]}
-    assert _timeline.lane_roles(lanes) == {"stream 7": "GEMM + elementwise / other",
+    assert _trace_lanes.lane_roles(lanes) == {"stream 7": "GEMM + elementwise / other",
                                            "stream 21": "copy + flag wait / signal", "stream 22": "copy",
                                            "stream 30": "NCCL collective"}
-    assert _timeline.event_kind("reduce_partials_kernel") == "reduction of partials"
-    assert _timeline.event_kind("at::cuda::spin_kernel") == "device hold (spin)"
+    assert _trace_lanes.event_kind("reduce_partials_kernel") == "reduction of partials"
+    assert _trace_lanes.event_kind("at::cuda::spin_kernel") == "device hold (spin)"

@@ -1,6 +1,7 @@
 """The codebase's shape, checked from the source: one public surface, one exception root, no import cycles
-(deferred imports included), no private cross-package imports, private modules that export nothing, and
-files and functions a reader can take in at once."""
+(deferred imports included), imports that only point down the layers (LAYERS), no launcher importing
+another, no private cross-package imports, private modules that export nothing, and files and functions a
+reader can take in at once."""
 
 import ast
 import importlib
@@ -13,6 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("overlap", "symm_mem", "ipc", "kernels", "launch", "configs")
 SUBPACKAGES = ("symm_mem", "ipc", "kernels", "launch", "configs")   # tp_overlap.<folder>
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+# The parts of the project from the top down: a module imports its own part and the parts below it, never one
+# above (deferred imports included). The entry points of launch/ (`tp_overlap.launch.<name>`) sit on top and
+# share what is in launch/measure, launch/cli and launch/output; `tp_overlap` is the user surface
+# (overlap/__init__.py) over its subpackages; kernels/ imports nothing of ours.
+LAYERS = ("tp_overlap.launch", "tp_overlap.launch.measure", "tp_overlap.launch.cli", "tp_overlap.launch.output",
+          "tp_overlap", "tp_overlap.model", "tp_overlap.ops", "tp_overlap.offload", "tp_overlap.config",
+          "tp_overlap.gemm", "tp_overlap.symm_mem", "tp_overlap.ipc", "tp_overlap.kernels")
 
 
 def _module_name(path: Path) -> str:
@@ -113,6 +121,35 @@ def test_no_import_cycles_deferred_imports_included():
         if v not in index:
             visit(v)
     assert cycles == []
+
+
+def _layer(module: str) -> str:
+    """The LAYERS part a module belongs to: the longest one its name starts with."""
+    return max((part for part in LAYERS if module == part or module.startswith(part + ".")), key=len)
+
+
+def _import_edges():
+    return [(name, target) for name, path in MODULES.items() for target in sorted(_imports(name, path))]
+
+
+def test_every_module_belongs_to_a_layer():
+    assert all(_layer(name) for name in MODULES)
+    assert {_layer(name) for name in MODULES} == set(LAYERS), "a layer without modules: LAYERS is stale"
+
+
+def test_imports_point_down_the_layers_only():
+    rank = {part: i for i, part in enumerate(LAYERS)}
+    upward = [f"{name} -> {target}" for name, target in _import_edges()
+              if rank[_layer(target)] < rank[_layer(name)]]
+    assert upward == [], "an import from a lower part to a higher one (LAYERS)"
+
+
+def test_kernels_import_nothing_of_ours_and_no_entry_point_imports_another():
+    kernels = [f"{n} -> {t}" for n, t in _import_edges() if _layer(n) == "tp_overlap.kernels"
+               and _layer(t) != "tp_overlap.kernels"]
+    entries = [f"{n} -> {t}" for n, t in _import_edges()
+               if _layer(n) == _layer(t) == "tp_overlap.launch"]
+    assert kernels == [] and entries == [], (kernels, entries)
 
 
 def test_no_package_imports_another_packages_private_modules():

@@ -1,6 +1,6 @@
 """Per-stream timelines from a Chrome trace: lanes per stream, busy time as the union of intervals."""
 
-from tp_overlap.launch.measure.timeline import stream_lanes, summarise
+from tp_overlap.launch.output.trace_lanes import stream_lanes, summarise
 
 
 def _event(cat, ts, dur, stream, name="k"):
