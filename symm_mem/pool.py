@@ -204,9 +204,6 @@ class SymmetricPool(PoolFailures):
             view = self._views[key] = raw.view(region.dtype).view(region.shape)
         return view
 
-    def peers(self, name: str) -> list[torch.Tensor]:
-        return [self.peer(name, r) for r in range(self.world_size)]
-
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise PoolError(f"rank {rank!r} is not in the group (0 <= rank < {self.world_size})")

@@ -1,8 +1,11 @@
 """The local GEMM and the device facts its callers need: SM count, GPU name, cuBLAS's SM carve-out.
 
-`triton_mm(a, b, out, num_programs=...)` is the local-epilogue GEMM (the "GEMM alone" of the benchmarks
-and the compute of the fused ops with `num_sms - sm_margin` programs), launched by overlap/gemm/launch.py.
-Block choice: `choose_blocks` (overlap/gemm/blocks.py, the measured table of configs/gemm_blocks/).
+`triton_mm(a, b, out, num_programs=...)` is the Triton GEMM with a local epilogue: the "GEMM alone" of the
+benchmarks and the block tuner. It runs the block table's choice (`choose_blocks`, overlap/gemm/blocks.py, the
+measured tables of configs/gemm_blocks/) or the given blocks on the kernel they name: the persistent
+`@triton.jit` GEMM (overlap/gemm/launch.py), split-K (splitk.py) or the Gluon GEMM (gluon_launch.py). The
+fused ops launch the persistent GEMM themselves (`launch_gemm` with chunk waits or a scatter epilogue), on
+the entry's plain blocks.
 """
 
 from __future__ import annotations

@@ -98,9 +98,6 @@ class OffloadPlan:
     def decision(self, layer: int, tensor: str) -> str:
         return next((d for p, n, d in self.decisions if p == layer and n == tensor), "keep")
 
-    def release_index(self, layer: int, tensor: str) -> int:
-        return next((i for p, n, i in self.release_at if p == layer and n == tensor), -1)
-
     @property
     def added_ms(self) -> float:
         return self.step_ms - self.baseline_step_ms

@@ -17,7 +17,7 @@ backward, which waits for it. Backward of layer p
 brings back the offloaded tensors of layers p..p-depth; a tensor's unpack waits for its copy.
 
 Memory: every device tensor the step allocates, in program order (the op sequence of
-`launch/_bench_mlp.BenchMLP`, which is TPMLP's at W = 1; the engine's activation in layers that move h or
+`launch/measure/bench_mlp.py`'s BenchMLP, which is TPMLP's at W = 1; the engine's activation in layers that move h or
 a, autograd's in the others): saved tensors while
 resident, the layer output, the activation's temporary, the backward's da, dh, dx and its temporaries,
 prefetch buffers, and the weight gradients. `MLPShape.grads` says when the gradients exist:
