@@ -9,8 +9,8 @@ import time; the kernels read their `tl.constexpr` twins).
   awaited (a peer called with another M); symm_mem's watchdog decodes it.
 * The epilogues of `persistent_gemm_kernel` (kernels/gemm.py); the Gluon GEMM's most split pieces of a tile.
 * The AllGather consumer's chunk geometry (kernels/gemm.py, WAIT_CHUNKS): which gathered rows each chunk flag
-  covers, and where the tile walk starts. The kernel computes the same in its own code; overlap/ops/ag_plan.py
-  plans the copies with these functions.
+  covers, and where the tile walk starts. The kernel computes the same in its own code;
+  overlap/ops/ag_chunks.py plans the copies with these functions.
 """
 
 SET = 1

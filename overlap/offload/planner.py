@@ -34,7 +34,7 @@ import itertools
 from dataclasses import dataclass
 
 from .activation import fused_swiglu_available
-from ._shapes import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
+from ._step_inputs import SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, layer_times, tensor_bytes
 from ..config.offload import ALLOWED, CANDIDATES, DEFAULT_MAX_ADDED, OffloadConfig
 from .sim import SimResult, calibrate, simulate
 

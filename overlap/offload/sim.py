@@ -34,7 +34,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ._shapes import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
+from ._step_inputs import (RELEASE_MARGIN, SAVE_POINTS_PER_LAYER, MLPShape, OffloadPlanError, Rates, grad_bytes,
                       layer_times, tensor_bytes)
 from ..config.offload import CANDIDATES
 from .power import Heat

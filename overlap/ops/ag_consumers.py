@@ -10,8 +10,8 @@ import torch
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
-from .ag_plan import ConsumerGemm, plan_consumer_gemms
-from .schedule import COMPUTE, Program
+from .ag_chunks import ConsumerGemm, plan_consumer_gemms
+from .program import COMPUTE, Program
 
 __all__ = ["AgConsumers"]
 
@@ -19,13 +19,13 @@ __all__ = ["AgConsumers"]
 class AgConsumers:
     """Consumer steps of AgGemm's plans (see the module docstring)."""
 
-    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, whole: bool, lead: bool,
+    def _decomposed_consumer(self, program: Program, m: int, chunks, config, *, one_gemm: bool, lead: bool,
                              waits: bool = True) -> None:
         if lead:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gemms = plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
                                     chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
-                                    whole=whole)
+                                    one_gemm=one_gemm)
         for gemm in gemms:
             if not waits:
                 pass
@@ -88,7 +88,7 @@ class AgConsumers:
                             tile_row_offset=offset, chunk_wait=wait)
         program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)
 
-    def _wgrad_lead(self, program: Program, m: int, rows: int, margin: int) -> None:
+    def _lead_wgrad(self, program: Program, m: int, rows: int, margin: int) -> None:
         """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""
         lo = self.rank * rows
 

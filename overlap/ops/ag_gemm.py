@@ -16,7 +16,7 @@ The plan of one call (protocol.py has the flags; the same stream operations eage
            for the rows it reads (the local rows read a_shard and wait for nothing); `fused` = one persistent
            Triton GEMM whose tiles wait for their chunk's device flag (tiles in arrival order); with a weight
            grad (`wgrad_of=x`, a row layer's backward) also x^T @ gathered, its local rows first when
-           `wgrad_lead` (they overlap the pulls); `all_gather` runs no consumer.
+           `lead_wgrad` (they overlap the pulls); `all_gather` runs no consumer.
 No wait of the comm path needs an SM, so the copy engine starts while the consumer's GEMM holds every SM.
 """
 
@@ -30,14 +30,14 @@ from tp_overlap.symm_mem.regions import RegionSpec
 from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, padded_scale_groups,
                      scale_groups)
 from . import protocol
-from .ag_plan import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
+from .ag_chunks import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .protocol import ring_order
 from .ag_consumers import AgConsumers
 from .base import OpBase
 from .calls import AgCall, AgPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import AgGemmConfig
-from .schedule import COMPUTE, Program
+from .program import COMPUTE, Program
 
 __all__ = ["AgGemm", "Chunk", "ConsumerGemm"]
 
@@ -122,12 +122,12 @@ class AgGemm(AgConsumers, OpBase):
         return self.gathered[self.rank * rows:(self.rank + 1) * rows]
 
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, *, return_gathered: bool = False, lead=None,
-                 wgrad_of: torch.Tensor | None = None, wgrad_lead: bool = False, stamp: torch.Tensor | None = None):
+                 wgrad_of: torch.Tensor | None = None, lead_wgrad: bool = False, stamp: torch.Tensor | None = None):
         """out [M, N_local] for a_shard [M/W, K], w [K, N_local].
 
         return_gathered: also the gathered a [M, K] (a pool view; fp8: (e4m3 rows, scales)).
         wgrad_of: x [M, J] -> returns (out, grad [J, K] = x^T @ gathered a) (a row layer's backward: x its
-            input, a_shard its output grad); wgrad_lead: its GEMM over this rank's rows runs first, while the
+            input, a_shard its output grad); lead_wgrad: its GEMM over this rank's rows runs first, while the
             peers' rows are pulled, and the consumer is one GEMM over all M rows.
         stamp: an int64 [1] tensor on the device: receives this call's number in `version` (column layers).
         lead: a callable run once on the current stream before the GEMM over the gathered rows, reading only
@@ -138,9 +138,9 @@ class AgGemm(AgConsumers, OpBase):
             check_tensor("wgrad_of", wgrad_of, dtype=self.dtype, device=self.device,
                          shape=(a_shard.shape[0] * self.world_size, None))
         return self._run(a_shard, w, return_gathered=return_gathered, lead=lead, wgrad_of=wgrad_of,
-                         wgrad_lead=wgrad_lead, stamp=stamp)
+                         lead_wgrad=lead_wgrad, stamp=stamp)
 
-    def _run(self, a_shard, w, *, return_gathered=False, lead=None, wgrad_of=None, wgrad_lead=False, stamp=None):
+    def _run(self, a_shard, w, *, return_gathered=False, lead=None, wgrad_of=None, lead_wgrad=False, stamp=None):
         """`__call__` for tensors a caller has validated already (the layers)."""
         m = a_shard.shape[0] * self.world_size
         call, addresses = self._new_call(m, a_shard, w)
@@ -151,7 +151,7 @@ class AgGemm(AgConsumers, OpBase):
             addresses += (wgrad_of.data_ptr(), wgrad_of.stride(), grad.data_ptr())
         if stamp is not None:
             addresses += (stamp.data_ptr(),)
-        wgrad = None if wgrad_of is None else ("lead" if wgrad_lead else "after")
+        wgrad = None if wgrad_of is None else ("lead" if lead_wgrad else "after")
         self._call(m, "op", call, None if lead is not None else addresses,
                    wgrad=wgrad, lead=lead is not None, stamp=stamp is not None)
         if wgrad_of is not None:
@@ -203,12 +203,12 @@ class AgGemm(AgConsumers, OpBase):
         return plan_chunks(rank=self.rank, world_size=self.world_size, m=m,
                            chunks_per_rank=self.config_for(m).chunks_per_rank)
 
-    def consumer_gemms(self, m: int, *, whole: bool = False) -> list[ConsumerGemm]:
+    def consumer_gemms(self, m: int, *, one_gemm: bool = False) -> list[ConsumerGemm]:
         """The decomposed consumer's GEMMs in issue order (`plan_consumer_gemms`)."""
         config = self.config_for(m)
         return plan_consumer_gemms(rank=self.rank, world_size=self.world_size, m=m,
                                    chunks_per_rank=config.chunks_per_rank, lead_fraction=config.lead_fraction,
-                                   whole=whole)
+                                   one_gemm=one_gemm)
 
     # ----- one call ------------------------------------------------------------------------------------
     def _call(self, m: int, consumer: str, call: AgCall, addresses, *, wgrad=None, lead=False, stamp=False) -> None:
@@ -242,13 +242,13 @@ class AgGemm(AgConsumers, OpBase):
             program.clear(COMPUTE, self.chunk_flags)
         self._publish(program, m, rows, chunks, zero_copy=zero_copy, claimed=claimed, fused=fused)
         self._pulls(program, m, chunks, fused=fused)
-        whole = lead or wgrad == "lead"
+        one_gemm = lead or wgrad == "lead"   # the lead work takes the time the pulls run in
         if wgrad == "lead":
-            self._wgrad_lead(program, m, rows, config.sm_margin)
+            self._lead_wgrad(program, m, rows, config.sm_margin)
         if fused:
             self._fused_consumer(program, key, chunks, config, lead=lead)
         elif consumer == "decomposed":
-            self._decomposed_consumer(program, m, chunks, config, whole=whole, lead=lead)
+            self._decomposed_consumer(program, m, chunks, config, one_gemm=one_gemm, lead=lead)
         if wgrad is not None:
             program.after(COMPUTE, "gathered")
             self._wgrad_rest(program, m, rows, lead=wgrad == "lead")
@@ -263,7 +263,7 @@ class AgGemm(AgConsumers, OpBase):
             program.set(COMPUTE, self.chunk_flags)  # every chunk is present: the kernel's waits pass at once
             self._fused_consumer(program, key, chunks, config, lead=False)
         else:
-            self._decomposed_consumer(program, m, chunks, config, whole=False, lead=False, waits=False)
+            self._decomposed_consumer(program, m, chunks, config, one_gemm=False, lead=False, waits=False)
         return program
 
     def _bump_version(self, call) -> None:

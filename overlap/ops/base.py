@@ -33,7 +33,7 @@ from ..config import envs
 from ..gemm import gpu_name
 from .validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
 from ..config.schema import OpPreset
-from .schedule import CudaDriver, HostDriver
+from .program import CudaDriver, HostDriver
 
 __all__ = ["OpBase", "Plan", "MAX_GRAPHS"]
 

@@ -161,7 +161,7 @@ class OverlapLayerOps(LayerOps):
         # AllGather of dy overlapped with the GEMM producing dx (with lead_wgrad: with the weight-grad GEMM of
         # this rank's rows); the weight grad of the gathered rows follows in the same call
         m = dy.shape[0] * self.world_size
-        return self.ag._run(dy, w.t(), wgrad_of=x, wgrad_lead=self.config.role("fc2_dgrad", m).lead_wgrad)
+        return self.ag._run(dy, w.t(), wgrad_of=x, lead_wgrad=self.config.role("fc2_dgrad", m).lead_wgrad)
 
     def check_errors(self) -> None:
         self.ag.check_errors()

@@ -1,4 +1,4 @@
-"""What an op call does when one of its steps raises (overlap/ops/schedule.py's drivers): complete the
+"""What an op call does when one of its steps raises (overlap/ops/program.py's drivers): complete the
 protocol without the step when its writes are this rank's only (a `local` run step), else abort the pool so
 that every rank raises within the wait bound. Either way no rank is left one call behind, where a later call
 would take this call's flags and return stale rows."""

@@ -45,7 +45,7 @@ from .base import OpBase
 from .calls import RsCall, RsPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
-from .schedule import COMPUTE, Program
+from .program import COMPUTE, Program
 
 __all__ = ["GemmRs"]
 

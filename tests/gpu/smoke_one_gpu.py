@@ -269,7 +269,7 @@ def _replays(c, pool, kind, method):
         w.copy_(_fresh(w.shape, step + (0 if kind == "ag" else rank), dev))
         wgrad_of.copy_(_fresh(wgrad_of.shape, 17 * step + rank, dev))
         if kind == "ag":
-            out, grad = op(x, w, wgrad_of=wgrad_of, wgrad_lead=step % 2 == 1 and method == "decomposed")
+            out, grad = op(x, w, wgrad_of=wgrad_of, lead_wgrad=step % 2 == 1 and method == "decomposed")
             gathered = torch.cat(_gather(x)).double()
             ref, ref_grad = gathered @ w.double().cpu(), wgrad_of.double().cpu().t() @ gathered
         else:
@@ -419,10 +419,10 @@ def _reliability(c, dev):
         op2(_fresh((16, 64), rank, dev), w)  # warm: both ranks' plans built
         torch.cuda.synchronize()
         dist.barrier()
-        import tp_overlap.ops.schedule as schedule
-        original = schedule._memops_of
+        import tp_overlap.ops.program as ops_program
+        original = ops_program._memops_of
         if rank == world - 1:  # this rank's "ready" writes are lost from now on: the peers' streams wait
-            schedule._memops_of = lambda pool_, op_, step, m: [] if step.kind == "give" and \
+            ops_program._memops_of = lambda pool_, op_, step, m: [] if step.kind == "give" and \
                 step.args[0].index < world else original(pool_, op_, step, m)
             op2._plans.clear()
             op2.set_eager_graphs(False)
@@ -437,7 +437,7 @@ def _reliability(c, dev):
         except (SignalTimeout, PeerAbortError) as exc:
             seen = f"{type(exc).__name__} after {time.monotonic() - start:.1f} s"
         finally:
-            schedule._memops_of = original
+            ops_program._memops_of = original
         assert seen is not None, "a lost signal passed silently"
         assert time.monotonic() - start < 3 + 15, seen
         notes.append(seen)

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tp_overlap.ops import schedule
+from tp_overlap.ops import program
 from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.ops.gemm_rs import GemmRs
@@ -22,7 +22,7 @@ def _lose_ready_signals(op, world) -> None:
     """From now on this rank's "ready" writes of `op` are lost (its rows are still copied into its slot, the
     flag never arrives): a signalling path that stops working. The flag writes are memory operations built
     with the op's plans, so the plans are rebuilt and the eager calls no longer replay recorded graphs."""
-    original = schedule._memops_of
+    original = program._memops_of
 
     def lossy(pool, op_name, step, memops):
         flag = step.args[0] if step.kind == "give" else None
@@ -30,7 +30,7 @@ def _lose_ready_signals(op, world) -> None:
             return []
         return original(pool, op_name, step, memops)
 
-    schedule._memops_of = lossy
+    program._memops_of = lossy
     op._plans.clear()
     op.set_eager_graphs(False)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tp_overlap.ops.ag_plan import plan_chunks, plan_consumer_gemms
+from tp_overlap.ops.ag_chunks import plan_chunks, plan_consumer_gemms
 from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.ops.validate import OpInputError
@@ -166,7 +166,7 @@ def _lead_work(rank, world):
     with SymmetricPool(16 << 20, group=group) as pool:
         op = AgGemm(group=group, pool=pool, max_m=300 * world, k=72, n_local=50, dtype=torch.bfloat16,
                     config=cfg)
-        assert op.consumer_gemms(300 * world, whole=True) == [(0, 300 * world, len(op.chunks(300 * world)))]
+        assert op.consumer_gemms(300 * world, one_gemm=True) == [(0, 300 * world, len(op.chunks(300 * world)))]
         for m in (300 * world, 37 * world, 300 * world):
             a_shard = torch.randn(m // world, 72, generator=gen).to(torch.bfloat16)
             w = torch.randn(72, 50, generator=gen).to(torch.bfloat16)

@@ -16,7 +16,7 @@ from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.ops.gemm_rs import GemmRs
 from tp_overlap.ops.layers import TPMLP, pool_requirements
 from tp_overlap.config.presets import load_preset
-from tp_overlap.ops.schedule import HostDriver
+from tp_overlap.ops.program import HostDriver
 from tp_overlap.symm_mem.errors import PeerAbortError, PeerLostError, PoolClosedError, PoolError, PoolTimeoutError
 from tp_overlap.symm_mem.pool import SymmetricPool, live_pool_count
 from tp_overlap.symm_mem.host import SHM_DIR, SHM_PREFIX

@@ -14,7 +14,7 @@ from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig, OpPreset, RoleC
 from tp_overlap.ops.gemm_rs import GemmRs
 from tp_overlap.ops.layers import TPMLP, MLPReference, pool_requirements, shard_fc1, shard_fc2, shard_rows
 from tp_overlap.config.presets import load_preset
-from tp_overlap.ops.schedule import HostDriver
+from tp_overlap.ops.program import HostDriver
 from tp_overlap.symm_mem.pool import SymmetricPool
 from tests.multiproc import run_ranks
 
@@ -172,7 +172,7 @@ def _wgrad_variants(rank, world):
             if variant is None:
                 worst = max(worst, (ag(a, w) - gathered @ w).abs().max().item())
             else:
-                out, grad = ag(a, w, wgrad_of=x, wgrad_lead=variant == "lead")
+                out, grad = ag(a, w, wgrad_of=x, lead_wgrad=variant == "lead")
                 worst = max(worst, (out - gathered @ w).abs().max().item(),
                             (grad - x.t() @ gathered).abs().max().item())
             a_rs, w_rs = torch.randn(rows * world, 16, generator=gen), torch.randn(16, 8, generator=gen)

@@ -115,9 +115,9 @@ def _bulk_lead_cases(rank, world, lead_wgrad):
     led = []  # AgGemm calls and whether each ran the row backward's weight-grad lead (lead_wgrad)
     plain_run = AgGemm._run
 
-    def counting_run(op, *args, wgrad_lead=False, **kwargs):
-        led.append(wgrad_lead)
-        return plain_run(op, *args, wgrad_lead=wgrad_lead, **kwargs)
+    def counting_run(op, *args, lead_wgrad=False, **kwargs):
+        led.append(lead_wgrad)
+        return plain_run(op, *args, lead_wgrad=lead_wgrad, **kwargs)
 
     AgGemm._run = counting_run
     try:

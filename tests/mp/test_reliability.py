@@ -40,14 +40,14 @@ def _skip_signal(rank, world, bad_rank, timeout_s):
     if rank == bad_rank:
         # From call 3 on this rank's "ready" writes are lost (its data is written, the flag never arrives):
         # a signalling path that stops working
-        from tp_overlap.ops import schedule
-        deliver = schedule.HostDriver._execute
+        from tp_overlap.ops import program
+        deliver = program.HostDriver._execute
 
         def lossy(driver, step, *args):
             if step.kind == "give" and step.args[0].index < world and op.calls >= 3:
                 return None
             return deliver(driver, step, *args)
-        schedule.HostDriver._execute = lossy
+        program.HostDriver._execute = lossy
     t0 = time.monotonic()
     try:
         for _ in range(8):
@@ -160,7 +160,7 @@ def _two_ops_two_pools(rank, world):
         # a second thread calling an op while it is in flight is refused with a clear error
         slow = threading.Event()
         release = threading.Event()
-        from tp_overlap.ops.schedule import HostDriver
+        from tp_overlap.ops.program import HostDriver
         original = HostDriver.run
 
         def held(driver, ctx, compute=None):  # the worker's call is inside the op while this waits

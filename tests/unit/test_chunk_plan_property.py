@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tp_overlap.kernels.constants import ag_chunk_index, ag_chunk_rows
-from tp_overlap.ops.ag_plan import plan_chunks
+from tp_overlap.ops.ag_chunks import plan_chunks
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

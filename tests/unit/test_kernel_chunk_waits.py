@@ -1,5 +1,5 @@
 """The fused AllGather consumer's own chunk arithmetic (kernels/gemm.py, kernels/gemm_mainloop.py), under the
-Triton interpreter, against the host's chunk plan (overlap/ops/ag_plan.py: which rows each chunk flag's copy
+Triton interpreter, against the host's chunk plan (overlap/ops/ag_chunks.py: which rows each chunk flag's copy
 brings). With every flag SET but one, the kernel must skip exactly the tiles that read a row of that chunk
 and record that chunk's code: a row mapped to the wrong chunk either reads rows before they arrive or waits
 for a flag nobody sets. (The CPU ops wait for every flag on the host before the interpreted kernel runs, so
@@ -13,7 +13,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tp_overlap.gemm import ChunkWait, GemmBlocks, launch_gemm  # noqa: E402
-from tp_overlap.ops.ag_plan import plan_chunks  # noqa: E402
+from tp_overlap.ops.ag_chunks import plan_chunks  # noqa: E402
 from tp_overlap.ops.protocol import SET  # noqa: E402
 
 BLOCK_M, N, K = 16, 16, 16

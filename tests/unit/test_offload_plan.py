@@ -8,7 +8,7 @@ import pytest
 
 from tp_overlap.offload.planner import (AUTO_MAX_ADDED, MLPShape, OffloadPlanError, Rates, calibrate, pacing_offset,
                                     plan_offload, simulate, tensor_bytes)
-from tp_overlap.offload._shapes import grad_bytes, layer_times
+from tp_overlap.offload._step_inputs import grad_bytes, layer_times
 
 # llama8b-like layer at M = 16384 on one H200-like device: copies at 55 GB/s, GEMMs at 700 TFLOP/s
 SHAPE = MLPShape(hidden=4096, ffn_hidden=14336, m=16384, num_layers=2)

@@ -1,7 +1,8 @@
-"""AgGemm's row plan: which chunks arrive in which order, and which GEMMs the decomposed consumer runs.
+"""AgGemm's chunks: which rows arrive in which order (and which chunk flag each sets), and which GEMMs the
+decomposed consumer runs over them.
 
-Pure functions of (rank, world size, M, config): the CUDA and the host schedule, the fused consumer's
-chunk flags and the k-factor's "compute solo" all use the same plan.
+Pure functions of (rank, world size, M, config): the CUDA and the host programs, the fused consumer's chunk
+flags and the k-factor's compute alone all use the same chunks.
 """
 
 from __future__ import annotations
@@ -47,16 +48,17 @@ def plan_chunks(*, rank: int, world_size: int, m: int, chunks_per_rank: int) -> 
 
 
 def plan_consumer_gemms(*, rank: int, world_size: int, m: int, chunks_per_rank: int, lead_fraction: float,
-                        whole: bool = False) -> list[ConsumerGemm]:
+                        one_gemm: bool = False) -> list[ConsumerGemm]:
     """The decomposed consumer's GEMMs in issue order; together they cover rows [0, m) once.
 
     lead_fraction 0: one GEMM per chunk, each waiting for its own chunk (local ones read a_shard).
     lead_fraction f > 0: a lead GEMM over f of the local rows (rounded up to LEAD_ROW_ALIGN), then one
     GEMM on each side of it over the rows that wait for every chunk.
-    whole=True (a call with `lead` work): one GEMM over every row, once every chunk has arrived.
+    one_gemm=True (a call whose lead work or lead weight-grad GEMM takes the time the pulls run in): one GEMM
+    over every row, once every chunk has arrived.
     """
     chunks = plan_chunks(rank=rank, world_size=world_size, m=m, chunks_per_rank=chunks_per_rank)
-    if whole:
+    if one_gemm:
         return [ConsumerGemm(0, m, len(chunks))]
     if not lead_fraction:
         return [ConsumerGemm(lo, count, -1 if owner == rank else i)

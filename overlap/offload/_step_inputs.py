@@ -1,5 +1,6 @@
-"""The step model's inputs: the stack's shape, the measured rates, the times and bytes of one layer, and the
-calibration of the compute times on a measured step. Pure functions: no torch, no device."""
+"""The step model's inputs: the stack's shape (`MLPShape`), the measured rates (`Rates`), and the times and
+bytes of one layer derived from them (sim.py simulates the step and calibrates its compute on a measured one).
+Pure functions: no torch, no device."""
 
 from __future__ import annotations
 
