@@ -95,12 +95,12 @@ A [M, K] is being gathered while the kernel runs. It is made of owner blocks of 
 ``chunks_per_rank`` chunks of ``rows_per_chunk = cdiv(rows_per_rank, chunks_per_rank)`` rows (the last
 chunk of an owner may be shorter, or even empty: no row maps to it and its flag is never read). Row r is in
 chunk ``(r // rows_per_rank) * chunks_per_rank + (r % rows_per_rank) // rows_per_chunk``
-(``ag_chunk_index`` in kernels/constants.py; ``ag_chunk_rows`` gives a chunk's rows). ``chunk_flags_ptr`` is a LOCAL int32 array
-with one flag per chunk (owner-major: index = owner * chunks_per_rank + chunk of that owner, NOT arrival
-order), written by whoever finishes the chunk's copy (release, e.g. a release-store kernel or a stream
-write after the copy-engine copy). Before a tile's K loop reads A rows ``[m0, min(m0 + BLOCK_M, M))``,
-the program polls (acquire, scope sys) every chunk flag from the first row's chunk to the last row's
-chunk until it is SET, each wait bounded by ``timeout_ns`` (below); the waits are per tile, before any
+(``ag_chunk_index`` in kernels/constants.py; ``ag_chunk_rows`` gives a chunk's rows). ``chunk_flags_ptr`` is a
+LOCAL int32 array with one flag per chunk (owner-major: index = owner * chunks_per_rank + chunk of that owner,
+NOT arrival order), written by whoever finishes the chunk's copy (release, e.g. a release-store kernel or a
+stream write after the copy-engine copy). Before a tile's K loop reads A rows ``[m0, min(m0 + BLOCK_M, M))``,
+the program polls (acquire, scope sys) every chunk flag from the first row's chunk to the last row's chunk
+until it is SET, each wait bounded by ``timeout_ns`` (below); the waits are per tile, before any
 load of the tile. On expiry it stores ``error_code_base + chunk index`` into the control page (unless a
 failure is there already) and that program skips its remaining tiles. The output is then incomplete (C
 keeps whatever it held: poison it or ignore it); the pool's watchdog sees the code, aborts the group, and
@@ -126,7 +126,8 @@ Bounded waits (both kernels): ``USE_TIMER=True`` (the default unless the process
 interpreter, which runs the programs one after another) polls until the flag is ready or about ``timeout_ns``
 have passed since that wait began (``timeout_ns // POLL_NS`` polls, kernels/flags.py: every thread of a
 program leaves at the same poll); JIT-compiling peers can take seconds, so the bound is in time units.
-``USE_TIMER=False`` (interpreter, CPU tests) polls exactly once and treats a flag that is not ready as a timeout; never use it on the GPU.
+``USE_TIMER=False`` (interpreter, CPU tests) polls exactly once and treats a flag that is not ready as a
+timeout; never use it on the GPU.
 ``timeout_ns`` may exceed 2**31 (a Python int; it is passed as int64 then): keep it the same type from
 call to call, or the kernel recompiles once per type.
 

@@ -11,8 +11,8 @@ import torch
 
 from tp_overlap.config.schema import METHODS, ConfigError, OverlapConfig
 from tp_overlap.config.presets import load_config, load_preset
-from tp_overlap.launch.cli.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint, ag_points,
-                           rs_points)
+from tp_overlap.launch.cli.shapes import (AG_LAYERS, CPU_K, CPU_M_VALUES, CPU_N, M_VALUES, RS_LAYERS, ShapePoint,
+                                          ag_points, rs_points)
 
 from . import dist as _dist
 from .common import ArgumentParser, UsageError, distinct, input_file, int_list, output_dir, output_file, require
