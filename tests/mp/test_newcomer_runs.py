@@ -92,9 +92,11 @@ def test_ctrl_c_under_torchrun_prints_one_line_per_rank(tmp_path):
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(True), stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)   # a job of its own, as a terminal's: SIGINT reaches all
         try:
+            # the first timed step's line is printed when the phase starts (later ones at most every 2 s)
             deadline = time.monotonic() + 180
-            while "timed step 2/" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            while "timed step 1/" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
+            time.sleep(1.0)   # inside the timed loop by now
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(timeout=120)
         finally:
