@@ -9,16 +9,12 @@ run dp x tp with several processes on one GPU (reported, not required: NCCL refu
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from tests.gpu.smoke_one_gpu import Checks
-from tests.multiproc import run_ranks
+from tests.gpu.smoke_one_gpu import Checks, run_worlds
 
 TOL = 3e-2   # bf16 GEMMs chained through 2 blocks against an fp32 model (loss and every gradient)
 BATCH, SEQ = 2, 128
@@ -156,31 +152,7 @@ def _checks(rank, world):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.gpu.smoke_model")
-    parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    failed, report = False, {}
-    for world in (int(w) for w in args.worlds.split(",")):
-        try:
-            results = run_ranks(_checks, world, timeout_s=400, pg_timeout_s=300)
-        except Exception as exc:  # noqa: BLE001 - a hung or crashed world is a failure, the next one still runs
-            print(f"W={world}: FAIL {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
-            failed = True
-            continue
-        for rank, lines in enumerate(results):
-            for line in lines:
-                if rank == 0 or "FAIL" in line:
-                    print(f"rank {rank} {line}", flush=True)
-                failed |= "FAIL" in line
-        report[world] = results[0]
-    if args.json:
-        from tp_overlap.launch.output.report import command_line, git_commit
-        with open(args.json, "w") as f:
-            json.dump({"commit": git_commit(), "command": command_line(), "device": torch.cuda.get_device_name(),
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
-                       "lines": report}, f, indent=1)
-    return 1 if failed else 0
+    return run_worlds("tests.gpu.smoke_model", _checks, "2,4", argv)
 
 
 if __name__ == "__main__":

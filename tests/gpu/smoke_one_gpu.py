@@ -519,16 +519,18 @@ def _checks(rank, world, full):
     return c.lines
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.gpu.smoke_one_gpu")
-    parser.add_argument("--worlds", default="2,4,8")
+def run_worlds(prog: str, checks, default_worlds: str, argv=None, args_of=lambda world: ()) -> int:
+    """`prog`'s command line (--worlds, --json): `checks(rank, world, *args_of(world))` on each world, one line
+    per check (rank 0's, and every failure), the JSON report; 1 if anything failed."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}")
+    parser.add_argument("--worlds", default=default_worlds)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     failed, report = False, {}
     for world in (int(w) for w in args.worlds.split(",")):
         start = time.monotonic()
         try:
-            results = run_ranks(_checks, world, world == 2, timeout_s=400, pg_timeout_s=300)
+            results = run_ranks(checks, world, *args_of(world), timeout_s=400, pg_timeout_s=300)
         except Exception as exc:  # noqa: BLE001 - a hung or crashed world is a failure, the next one still runs
             print(f"W={world}: FAIL {type(exc).__name__}: {str(exc)[:3000]}", flush=True)
             failed = True
@@ -547,6 +549,10 @@ def main(argv=None) -> int:
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
                        "lines": report}, f, indent=1)
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return run_worlds("tests.gpu.smoke_one_gpu", _checks, "2,4,8", argv, args_of=lambda world: (world == 2,))
 
 
 if __name__ == "__main__":
