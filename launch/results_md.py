@@ -13,7 +13,6 @@ README's table of headline results (launch/output/headline.py), rendered from th
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 

@@ -6,7 +6,6 @@ Every error names the file, the key, the bad value and what is allowed (`ConfigE
 from __future__ import annotations
 
 import dataclasses
-import re
 from importlib import resources
 from pathlib import Path
 
