@@ -63,10 +63,13 @@ def _bench(rows: list[dict]) -> str:
     best = best_rows(rows)
     methods = ", ".join(f"{m} {sum(r['method'] == m for r in best)}" for m in dict.fromkeys(r["method"] for r in rows))
     e = [r["E_ours"] for r in best]
+    rs = rows[0].get("op") == "gemm_rs"
+    plain = "the GEMM then the collective" if rs else "the collective then the GEMM"
     text = (f"Best method per point: median E {statistics.median(e):.3f} (min {min(e):.3f}, max {max(e):.3f}) over "
-            f"{len(best)} points, against {statistics.median(r['E_seq'] for r in best):.3f} for the collective then "
-            f"the GEMM; fastest method: {methods}.")
-    for key, what in (("speedup_vs_seq", "NCCL-then-GEMM"), ("speedup_vs_torch", "PyTorch's async-TP op")):
+            f"{len(best)} points, against {statistics.median(r['E_seq'] for r in best):.3f} for {plain}; fastest "
+            f"method: {methods}.")
+    for key, what in (("speedup_vs_seq", "GEMM-then-NCCL" if rs else "NCCL-then-GEMM"),
+                      ("speedup_vs_torch", "PyTorch's async-TP op")):
         if all(r.get(key) for r in best):
             wins = [r[key] for r in best]
             text += f" Faster than {what} on {sum(w > 1 for w in wins)} of {len(best)} ({_span(wins)}x)."
