@@ -34,6 +34,6 @@ step swiglu 90 python3 -m tests.gpu.check_swiglu
 step offload 90 python3 -m tests.gpu.check_offload
 step host_cost 200 torchrun --standalone --nproc-per-node 2 -m tp_overlap.launch.host_cost --out "$OUT/host_cost.json"
 step smoke 420 python3 -m tests.gpu.smoke_one_gpu --worlds "${WORLDS:-2,4,8}" --json "$OUT/smoke_one_gpu.json"
-step model 300 python3 -m tests.gpu.smoke_model --worlds 2,4 --json "$OUT/smoke_model.json"
+step model 420 python3 -m tests.gpu.smoke_model --worlds 2,4 --json "$OUT/smoke_model.json"
 tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 exit $status
