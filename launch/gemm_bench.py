@@ -5,6 +5,8 @@ ops can reach.
     python -m tp_overlap.launch.gemm_bench [--tp 2,4,8] [--m 1024,...,16384] [--layouts kn,nk] [--table PATH]
         [--configs NAME,...] [--time-budget-s 600] [--out FILE (default runs/gemm_bench-<time>/...)]
     python -m tp_overlap.launch.gemm_bench --fp8 [...] [--write-table PATH]     (launch/measure/gemm_bench_fp8.py)
+    python -m tp_overlap.launch.gemm_bench --ops [--rs-sm-margin 16] [...]      (launch/measure/gemm_bench_ops.py:
+        each fused op's own GEMM, compute_alone, against cuBLAS under the same SM carveout)
 
 Single process, one GPU. Per (shape, layout) -- `kn`: B row-major [K, N]; `nk`: B = w.t() of a row-major
 [N, K] (nn.Linear) -- it times, interleaved: cuBLAS (`torch.mm` on the same operands and layout), the
@@ -34,6 +36,7 @@ from tp_overlap.gemm import (LAYOUTS, BlockTableError, GemmBlocks, choose_blocks
 
 from .measure.canary import CANARY_SHAPE, DEFAULT_JOBS, operands
 from .measure.gemm_bench_fp8 import run_fp8
+from .measure.gemm_bench_ops import run_ops
 
 REL_TOLERANCE = 1e-2
 PER_CALL_OVERHEAD_S = 6e-4
@@ -83,6 +86,10 @@ def make_parser() -> ArgumentParser:
                    "default: none)")
     p.add_argument("--time-budget-s", type=float, default=600.0, help="wall-clock bound of the whole run")
     p.add_argument("--fp8", action="store_true", help="FP8 block-scaled GEMM vs torch._scaled_mm and bf16 cuBLAS")
+    p.add_argument("--ops", action="store_true",
+                   help="each fused op's compute_alone (AgGemm fused, GemmRs fused / epilogue_reduce) vs cuBLAS")
+    p.add_argument("--rs-sm-margin", type=int, default=16,
+                   help="--ops: the SMs GemmRs fused leaves to its reduction (the TP 4 / 8 presets': 16)")
     p.add_argument("--write-table", default=None,
                    help="--fp8: write the fastest FP8 blocks per shape there (default: no table written)")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help=f"--fp8: child processes compiling at once (default: CPU cores - 2, 1 to 12: {DEFAULT_JOBS} here)")
@@ -111,6 +118,9 @@ def _parse(argv):
     require(args.device in ("cuda", "cpu"), f"--device: got {args.device!r}; allowed: cuda, cpu")
     require(args.device == "cuda" or bool(args.out), "--device cpu needs --out")
     require(args.fp8 or not args.write_table, "--write-table needs --fp8 (the bf16 table comes from launch.gemm_tune)")
+    require(not (args.ops and (args.fp8 or args.configs or args.table)),
+            "--ops times the ops' own block choice: without --fp8, --configs or --table")
+    require(args.rs_sm_margin >= 0, f"--rs-sm-margin: got {args.rs_sm_margin}; allowed: >= 0")
     require(not (args.fp8 and args.table), "--table is the bf16 table; --fp8 reads configs/gemm_blocks/<gpu>_fp8.yaml")
     for name in args.configs:
         try:
@@ -136,6 +146,10 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (or --device cpu with the Triton interpreter)")
+    if args.ops:
+        dev, device_name = bench_device(args.device)
+        return run_ops(args, dev=dev, device_name=device_name,
+                       points=shape_points(args.tp, args.m, args.layers, args.shapes))
     if args.fp8:
         dev, device_name = bench_device(args.device)
         return run_fp8(args, dev=dev, device_name=device_name,

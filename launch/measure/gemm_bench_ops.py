@@ -1,0 +1,183 @@
+"""`tp_overlap.launch.gemm_bench --ops`: each fused op's own GEMM (`compute_alone`) against cuBLAS under the
+same SM carveout, at the local shapes of the TP sizes' layers, in both layouts of B.
+
+One process, one GPU, a one-rank group: the ops are built as a rank of a TP group would build them for that
+shape (AgGemm: the gathered A [M, K] times the local weight [K, N / TP]; GemmRs: the local A [M, K / TP] times
+[K / TP, N]); `compute_alone` runs the op's plan for that M without its communication (the same kernel,
+blocks, programs and tile order), so the time is the GEMM the op would overlap. Variants, per shape and
+layout (`kn`: B row-major [K, N]; `nk`: B = w.t() of an nn.Linear weight [N, K]):
+
+* `ag_fused`             AgGemm method fused (the chunk-waiting consumer; every chunk flag already set), on all SMs;
+* `rs_fused`             GemmRs method fused, on num_sms - --rs-sm-margin programs (the SMs its reduction keeps);
+* `rs_epilogue_reduce`   GemmRs method epilogue_reduce, on all SMs (its reduction is the GEMM's epilogue; GPU only);
+
+each next to cuBLAS (`torch.mm` on the same operands, the same carveout), checked first against it on a
+NaN-poisoned output (relative error <= 1e-2), timed interleaved with L2 flushed and the device held busy
+before each call (device time, as the GEMM bench). Rows carry `op_over_cublas` = cuBLAS time / op time; the
+summary per variant gives the median, the minimum at M >= 4096 and everywhere, and whether the targets hold
+(median >= 0.97, every M >= 4096 point >= 0.90, every point >= 0.85).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+from tp_overlap.gemm import choose_blocks, gpu_name, num_sms, release_workspaces, sm_carveout
+from tp_overlap.launch.cli.common import run_dir
+from tp_overlap.launch.measure.timing import bench_interleaved, progress
+from tp_overlap.launch.output.report import device_slug, format_table, write_results
+from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.symm_mem.pool import SymmetricPool
+
+from .canary import operands
+
+REL_TOLERANCE = 1e-2
+TARGETS = {"median": 0.97, "min_at_m_4096": 0.90, "min": 0.85}
+VARIANTS = ("ag_fused", "rs_fused", "rs_epilogue_reduce")
+PER_CALL_OVERHEAD_S = 6e-4
+
+
+def run_ops(args, *, dev: torch.device, device_name: str, points: list[tuple[str, str, int, int, int, int]]) -> int:
+    """Time every variant of `points` ((layer, op, tp, m, n, k), launch.gemm_bench.shape_points) on `dev`."""
+    started = time.monotonic()
+    out = args.out or str(run_dir("gemm_bench") / f"gemm_fused_{device_slug(device_name)}.json")
+    rows, skipped = [], []
+    with _OneRank(dev, max_m=max(p[3] for p in points), rs_sm_margin=args.rs_sm_margin) as ops:
+        work = [(p, layout, v) for p in points for layout in args.layouts for v in _variants(p[1], dev)]
+        for i, ((layer, op_name, world, m, n, k), layout, variant) in enumerate(work):
+            estimate = 2 * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S)
+            if time.monotonic() - started + estimate > args.time_budget_s:
+                skipped.append({"layer": layer, "tp": world, "layout": layout, "variant": variant, "M": m, "N": n,
+                                "K": k})
+                continue
+            row = _measure(ops, variant, layer, world, m, n, k, layout, args, seed=i)
+            rows.append(row)
+            _write(out, rows, skipped, args, device_name)
+            progress(f"ops {i + 1}/{len(work)} {variant} {layer}@tp{world} {layout} M={m}: cuBLAS "
+                     f"{row['t_cublas_ms']:.4f} ms, op {row['t_op_ms']:.4f} ms ({row['op_over_cublas']:.3f}x)")
+    _write(out, rows, skipped, args, device_name)
+    _print_summary(rows, skipped, out)
+    return 0 if rows else 1
+
+
+def _variants(op_name: str, dev: torch.device) -> tuple[str, ...]:
+    """An AllGather layer's shape runs AgGemm, a ReduceScatter layer's GemmRs, a given shape (--shapes) both;
+    epilogue_reduce only on a GPU (its own rows wait inside the GEMM, which the interpreter cannot run)."""
+    names = {"ag_gemm": ("ag_fused",), "gemm_rs": ("rs_fused", "rs_epilogue_reduce")}.get(op_name, VARIANTS)
+    return tuple(v for v in names if dev.type == "cuda" or v != "rs_epilogue_reduce")
+
+
+class _OneRank:
+    """A one-rank group and pool, and one op per (variant, fixed dimension), built on first use."""
+
+    def __init__(self, dev: torch.device, *, max_m: int, rs_sm_margin: int):
+        self.dev, self.max_m, self.rs_sm_margin = dev, max_m, rs_sm_margin
+        self.ops: dict[tuple[str, int], object] = {}
+
+    def __enter__(self) -> "_OneRank":
+        self.own_group = not dist.is_initialized()
+        if self.own_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.group = dist.group.WORLD
+        # the largest op: a gathered A of max_m x 28672 bf16 rows would be 0.9 GiB at M = 16384; 4 GiB holds
+        # the two or three ops alive at once with room for their flags and staging
+        self.pool = SymmetricPool((4 << 30) if self.dev.type == "cuda" else (256 << 20), group=self.group,
+                                  device=self.dev)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for op in self.ops.values():
+            op.close()
+        self.pool.close()
+        if self.own_group:
+            dist.destroy_process_group()
+
+    def margin(self, variant: str) -> int:
+        return self.rs_sm_margin if variant == "rs_fused" else 0
+
+    def op(self, variant: str, n: int, k: int):
+        """AgGemm keeps K (any N per call); GemmRs keeps N (any K per call). One op per variant and that
+        dimension: a closed op's regions are reused only by an op of the same arguments."""
+        key = (variant, k if variant.startswith("ag") else n)
+        if key not in self.ops:
+            name = f"bench.{variant}.{key[1]}"
+            if variant == "ag_fused":
+                self.ops[key] = AgGemm(group=self.group, pool=self.pool, max_m=self.max_m, k=k, n_local=None,
+                                       dtype=torch.bfloat16, config=AgGemmConfig(method="fused"), name=name)
+            else:
+                margin = self.margin(variant)  # fused: its reduction runs on the SMs the GEMM leaves
+                config = GemmRsConfig(method=variant[3:], sm_margin=margin, num_comm_sms=margin or None)
+                self.ops[key] = GemmRs(group=self.group, pool=self.pool, max_m=self.max_m, k_local=None, n=n,
+                                       dtype=torch.bfloat16, config=config, name=name)
+        return self.ops[key]
+
+
+def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int, k: int, layout: str, args,
+             seed: int) -> dict:
+    op, margin = ops.op(variant, n, k), ops.margin(variant)
+    a, b = operands(m, n, k, layout, ops.dev, seed=seed)
+    if variant == "ag_fused":
+        op.all_gather(a)  # compute_alone reads the rows the gather left in the pool
+    ref = torch.mm(a, b)
+    got = op.compute_alone(a, b)
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    if not err <= REL_TOLERANCE:
+        raise RuntimeError(f"{variant} {layer}@tp{world} M={m} {layout}: relative error {err:.3g} vs cuBLAS")
+    out_c = torch.full_like(ref, float("nan"))
+
+    def cublas():
+        with sm_carveout(margin):
+            torch.mm(a, b, out=out_c)
+    stats = bench_interleaved({"cublas": cublas, "op": lambda: op.compute_alone(a, b)}, group=None,
+                              device=ops.dev, warmup=3, reps=args.reps, hold_device_us=args.hold_us)
+    release_workspaces()
+    programs = num_sms(ops.dev) - margin if ops.dev.type == "cuda" else None
+    blocks = choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu_name(ops.dev), device_type=ops.dev.type,
+                           warp_specialize=False, sm_count=programs)
+    t_cublas, t_op = stats["cublas"].median_ms, stats["op"].median_ms
+    row = {"variant": variant, "layer": layer, "tp": world, "layout": layout, "M": m, "N": n, "K": k,
+           "sm_margin": margin, "blocks": blocks.name, "rel_err": err, "t_cublas_ms": t_cublas, "t_op_ms": t_op,
+           "op_over_cublas": t_cublas / t_op, "tflops_op": 2 * m * n * k / t_op / 1e9}
+    for name, s in stats.items():
+        row.update(s.as_dict(f"{name}_"))
+    return row
+
+
+def summarize_ops(rows: list[dict]) -> dict:
+    """Per variant: median / minimum of op_over_cublas, the minimum at M >= 4096, and each target met."""
+    out = {}
+    for variant in VARIANTS:
+        values = [(r["M"], r["op_over_cublas"]) for r in rows if r["variant"] == variant]
+        if not values:
+            continue
+        ratios = [v for _, v in values]
+        large = [v for m, v in values if m >= 4096]
+        s = {"n": len(ratios), "median": statistics.median(ratios), "min": min(ratios),
+             "min_at_m_4096": min(large) if large else None,
+             "below_0.90_at_m_4096": sum(v < 0.90 for v in large), "below_0.85": sum(v < 0.85 for v in ratios)}
+        s["targets_met"] = {name: s[name] is None or s[name] >= bound for name, bound in TARGETS.items()}
+        out[variant] = s
+    return out
+
+
+def _print_summary(rows: list[dict], skipped: list[dict], out) -> None:
+    print(format_table(rows, ["variant", "layer", "tp", "layout", "M", "K", "N", "sm_margin", "blocks", "t_cublas_ms",
+                              "t_op_ms", "op_over_cublas"]))
+    for variant, s in summarize_ops(rows).items():
+        large = "-" if s["min_at_m_4096"] is None else f"{s['min_at_m_4096']:.3f}"
+        print(f"{variant}: op/cuBLAS speed median {s['median']:.3f}, min {s['min']:.3f}, min at M >= 4096 {large} "
+              f"({s['n']} points; targets {'met' if all(s['targets_met'].values()) else 'not met'}: "
+              f"{', '.join(k for k, ok in s['targets_met'].items() if not ok) or 'all'})")
+    print(f"{len(rows)} points measured, {len(skipped)} skipped (budget); results: {out}")
+
+
+def _write(out, rows, skipped, args, device_name) -> None:
+    write_results(out, rows, device=device_name, tp=args.tp[0] if len(args.tp) == 1 else 0, extra={
+        "op": "gemm_fused_ops", "tp_sizes": list(args.tp), "hold_device_us": args.hold_us, "reps": args.reps,
+        "rs_sm_margin": args.rs_sm_margin, "targets": TARGETS, "summary": summarize_ops(rows), "skipped": skipped})
