@@ -89,3 +89,19 @@ def test_tuner_resumes_where_a_run_stopped_and_compiles_in_parallel(tmp_path):
     assert [r for r in rows if r["M"] == 24] == [first[("kn", 24)], first[("nk", 24)]], "a kept point was re-measured"
     assert {(e.layout, e.m) for e in load_block_table(path=str(table)).entries} == {
         ("kn", 24), ("nk", 24), ("kn", 40), ("nk", 40)}
+
+
+def test_ops_bench_times_each_fused_op_against_cublas_and_summarises_the_targets(tmp_path):
+    out = tmp_path / "ops.json"
+    assert gemm_bench.main(COMMON + ["--ops", "--shapes", "256x96x64", "--rs-sm-margin", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["variant"], r["layout"]): r for r in doc["rows"]}
+    # epilogue_reduce needs a GPU: on CPU the AllGather consumer and the scatter GEMM, both layouts
+    assert set(rows) == {(v, layout) for v in ("ag_fused", "rs_fused") for layout in ("kn", "nk")}
+    for (variant, _), row in rows.items():
+        assert row["rel_err"] <= 1e-2 and row["op_over_cublas"] == row["t_cublas_ms"] / row["t_op_ms"]
+        assert row["sm_margin"] == (1 if variant == "rs_fused" else 0)
+    summary = doc["summary"]["ag_fused"]
+    assert summary["n"] == 2 and summary["min_at_m_4096"] is None and summary["targets_met"]["min_at_m_4096"]
+    from tp_overlap.launch.cli.common import USAGE_EXIT
+    assert gemm_bench.main(COMMON + ["--ops", "--fp8", "--shapes", "256x96x64", "--out", str(out)]) == USAGE_EXIT
