@@ -71,7 +71,7 @@ ROWS = (  # (results file, what, how the number reads)
     ("tp_mlp_h200_tp2.json", "TP MLP training step, eager", _step),
     ("ag_gemm_h200_tp2_graphs.json", "AllGather + GEMM, per shape (best method)", _op),
     ("gemm_rs_h200_tp2_graphs.json", "GEMM + ReduceScatter, per shape (best method)", _op),
-    ("gemm_h200.json", "our bf16 GEMM (tuned block table)", _gemm),
+    ("gemm_h200_triton371.json", "our bf16 GEMM (tuned block table, Triton 3.7.1)", _gemm),
     ("gemm_fp8_h200.json", "our FP8 GEMM (1x128 / 128x128 scales)", _fp8),
     ("host_cost_h200.json", "host time of the eager path", _host),
     ("offload_h200.json", "activation offload, the planner's default plan", _offload),
