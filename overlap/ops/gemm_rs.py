@@ -88,6 +88,10 @@ class GemmRs(OpBase):
         # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
         self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
         self._tile_counters = torch.zeros(-(-max_m // ROW_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
+        # the scatter epilogues' address tables now, for the same reason (the pool builds them once)
+        if methods & {"fused", "epilogue_reduce"}:
+            pool.ptr_table(self.flags.region)
+            pool.ptr_table(self.flags.region, device_flags=True)
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
