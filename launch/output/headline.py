@@ -51,10 +51,12 @@ def _fp8(doc: dict) -> str:
 
 def _host(doc: dict) -> str:
     ops = [r["ratio"] for r in doc["rows"] if r["op"] in ("ag_gemm", "gemm_rs") and r["eager_graphs"]]
-    step = next((r for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")), None)
+    steps = {r["op"].split(" (")[0]: r for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")}
     text = f"one eager op call: {min(ops):.2f}-{max(ops):.2f}x the host time of one `torch.mm`"
-    return text + (f"; an eager MLP step: {step['ratio']:.2f}x the host time of the same step with `overlap=False`"
-                   if step else "")
+    for step, what in (("tp_mlp step", "an eager MLP step"), ("decoder block step", "a converted decoder block's step")):
+        if step in steps:
+            text += f"; {what}: {steps[step]['ratio']:.2f}x the host time of the same step with `overlap=False`"
+    return text
 
 
 def _offload(doc: dict) -> str:
@@ -73,7 +75,7 @@ ROWS = (  # (results file, what, how the number reads)
     ("gemm_rs_h200_tp2_graphs.json", "GEMM + ReduceScatter, per shape (best method)", _op),
     ("gemm_h200_triton371.json", "our bf16 GEMM (tuned block table, Triton 3.7.1)", _gemm),
     ("gemm_fp8_h200.json", "our FP8 GEMM (1x128 / 128x128 scales)", _fp8),
-    ("host_cost_h200.json", "host time of the eager path", _host),
+    ("host_cost_h100.json", "host time of the eager path", _host),
     ("offload_h200.json", "activation offload, the planner's default plan", _offload),
 )
 

@@ -21,7 +21,6 @@ COLUMNS = {  # file-name prefix -> columns of its table (those no row has are le
     "tp_mlp": ["cuda_graphs", "model", "M", "t_step_overlap_ms", "t_step_baseline_ms", "t_step_torch_symm_ms",
                "speedup", "speedup_vs_torch_symm", "speedup_sustained", "sm_clock_overlap_mhz", "sm_clock_baseline_mhz",
                "k_comm_fc1_fwd_ag", "k_comp_fc1_fwd_ag", "rel_err_max"],
-    "launch_overhead": ["launch", "host_us_per_launch", "device_us_per_launch"],
 }
 
 
@@ -175,20 +174,40 @@ def _offload_heat(doc: dict) -> str:
     return text
 
 
+SMOKE_GROUPS = {  # a smoke case's first word -> its row
+    "pool": "ops (every method, FP8)", "ag_gemm": "ops (every method, FP8)", "gemm_rs": "ops (every method, FP8)",
+    "captured": "CUDA graphs (captured, capture idioms, eager replays)", "capture": "CUDA graphs (captured, capture "
+    "idioms, eager replays)", "eager": "CUDA graphs (captured, capture idioms, eager replays)",
+    "refusals": "refusals and failures", "reliability": "refusals and failures", "a": "refusals and failures",
+    "TPMLP": "TPMLP (eager, captured, compiled)", "converted": "converted model", "FSDP2": "FSDP2 probe"}
+
+
 def _smoke(doc: dict) -> str:
     """One row per kind of case (its first words), one column per process count: cases ok of cases run."""
     kinds: dict[str, dict] = {}
     for world, lines in doc["lines"].items():
         for line in lines:
-            head, _, status = line.partition(": ")
+            found = re.search(r": (ok|FAIL)\b", line)   # a case's name may hold ": " itself
+            head, status = (line[:found.start()], found.group(1)) if found else (line, "")
             case = head.split(" ", 1)[1] if " " in head else head
             words = case.split(" ")
-            kind = " ".join(words[:2] if words[0] in ("pool", "capture", "eager") else words[:1])
+            kind = SMOKE_GROUPS.get(words[0], words[0])
             cell = kinds.setdefault(kind, {}).setdefault(f"W={world}", [0, 0])
             cell[0] += status.startswith("ok")
             cell[1] += 1
     rows = [{"cases": kind} | {w: f"{ok} of {n}" for w, (ok, n) in cells.items()} for kind, cells in kinds.items()]
     return format_table(rows, ["cases", *[f"W={w}" for w in doc["lines"]]])
+
+
+def _gemm_fused(doc: dict) -> str:
+    """launch.gemm_bench --ops: per op, its own GEMM over cuBLAS under the same carveout, against the targets."""
+    rows = [{"op": variant, "points": v["n"], "median": round(v["median"], 3), "min": round(v["min"], 3),
+             "min at M >= 4096": "-" if v["min_at_m_4096"] is None else round(v["min_at_m_4096"], 3),
+             "below 0.90 at M >= 4096": v["below_0.90_at_m_4096"],
+             "targets met": ", ".join(k for k, ok in v["targets_met"].items() if ok) or "none"}
+            for variant, v in (doc.get("summary") or {}).items()]
+    return ("Each op's time over cuBLAS's (the table per point is in the JSON):\n\n" + format_table(rows, list(rows[0]))
+            if rows else "")
 
 
 def file_tables(name: str, doc: dict) -> list[str]:
@@ -212,12 +231,14 @@ def file_tables(name: str, doc: dict) -> list[str]:
                 f"pass; over `torch._scaled_mm` median {s['over_scaled_mm_median']:.3f}, min "
                 f"{s['over_scaled_mm_min']:.3f} ({s['timed_points']} points); over bf16 cuBLAS at M >= 4096 at least "
                 f"{s['over_bf16_min_at_m_ge_4096']:.2f}."]
+    if name.startswith("launch_overhead"):   # its caption gives every launch kind's cost
+        return []
     if doc.get("kind") == "kfactor":
         return _kfactor(doc)
     if op in ("ag_gemm", "gemm_rs") and rows:
         return [_bench(rows)]
     blocks = {"gemm": _gemm, "gemm_fp8": _gemm_fp8, "gemm_tune": _gemm_tune, "host_cost": _host_cost,
-              "offload_bench": _offload, "offload_heat": _offload_heat}
+              "offload_bench": _offload, "offload_heat": _offload_heat, "gemm_fused_ops": _gemm_fused}
     if op in blocks:
         return [blocks[op](doc)]
     columns = COLUMNS.get(_prefix(name))
