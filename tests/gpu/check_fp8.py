@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from tp_overlap.kernels.constants import ag_tile_row_offset
     from tp_overlap.launch.measure.tune import FP8_CANDIDATES
     from tp_overlap.gemm import GemmBlocks, fp8, num_sms, triton_mm
-    from tp_overlap.gemm.launch import _stream_k_buffers
+    from tp_overlap.gemm.launch import _stream_k_args
 
     shapes = TINY if cpu else SHAPES
     candidates = FP8_CANDIDATES[:2] if cpu else FP8_CANDIDATES
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
                     worst = max(worst, err)
                     expect(err <= BF16_TOLERANCE, f"{name} {layout} M={m} N={n} K={k}: {err:.3g}")
         blocks = GemmBlocks.parse("128x256x64w8s3sk1")
-        _, flags = _stream_k_buffers(dev, num_sms(dev), blocks.block_m * blocks.block_n)
+        _, flags, _ = _stream_k_args(dev, num_sms(dev), blocks)   # the buffers the launcher will use
         synchronize()
         expect(int(flags.abs().sum().item()) == 0, f"flags left at {flags.nonzero().flatten().tolist()}")
         flags[::3] = -1000   # contributors whose +1 never reaches 1: their finishers time out and recompute

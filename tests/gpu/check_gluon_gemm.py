@@ -84,7 +84,7 @@ def main(argv=None) -> int:
 
     @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
     def _():
-        from tp_overlap.gemm.splitk import _workspaces
+        from tp_overlap.gemm.workspaces import _workspaces
 
         cases = []
         for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),
