@@ -90,7 +90,7 @@ def _section(directory: Path, name: str, caption: dict) -> list[str]:
     if any(what):
         extra = [f"`{n}`: {w}" for (n, _, _), w in zip(docs[1:], what[1:]) if w]
         parts += [f"**Measured.** {' '.join([what[0], *extra]).strip()}", ""]
-    parts += _numbers([(n, doc) for n, doc, _ in docs])
+    parts += _numbers([(n, doc) for n, doc, c in docs if c.get("table", True)])   # table: false -> words only
     figures = dict(caption.get("figures") or {})
     if (directory / f"{Path(name).stem}.png").is_file():
         figures.setdefault(f"{Path(name).stem}.png", None)

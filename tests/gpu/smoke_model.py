@@ -152,6 +152,7 @@ def _checks(rank, world):
 
 
 def main(argv=None) -> int:
+    # the options "--worlds" and "--json" are run_worlds's (tests/gpu/smoke_one_gpu.py)
     return run_worlds("tests.gpu.smoke_model", _checks, "2,4", argv)
 
 
