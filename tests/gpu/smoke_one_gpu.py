@@ -286,6 +286,44 @@ def _replays(c, pool, kind, method):
     return f"rel={worst:.1e}, {graphs} graph(s)"
 
 
+def _replay_keys(c, pool, kind, method):
+    """Eager calls alternating between two sets of tensors of one shape: each set's calls replay only the graph
+    recorded from that set's tensors. A key without the tensors' addresses would replay the other set's graph
+    from the third call on (reading the other inputs, writing the other call's output): wrong rows."""
+    from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
+    from tp_overlap.ops.ag_gemm import AgGemm
+    from tp_overlap.ops.gemm_rs import GemmRs
+    group, world, rank, dev, rows, k, n = dist.group.WORLD, c.world, c.rank, c.dev, 256, 264, 136
+    if kind == "ag":
+        op = AgGemm(group=group, pool=pool, max_m=rows * world, k=k, n_local=n, dtype=torch.bfloat16,
+                    config=AgGemmConfig(method=method), name=f"keys.ag.{method}")
+    else:
+        op = GemmRs(group=group, pool=pool, max_m=rows * world, k_local=k, n=n, dtype=torch.bfloat16,
+                    config=GemmRsConfig(method=method, sm_margin=16 * (method == "fused"), num_comm_sms=4),
+                    name=f"keys.rs.{method}")
+    a_rows = rows if kind == "ag" else rows * world
+    sets = [(torch.empty(a_rows, k, dtype=torch.bfloat16, device=dev), torch.empty(k, n, dtype=torch.bfloat16,
+                                                                                  device=dev)) for _ in range(2)]
+    worst = 0.0
+    for step in range(8):
+        a, w = sets[step % 2]
+        a.copy_(_fresh(a.shape, 100 * step + rank, dev))
+        w.copy_(_fresh(w.shape, step + (0 if kind == "ag" else 7 * rank), dev))
+        out = op(a, w)
+        if kind == "ag":
+            ref = torch.cat(_gather(a)).double() @ w.double().cpu()
+        else:
+            ref = sum(x.double() @ y.double() for x, y in zip(_gather(a), _gather(w)))[rank * rows:(rank + 1) * rows]
+        worst = max(worst, _rel(out, ref))
+        del out
+    op.check_errors()
+    graphs = op.num_graphs
+    op.close()
+    assert worst < TOL, worst
+    assert graphs >= 2, f"{graphs} graph(s): the calls were not replayed, so the key was not tested"
+    return f"rel={worst:.1e}, {graphs} graphs"
+
+
 def _mlp(c, pool_bytes_per_mlp, compiled=False, graphed=False, ag_method="decomposed", rs_method="pair", fp8=False):
     """TPMLP forward + backward against the fp64 oracle; optionally a whole step captured and replayed."""
     import dataclasses
@@ -499,6 +537,8 @@ def _checks(rank, world, full):
         for kind, method in [("ag", "decomposed"), ("ag", "fused"), ("rs", "fused"), ("rs", "epilogue_reduce"),
                              ("rs", "decomposed")] + ([("rs", "pair")] if world == 2 else []):
             c.run(f"eager replays {kind} {method}", lambda k=kind, m=method: _replays(c, pool, k, m))
+        for kind, method in (("ag", "decomposed"), ("rs", "fused")):
+            c.run(f"eager replays keyed by tensors {kind} {method}", lambda k=kind, m=method: _replay_keys(c, pool, k, m))
         pool.barrier()
     if full:
         c.run("TPMLP fwd+bwd decomposed/pair", lambda: _mlp(c, 0, rs_method="pair" if world == 2 else "decomposed"))
