@@ -10,12 +10,15 @@ layout (`kn`: B row-major [K, N]; `nk`: B = w.t() of an nn.Linear weight [N, K])
 * `ag_fused`             AgGemm method fused (the chunk-waiting consumer; every chunk flag already set), on all SMs;
 * `rs_fused`             GemmRs method fused, on num_sms - --rs-sm-margin programs (the SMs its reduction keeps);
 * `rs_epilogue_reduce`   GemmRs method epilogue_reduce, on all SMs (its reduction is the GEMM's epilogue; GPU only);
+* `ag_fused_fp8`         AgGemm fused with fp8=True (rows quantised as they are gathered, 1x128 / 128x128 scales),
+                         `nk` only (an nn.Linear weight) and K a multiple of 128;
 
-each next to cuBLAS (`torch.mm` on the same operands, the same carveout), checked first against it on a
-NaN-poisoned output (relative error <= 1e-2), timed interleaved with L2 flushed and the device held busy
-before each call (device time, as the GEMM bench). Rows carry `op_over_cublas` = cuBLAS time / op time; the
-summary per variant gives the median, the minimum at M >= 4096 and everywhere, and whether the targets hold
-(median >= 0.97, every M >= 4096 point >= 0.90, every point >= 0.85).
+each next to cuBLAS on the same operands with the same carveout (`torch.mm`; for FP8 `torch._scaled_mm` on the
+same quantised values and scales, the CPU: their dequantised product), checked first against it (relative
+error <= 1e-2), timed interleaved with L2 flushed and the device held busy before each call (device time, as
+the GEMM bench). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant gives the median,
+the minimum at M >= 4096 and everywhere, and whether the targets hold (bf16: median >= 0.97, every M >= 4096
+point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
-from tp_overlap.gemm import choose_blocks, gpu_name, num_sms, release_workspaces, sm_carveout
+from tp_overlap.gemm import (choose_blocks, choose_fp8_blocks, gpu_name, num_sms, quantize_activation,
+                             quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
@@ -39,7 +43,8 @@ from .canary import operands
 
 REL_TOLERANCE = 1e-2
 TARGETS = {"median": 0.97, "min_at_m_4096": 0.90, "min": 0.85}
-VARIANTS = ("ag_fused", "rs_fused", "rs_epilogue_reduce")
+FP8_TARGETS = {"median": 0.95}
+VARIANTS = ("ag_fused", "rs_fused", "rs_epilogue_reduce", "ag_fused_fp8")
 PER_CALL_OVERHEAD_S = 6e-4
 
 
@@ -49,7 +54,8 @@ def run_ops(args, *, dev: torch.device, device_name: str, points: list[tuple[str
     out = args.out or str(run_dir("gemm_bench") / f"gemm_fused_{device_slug(device_name)}.json")
     rows, skipped = [], []
     with _OneRank(dev, max_m=max(p[3] for p in points), rs_sm_margin=args.rs_sm_margin) as ops:
-        work = [(p, layout, v) for p in points for layout in args.layouts for v in _variants(p[1], dev)]
+        work = [(p, layout, v) for p in points for layout in args.layouts for v in _variants(p[1], dev)
+                if v != "ag_fused_fp8" or (layout == "nk" and p[5] % 128 == 0)]
         for i, ((layer, op_name, world, m, n, k), layout, variant) in enumerate(work):
             estimate = 2 * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S)
             if time.monotonic() - started + estimate > args.time_budget_s:
@@ -69,7 +75,8 @@ def run_ops(args, *, dev: torch.device, device_name: str, points: list[tuple[str
 def _variants(op_name: str, dev: torch.device) -> tuple[str, ...]:
     """An AllGather layer's shape runs AgGemm, a ReduceScatter layer's GemmRs, a given shape (--shapes) both;
     epilogue_reduce only on a GPU (its own rows wait inside the GEMM, which the interpreter cannot run)."""
-    names = {"ag_gemm": ("ag_fused",), "gemm_rs": ("rs_fused", "rs_epilogue_reduce")}.get(op_name, VARIANTS)
+    names = {"ag_gemm": ("ag_fused", "ag_fused_fp8"), "gemm_rs": ("rs_fused", "rs_epilogue_reduce")}.get(op_name,
+                                                                                                   VARIANTS)
     return tuple(v for v in names if dev.type == "cuda" or v != "rs_epilogue_reduce")
 
 
@@ -107,9 +114,10 @@ class _OneRank:
         key = (variant, k if variant.startswith("ag") else n)
         if key not in self.ops:
             name = f"bench.{variant}.{key[1]}"
-            if variant == "ag_fused":
+            if variant.startswith("ag"):
                 self.ops[key] = AgGemm(group=self.group, pool=self.pool, max_m=self.max_m, k=k, n_local=None,
-                                       dtype=torch.bfloat16, config=AgGemmConfig(method="fused"), name=name)
+                                       dtype=torch.bfloat16, config=AgGemmConfig(method="fused"), name=name,
+                                       fp8=variant == "ag_fused_fp8")
             else:
                 margin = self.margin(variant)  # fused: its reduction runs on the SMs the GEMM leaves
                 config = GemmRsConfig(method=variant[3:], sm_margin=margin, num_comm_sms=margin or None)
@@ -122,24 +130,22 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
              seed: int) -> dict:
     op, margin = ops.op(variant, n, k), ops.margin(variant)
     a, b = operands(m, n, k, layout, ops.dev, seed=seed)
-    if variant == "ag_fused":
+    if variant.startswith("ag"):
         op.all_gather(a)  # compute_alone reads the rows the gather left in the pool
-    ref = torch.mm(a, b)
+    ref, cublas = _baseline(variant, a, b, margin)
     got = op.compute_alone(a, b)
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     if not err <= REL_TOLERANCE:
         raise RuntimeError(f"{variant} {layer}@tp{world} M={m} {layout}: relative error {err:.3g} vs cuBLAS")
-    out_c = torch.full_like(ref, float("nan"))
-
-    def cublas():
-        with sm_carveout(margin):
-            torch.mm(a, b, out=out_c)
     stats = bench_interleaved({"cublas": cublas, "op": lambda: op.compute_alone(a, b)}, group=None,
                               device=ops.dev, warmup=3, reps=args.reps, hold_device_us=args.hold_us)
     release_workspaces()
     programs = num_sms(ops.dev) - margin if ops.dev.type == "cuda" else None
-    blocks = choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu_name(ops.dev), device_type=ops.dev.type,
-                           warp_specialize=False, sm_count=programs)
+    if variant == "ag_fused_fp8":
+        blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=ops.dev.type, gpu=gpu_name(ops.dev))
+    else:
+        blocks = choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu_name(ops.dev),
+                               device_type=ops.dev.type, warp_specialize=False, sm_count=programs)
     t_cublas, t_op = stats["cublas"].median_ms, stats["op"].median_ms
     row = {"variant": variant, "layer": layer, "tp": world, "layout": layout, "M": m, "N": n, "K": k,
            "sm_margin": margin, "blocks": blocks.name, "rel_err": err, "t_cublas_ms": t_cublas, "t_op_ms": t_op,
@@ -147,6 +153,22 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
     for name, s in stats.items():
         row.update(s.as_dict(f"{name}_"))
     return row
+
+
+def _baseline(variant: str, a: torch.Tensor, b: torch.Tensor, margin: int):
+    """(reference output, the cuBLAS call to time): torch.mm under the op's carveout; for FP8 torch._scaled_mm
+    on the values and scales the op quantises to (the same functions), the CPU their dequantised product."""
+    if variant == "ag_fused_fp8":
+        a8, a_scales = quantize_activation(a)
+        w8, w_scales = quantize_weight(b.t())
+        return (scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales),
+                lambda: scaled_mm_reference(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales))
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
+
+    def cublas():
+        with sm_carveout(margin):
+            torch.mm(a, b, out=out)
+    return torch.mm(a, b), cublas
 
 
 def summarize_ops(rows: list[dict]) -> dict:
@@ -161,7 +183,8 @@ def summarize_ops(rows: list[dict]) -> dict:
         s = {"n": len(ratios), "median": statistics.median(ratios), "min": min(ratios),
              "min_at_m_4096": min(large) if large else None,
              "below_0.90_at_m_4096": sum(v < 0.90 for v in large), "below_0.85": sum(v < 0.85 for v in ratios)}
-        s["targets_met"] = {name: s[name] is None or s[name] >= bound for name, bound in TARGETS.items()}
+        targets = FP8_TARGETS if variant == "ag_fused_fp8" else TARGETS
+        s["targets_met"] = {name: s[name] is None or s[name] >= bound for name, bound in targets.items()}
         out[variant] = s
     return out
 
@@ -180,4 +203,5 @@ def _print_summary(rows: list[dict], skipped: list[dict], out) -> None:
 def _write(out, rows, skipped, args, device_name) -> None:
     write_results(out, rows, device=device_name, tp=args.tp[0] if len(args.tp) == 1 else 0, extra={
         "op": "gemm_fused_ops", "tp_sizes": list(args.tp), "hold_device_us": args.hold_us, "reps": args.reps,
-        "rs_sm_margin": args.rs_sm_margin, "targets": TARGETS, "summary": summarize_ops(rows), "skipped": skipped})
+        "rs_sm_margin": args.rs_sm_margin, "targets": TARGETS, "fp8_targets": FP8_TARGETS,
+        "summary": summarize_ops(rows), "skipped": skipped})

@@ -84,14 +84,11 @@ class GemmRs(OpBase):
         self.row_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
         self._staging = torch.empty(max_m if methods & set(STAGED_METHODS) else 0, n, dtype=dtype, device=self.device)
-        # bulk=True: bulk()'s staging now, not at its first call, which may run inside a warm-up whose
-        # allocations must not outlive it (torch.compile's CUDA-graph trees check exactly that)
+        # now, not at a first call inside a warm-up that no allocation may outlive (CUDA-graph trees check)
         self._bulk_staging = torch.empty(max_m, n, dtype=dtype, device=self.device) if bulk else None
         self._tile_counters = torch.zeros(-(-max_m // ROW_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
-        # the scatter epilogues' address tables now, for the same reason (the pool builds them once)
-        if methods & {"fused", "epilogue_reduce"}:
-            pool.ptr_table(self.flags.region)
-            pool.ptr_table(self.flags.region, device_flags=True)
+        if methods & {"fused", "epilogue_reduce"}:   # the scatter epilogues' address tables now, likewise
+            self._tables = pool.ptr_table(self.flags.region), pool.ptr_table(self.flags.region, device_flags=True)
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -230,10 +227,9 @@ class GemmRs(OpBase):
             program.give(lane, self.flags.free(self.rank), source)
 
     def _scatter(self, m: int) -> Scatter:
-        return Scatter(dst_ptrs=self.pool.ptr_table(self.flags.region),
-                       flag_ptrs=self.pool.ptr_table(self.flags.region, device_flags=True),
-                       tile_counters=self._tile_counters, rows_per_rank=m // self.world_size, src_rank=self.rank,
-                       flags_per_source=self.flags_per_source, error_words=self.pool.error_words(),
+        return Scatter(dst_ptrs=self._tables[0], flag_ptrs=self._tables[1], tile_counters=self._tile_counters,
+                       rows_per_rank=m // self.world_size, src_rank=self.rank, flags_per_source=self.flags_per_source,
+                       error_words=self.pool.error_words(),
                        error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
 
     def _gemm_blocks(self, key: RsPlanKey, programs: int):
@@ -367,7 +363,7 @@ class GemmRs(OpBase):
         self._give_free(program, REDUCE)
 
     def _release(self) -> None:
-        self.partials = self.row_flags = self._staging = self._bulk_staging = None
+        self.partials = self.row_flags = self._staging = self._bulk_staging = self._tables = None
 
     def _mm_into(self, lo: int, rows: int, dst, margin: int):
         """A GEMM step: dst(call) = a[lo:lo + rows] @ w (cuBLAS on num_sms - margin SMs; fp8: the FP8 GEMM on

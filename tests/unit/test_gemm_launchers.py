@@ -93,11 +93,13 @@ def test_tuner_resumes_where_a_run_stopped_and_compiles_in_parallel(tmp_path):
 
 def test_ops_bench_times_each_fused_op_against_cublas_and_summarises_the_targets(tmp_path):
     out = tmp_path / "ops.json"
-    assert gemm_bench.main(COMMON + ["--ops", "--shapes", "256x96x64", "--rs-sm-margin", "1", "--out", str(out)]) == 0
+    assert gemm_bench.main(COMMON + ["--ops", "--shapes", "256x96x128", "--rs-sm-margin", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = {(r["variant"], r["layout"]): r for r in doc["rows"]}
-    # epilogue_reduce needs a GPU: on CPU the AllGather consumer and the scatter GEMM, both layouts
-    assert set(rows) == {(v, layout) for v in ("ag_fused", "rs_fused") for layout in ("kn", "nk")}
+    # epilogue_reduce needs a GPU: on CPU the AllGather consumer and the scatter GEMM, both layouts, and the
+    # FP8 AllGather consumer with an nn.Linear weight (against the dequantised product on CPU)
+    assert set(rows) == {(v, layout) for v in ("ag_fused", "rs_fused") for layout in ("kn", "nk")} | {
+        ("ag_fused_fp8", "nk")}
     for (variant, _), row in rows.items():
         assert row["rel_err"] <= 1e-2 and row["op_over_cublas"] == row["t_cublas_ms"] / row["t_op_ms"]
         assert row["sm_margin"] == (1 if variant == "rs_fused" else 0)
