@@ -353,7 +353,7 @@ class SymmetricPool(PoolFailures):
         an op's `return_gathered`) keeps its memory mapped: it reads stale data after close, never faults."""
         self._close(None)
 
-    def _close(self, reason: str | None) -> None:
+    def _close(self, reason: str | None, *, meet: bool = True) -> None:
         global _live_pools
         if self._closed:
             return
@@ -361,7 +361,7 @@ class SymmetricPool(PoolFailures):
             raise PoolError("SymmetricPool.close() while an op call on it is in flight; close after the call "
                             "returns")
         failed = self._waits.failed()
-        if not failed and not self.lost_peers() and self._rendezvous.out_of_step is None:
+        if meet and not failed and not self.lost_peers() and self._rendezvous.out_of_step is None:
             try:  # a slower peer may still be reading this rank's memory (its last pull)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -394,4 +394,7 @@ class SymmetricPool(PoolFailures):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # Ctrl-C ends the process; a peer in a blocking call of another group waits for this rank's exit
+            return self._close("interrupted", meet=False)
         self._close(f"it left its pool block with {exc_type.__name__}: {exc}" if exc_type is not None else None)

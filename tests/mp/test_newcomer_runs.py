@@ -103,11 +103,10 @@ def test_ctrl_c_under_torchrun_prints_one_line_per_rank(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     lines = log.read_text().splitlines()
-    counts = [lines.count(f"{PROG}: rank {rank}: interrupted (Ctrl-C)") for rank in (0, 1)]
-    # One line per rank as a rule. Under load a rank can be inside a blocking call that Python's signal
-    # handler cannot interrupt when SIGINT lands; torchrun then kills it after 30 s and it prints nothing
-    # (seen about 1 run in 4 with the CPUs busy). At most one line each, and never a traceback of ours.
-    assert max(counts) == 1, (counts, lines[-60:])   # none twice, and at least one rank said it
+    for rank in (0, 1):
+        # a rank whose peer sits in a blocking collective of the baseline's group leaves its pool without
+        # the close barrier (SymmetricPool.__exit__ on KeyboardInterrupt), so that peer's call ends with it
+        assert lines.count(f"{PROG}: rank {rank}: interrupted (Ctrl-C)") == 1, lines[-60:]
     # no traceback of ours: the one left is torchrun's own (its agent raises SignalException)
     assert sum(line.startswith("Traceback") for line in lines) <= 1, lines[-60:]
     assert not any("KeyboardInterrupt" in line for line in lines), lines[-60:]
