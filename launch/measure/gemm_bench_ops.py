@@ -92,8 +92,8 @@ class _OneRank:
         if self.own_group:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.group = dist.group.WORLD
-        # the largest op: a gathered A of max_m x 28672 bf16 rows would be 0.9 GiB at M = 16384; 4 GiB holds
-        # the two or three ops alive at once with room for their flags and staging
+        # the ops alive at once: per variant one per hidden size (AgGemm's K, GemmRs's N), each region at most
+        # [16384, 8192] bf16 = 256 MiB (llama70b): 4 GiB holds the eight of a full sweep with their flags
         self.pool = SymmetricPool((4 << 30) if self.dev.type == "cuda" else (256 << 20), group=self.group,
                                   device=self.dev)
         return self
