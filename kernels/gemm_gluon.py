@@ -7,8 +7,11 @@ descriptors: A in blocks [128, BLOCK_K] ([64, BLOCK_K] for 192-row tiles), B in 
 and K and clips the store, so whole tiles need no masks.
 
     gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                                       workspace, counters, NUM_STAGES=..., B_TRANSPOSED=..., CONSUMERS=...,
-                                       num_warps=4)
+                                       workspace, counters, chunk_args, NUM_STAGES=..., B_TRANSPOSED=...,
+                                       CONSUMERS=..., num_warps=4)
+
+AllGather consumer (``chunk_args``, kernels/gemm_gluon_wait.py): the producer warp waits for the chunk flags of
+a work item's rows before its first load; ``chunk_args[1] == 0`` (chunks per rank) means no wait.
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
 persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
@@ -46,6 +49,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+from .gemm_gluon_wait import wait_chunk_rows
 
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
@@ -85,9 +90,10 @@ def _work_item(item, num_whole_tiles, splits, num_k):
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    B_TRANSPOSED: gl.constexpr):
+                    chunk_args, B_TRANSPOSED: gl.constexpr):
     """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
-    every consumer warpgroup has released it."""
+    every consumer warpgroup has released it; with chunk waits, each item's A rows only once their chunks
+    arrived (kernels/gemm_gluon_wait.py)."""
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -100,9 +106,14 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
     num_k = gl.cdiv(K, BLOCK_K)
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     step = 0
+    waits = chunk_args[1] > 0
+    chunks_ready = waits
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        if waits:
+            first_row = row_block * BLOCK_M
+            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
         for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
@@ -283,9 +294,10 @@ def _mma2_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_off
 
 
 @gluon.jit
-def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits):
+def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+            chunk_args):
     _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    False)
+                    chunk_args, False)
 
 
 @gluon.jit
@@ -304,14 +316,15 @@ def _mma2_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_off
 
 
 @gluon.jit
-def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits):
+def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+            chunk_args):
     _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    True)
+                    chunk_args, True)
 
 
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
 def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, workspace, counters,
-                      NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, CONSUMERS: gl.constexpr = 2,
+                      chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, CONSUMERS: gl.constexpr = 2,
                       LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
@@ -344,7 +357,8 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
 
     split_args = (num_whole_tiles, splits, workspace, counters)
     mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
-    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
+                 chunk_args)
     # the 64K registers of the SM, shared (setmaxnreg): 2 consumer warpgroups get 232 each; 3 (416 threads with the
     # producer warp: at most 157 each) get 152
     MMA_REGS: gl.constexpr = 232 if CONSUMERS == 2 else 152

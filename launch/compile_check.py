@@ -38,6 +38,14 @@ def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature, constants, attrs = _signature(fn, types, constexprs)
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _signature(fn, types: dict, constexprs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constants, attrs) of `fn` for an ASTSource (see `compile_for_target`)."""
     signature, attrs, constants = {}, {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -56,9 +64,7 @@ def compile_for_target(fn, types: dict, constexprs: dict, *, num_warps: int, num
             signature[name] = _typed(types[name], (index,), attrs)
         else:
             raise KeyError(f"{fn.__name__}: no type or value for argument {name!r}")
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return signature, constants, attrs
 
 
 def _typed(kind: str, path: tuple, attrs: dict) -> str:
@@ -92,6 +98,7 @@ def resource_usage(compiled) -> dict:
 _GEMM_TYPES = {"M": "i32", "N": "i32:16", "K": "i32:16", "strides": ("i32:16", "i32:16", "i32:16"),
                "tile_row_offset": "i32", "rows_per_rank": "i32", "src_rank": "i32"}
 _CHUNK_WAIT = ("*i32:16", "i32", "*i32:16", "i32", "i32")   # chunk flags, chunks_per_rank, error words, code, timeout
+_GLUON_CHUNK_ARGS = ("*i32:16", "i32", "i32", "*i32:16", "i32", "i64")  # kernels/gemm_gluon_wait.py's chunk_args
 
 
 def _gemm_config(blocks: GemmBlocks, **overrides):
@@ -163,12 +170,7 @@ def compile_gluon(fn, types: dict, constexprs: dict, *, num_warps: int, arch: in
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    signature, attrs, constants = {}, {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name], constants[(index,)] = "constexpr", constexprs[name]
-        else:
-            signature[name] = _typed(types[name], (index,), attrs)
+    signature, constants, attrs = _signature(fn, types, constexprs)
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
@@ -215,7 +217,7 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
                  b_desc=_gluon_descriptor(tma_shared_layout, dtype, [bn, bk] if b_transposed else [bk, bn]),
                  c_desc=_gluon_descriptor(tma_shared_layout, dtype, [64, bn]), M="i32", N="i32", K="i32",
                  tile_row_offset="i32", num_whole_tiles="i32", splits="i32", workspace="*fp32:16",
-                 counters="*i32:16")
+                 counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, LOAD_REGS=40)
     return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 

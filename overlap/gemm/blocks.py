@@ -29,6 +29,7 @@ kernels/gemm_gluon_boxes.py, B in two boxes, no `sk1`; FP8: kernels/gemm_fp8_glu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -40,6 +41,7 @@ from tp_overlap.ipc.errors import OverlapError
 from tp_overlap.kernels.constants import ROW_BLOCK_M
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
+           "chunk_wait_blocks", "gluon_heuristic_blocks",
            "load_block_table", "block_table_path", "block_table_name", "gpu_slug", "stream_k_tiles",
            "shared_memory_bytes", "LAYOUTS",
            "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
@@ -211,6 +213,29 @@ def _cdiv(a: int, b: int) -> int:
 def _wave_efficiency(tiles: int, sm_count: int) -> float:
     """Busy fraction of the programs over all waves of a persistent grid of `sm_count` programs."""
     return tiles / (_cdiv(tiles, sm_count) * sm_count)
+
+
+# The Gluon heuristic of a GPU without a table (the table's most frequent Gluon entries on an H200)
+GLUON_WIDE, GLUON_NARROW = "128x256x64w4s3gl", "128x128x64w4s6gl"
+
+
+def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks:
+    """`heuristic_blocks`' rule on the Gluon kernel: 128x256 tiles unless 128x128 fill the last wave of
+    `sm_count` programs clearly better."""
+    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
+    narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
+    return GemmBlocks.parse(GLUON_NARROW if narrow > wide + WAVE_MARGIN else GLUON_WIDE)
+
+
+def chunk_wait_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int) -> GemmBlocks:
+    """Blocks of the fused AllGather consumer on a GPU: the Gluon kernel, whose producer warp waits for the
+    chunks (kernels/gemm_gluon_wait.py). The table's entry where it names a one-box Gluon configuration, its
+    split tail dropped (every tile is whole: no per-stream workspace); else `gluon_heuristic_blocks`."""
+    table = load_block_table(gpu) if gpu else None
+    entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
+    if entry is not None and entry.blocks.gluon and not entry.blocks.gluon_boxes:
+        return dataclasses.replace(entry.blocks, stream_k=0)
+    return gluon_heuristic_blocks(m, n, sm_count=sm_count)
 
 
 def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm_count: int = 132) -> GemmBlocks:

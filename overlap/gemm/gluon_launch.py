@@ -11,7 +11,7 @@ import torch
 from tp_overlap.kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
-from .launch import tma_descriptor, tma_row_problems
+from .launch import ChunkWait, tma_descriptor, tma_row_problems
 from .workspaces import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
@@ -60,14 +60,28 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
+    """The kernel's chunk_args (kernels/gemm_gluon_wait.py); without a wait, 0 chunks per rank and placeholders
+    of the real arguments' types (never read), so that both launch the same compiled kernel."""
+    if wait is None:
+        placeholder = _placeholders(device)[1]
+        return placeholder, 0, 1, placeholder, 0, 1 << 40
+    return (wait.flags, wait.chunks_per_rank, wait.rows_per_rank, wait.error_words, wait.error_code_base,
+            int(wait.timeout_s * 1e9))
+
+
 def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, out: torch.Tensor, blocks: GemmBlocks,
-                      num_programs: int, tile_row_offset: int = 0) -> None:
+                      num_programs: int, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
     transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
     Blocks with `sk1` cut the last partial wave by K (`split_plan`); their workspace and counters belong to
-    the current stream (allocated on its first use there: warm up before a CUDA-graph capture)."""
+    the current stream (allocated on its first use there: warm up before a CUDA-graph capture).
+    `chunk_wait`: the fused AllGather consumer, each tile's A rows read once their chunk flags are SET
+    (`a` is the gathered [M, K]; not with `gluon_boxes` blocks)."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
 
+    if chunk_wait is not None and blocks.gluon_boxes:
+        raise ValueError(f"launch_gluon_gemm: blocks {blocks.name!r} (two B boxes) have no chunk wait")
     m, k = a.shape
     n = out.shape[1]
     if not (m and n):
@@ -97,7 +111,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     gluon_gemm_kernel[(programs,)](
         tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
         tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
-        NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
+        _chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
         num_warps=GLUON_NUM_WARPS)
 
 

@@ -1,7 +1,7 @@
 """The consumer side of an AgGemm plan: the steps that read the gathered rows. `decomposed`: cuBLAS GEMMs in
 the order of `plan_consumer_gemms`, each after the arrival of the rows it reads; `fused`: one persistent
-Triton GEMM whose tiles wait for their chunk's device flag; the weight-grad GEMMs of a row layer's backward.
-A mixin of AgGemm (it reads the op's pool views, flags and configuration)."""
+GEMM whose tiles wait for their chunk's device flag (on a GPU the Gluon kernel, its producer warp waiting);
+the weight-grad GEMMs of a row layer's backward. A mixin of AgGemm (it reads the op's pool views, flags and configuration)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import torch
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
+from ..gemm.blocks import chunk_wait_blocks
+from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
+from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
 from .program import COMPUTE, Program
 
@@ -78,15 +81,32 @@ class AgConsumers:
                 fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
                          num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
         else:
-            blocks = choose_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu,
-                                   device_type=self.device.type, warp_specialize=False,
-                                   sm_count=programs)
-            offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
-
-            def gemm(call) -> None:
-                launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=blocks,
-                            tile_row_offset=offset, chunk_wait=wait)
+            gemm = self._fused_bf16(key, gathered, programs, wait)
         program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)
+
+    def _fused_bf16(self, key, gathered: torch.Tensor, programs: int, wait: ChunkWait):
+        """The bf16 / fp16 fused consumer: on a GPU, the Gluon GEMM whose producer warp waits for the chunks
+        (`chunk_wait_blocks`); the plain @triton.jit GEMM for the interpreter, or for operands TMA cannot read
+        (checked per call: w and out are the call's)."""
+        m, rows = key.m, key.m // self.world_size
+        plain = choose_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                              device_type=self.device.type, warp_specialize=False, sm_count=programs)
+        plain_offset = ag_tile_row_offset(self.rank, rows, plain.block_m)
+        if not self._cuda:
+            return lambda call: launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=plain,
+                                            tile_row_offset=plain_offset, chunk_wait=wait)
+        blocks = chunk_wait_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs)
+        offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
+
+        def gemm(call) -> None:
+            b, _, b_transposed = b_operand(call.w)
+            if gluon_operand_problems(gathered, b, call.out):
+                launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=plain,
+                            tile_row_offset=plain_offset, chunk_wait=wait)
+            else:
+                launch_gluon_gemm(a=gathered, b=b, b_transposed=b_transposed, out=call.out, blocks=blocks,
+                                  num_programs=programs, tile_row_offset=offset, chunk_wait=wait)
+        return gemm
 
     def _lead_wgrad(self, program: Program, m: int, rows: int, margin: int) -> None:
         """grad = x[own rows]^T @ a_shard, before the GEMM over the gathered rows (overlaps the pulls)."""

@@ -1,0 +1,102 @@
+"""The AllGather consumer's chunk wait in the Gluon GEMM's producer warp (kernels/gemm_gluon.py).
+
+The same protocol as ``wait_for_chunks`` of the ``@triton.jit`` GEMM (kernels/gemm.py, WAIT_CHUNKS): before the
+first TMA load of a work item's A rows ``[first_row, last_row]``, every gathered chunk flag covering them is
+polled (acquire, scope sys) until it holds SET; chunk flags are owner-major and an owner's trailing chunks may
+be empty (never signalled, never read). Only the one producer warp waits: the consumer warpgroups wait on the
+ring's ``ready`` barriers as always, so the next tile's wait overlaps this tile's MMAs and stores.
+
+Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum of lane 0's result, so all
+32 lanes leave the loop at the same poll and take the same branch. The bound is a count of polls (about
+``timeout_ns``, kernels/flags.py), and a set abort word (another rank gave up) ends it early.
+
+Ordering: once the flag is seen, every lane performs one acquire of it itself (whichever lane issues the TMA
+copy is then ordered after the acquire), then ``fence.proxy.async.global`` orders the generic-proxy view
+before the async-proxy (TMA) loads.
+
+Failure: an expired wait records ``error_code_base + chunk`` (a flag holding another nonzero value records a
+mismatch) in the pool's control page and returns False. The producer cannot skip the tile (the consumers
+would wait for its ring slots for ever), so it loads the rows anyway and stops waiting for later tiles: the
+kernel finishes promptly with wrong rows, and the pool's watchdog aborts the group and raises on every rank.
+
+``chunk_args`` is (chunk_flags_ptr, chunks_per_rank, rows_per_rank, error_ptr, error_code_base, timeout_ns);
+``chunks_per_rank == 0`` means no wait (a plain GEMM: nothing else is read).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .constants import MISMATCH_BIT, SET
+
+SET_FLAG = gl.constexpr(SET)
+MISMATCH_FLAG_BIT = gl.constexpr(MISMATCH_BIT)
+POLL_NS = gl.constexpr(250)  # as kernels/flags.py: the bound in polls is timeout_ns // POLL_NS
+ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip)
+
+__all__ = ["wait_chunk_rows"]
+
+
+@gluon.jit
+def _lanes():
+    return gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+
+
+@gluon.jit
+def _lane0_atomic_read(ptr, lane):
+    """*ptr read by an acquire atomic (scope sys) of lane 0, the same value in every lane."""
+    seen = gl.atomic_add(ptr + lane * 0, lane * 0, mask=lane == 0, sem="acquire", scope="sys")
+    return gl.max(gl.where(lane == 0, seen, -(1 << 30)), axis=0)
+
+
+@gluon.jit
+def _warp_load(ptr, lane):
+    """A volatile load of host memory (no atomics over PCIe) that every lane agrees on."""
+    return gl.max(gl.load(ptr + lane * 0, volatile=True), axis=0)
+
+
+@gluon.jit
+def _await_chunk(flag_ptr, code, error_ptr, timeout_ns, lane):
+    """Poll one chunk flag until it is nonzero (bounded); record an expired or disagreeing wait. True when it
+    holds SET."""
+    seen = _lane0_atomic_read(flag_ptr, lane)
+    polls = seen * 0
+    abort = seen * 0
+    max_polls = timeout_ns // POLL_NS
+    while (seen == 0) & (polls < max_polls) & (abort == 0):
+        seen = _lane0_atomic_read(flag_ptr, lane)
+        polls += 1
+        if polls % ABORT_EVERY == 0:
+            abort = _warp_load(error_ptr + 2, lane)
+    first = lane == 0
+    if seen == 0:
+        if _warp_load(error_ptr, lane) == 0:
+            gl.store(error_ptr + 1 + lane * 0, lane * 0 + 1, mask=first)
+            gl.store(error_ptr + lane * 0, lane * 0 + code, mask=first)
+    elif seen != SET_FLAG:
+        if _warp_load(error_ptr, lane) == 0:
+            gl.store(error_ptr + 3 + lane * 0, lane * 0 + seen, mask=first)
+            gl.store(error_ptr + 1 + lane * 0, lane * 0 + SET_FLAG, mask=first)
+            gl.store(error_ptr + lane * 0, lane * 0 + (code | MISMATCH_FLAG_BIT), mask=first)
+    return seen == SET_FLAG
+
+
+@gluon.jit
+def wait_chunk_rows(chunk_args, first_row, last_row, ready):
+    """Wait (bounded) for every chunk flag holding gathered rows [first_row, last_row], unless an earlier wait
+    of this program failed (`ready` False: the rows are loaded without waiting). Returns `ready` for the next
+    tile. Called by the producer warp only, before the tile's first TMA load of A."""
+    flags, chunks_per_rank, rows_per_rank, error_ptr, error_code_base, timeout_ns = chunk_args
+    lane = _lanes()
+    if ready:
+        rows_per_chunk = gl.cdiv(rows_per_rank, chunks_per_rank)
+        first_chunk = (first_row // rows_per_rank) * chunks_per_rank + (first_row % rows_per_rank) // rows_per_chunk
+        last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
+        for chunk in range(first_chunk, last_chunk + 1):
+            # an owner's trailing chunks can be empty (9 rows in 4 chunks of 3): nobody signals those
+            if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
+                ready = _await_chunk(flags + chunk, error_code_base + chunk, error_ptr, timeout_ns, lane)
+                if ready:  # every lane acquires once itself: the TMA issuer is ordered after the flag
+                    gl.atomic_add(flags + chunk + lane * 0, lane * 0, sem="acquire", scope="sys")
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    return ready
