@@ -227,11 +227,12 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks
     return GemmBlocks.parse(GLUON_NARROW if narrow > wide + WAVE_MARGIN else GLUON_WIDE)
 
 
-def chunk_wait_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int) -> GemmBlocks:
+def chunk_wait_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
+                      table: BlockTable | None = None) -> GemmBlocks:
     """Blocks of the fused AllGather consumer on a GPU: the Gluon kernel, whose producer warp waits for the
     chunks (kernels/gemm_gluon_wait.py). The table's entry where it names a one-box Gluon configuration, its
     split tail dropped (every tile is whole: no per-stream workspace); else `gluon_heuristic_blocks`."""
-    table = load_block_table(gpu) if gpu else None
+    table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
     if entry is not None and entry.blocks.gluon and not entry.blocks.gluon_boxes:
         return dataclasses.replace(entry.blocks, stream_k=0)
