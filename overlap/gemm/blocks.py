@@ -41,7 +41,7 @@ from tp_overlap.ipc.errors import OverlapError
 from tp_overlap.kernels.constants import ROW_BLOCK_M
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
-           "chunk_wait_blocks", "gluon_heuristic_blocks",
+           "fused_gluon_blocks", "gluon_heuristic_blocks",
            "load_block_table", "block_table_path", "block_table_name", "gpu_slug", "stream_k_tiles",
            "shared_memory_bytes", "LAYOUTS",
            "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
@@ -227,14 +227,16 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks
     return GemmBlocks.parse(GLUON_NARROW if narrow > wide + WAVE_MARGIN else GLUON_WIDE)
 
 
-def chunk_wait_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
-                      table: BlockTable | None = None) -> GemmBlocks:
-    """Blocks of the fused AllGather consumer on a GPU: the Gluon kernel, whose producer warp waits for the
-    chunks (kernels/gemm_gluon_wait.py). The table's entry where it names a one-box Gluon configuration, its
-    split tail dropped (every tile is whole: no per-stream workspace); else `gluon_heuristic_blocks`."""
+def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
+                       block_m: int | None = None, table: BlockTable | None = None) -> GemmBlocks:
+    """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose producer warp waits for the
+    chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
+    names a one-box Gluon configuration (of `block_m` rows if given), its split tail dropped (every tile is
+    whole: no per-stream workspace); else `gluon_heuristic_blocks`."""
     table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
-    if entry is not None and entry.blocks.gluon and not entry.blocks.gluon_boxes:
+    if entry is not None and entry.blocks.gluon and not entry.blocks.gluon_boxes and \
+            block_m in (None, entry.blocks.block_m):
         return dataclasses.replace(entry.blocks, stream_k=0)
     return gluon_heuristic_blocks(m, n, sm_count=sm_count)
 

@@ -10,7 +10,7 @@ import torch
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
-from ..gemm.blocks import chunk_wait_blocks
+from ..gemm.blocks import fused_gluon_blocks
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
@@ -86,7 +86,7 @@ class AgConsumers:
 
     def _fused_bf16(self, key, gathered: torch.Tensor, programs: int, wait: ChunkWait):
         """The bf16 / fp16 fused consumer: on a GPU, the Gluon GEMM whose producer warp waits for the chunks
-        (`chunk_wait_blocks`); the plain @triton.jit GEMM for the interpreter, or for operands TMA cannot read
+        (`fused_gluon_blocks`); the plain @triton.jit GEMM for the interpreter, or for operands TMA cannot read
         (checked per call: w and out are the call's)."""
         m, rows = key.m, key.m // self.world_size
         plain = choose_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu,
@@ -95,7 +95,7 @@ class AgConsumers:
         if not self._cuda:
             return lambda call: launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=plain,
                                             tile_row_offset=plain_offset, chunk_wait=wait)
-        blocks = chunk_wait_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs)
+        blocks = fused_gluon_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs)
         offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
 
         def gemm(call) -> None:

@@ -29,6 +29,7 @@ from tp_overlap.symm_mem.regions import RegionSpec
 
 from ..gemm import (Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, padded_scale_groups,
                      scale_groups)
+from ..gemm.gluon_launch import gluon_placeholders
 from . import protocol
 from .ag_chunks import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .protocol import ring_order
@@ -82,6 +83,8 @@ class AgGemm(AgConsumers, OpBase):
         self._row_bytes = self.gathered.stride(0) * self.gathered.element_size()
         self.chunk_flags = pool.device_flags(self.flags.region)
         protocol.initialise(pool, self.flags)
+        if self.device.type == "cuda":  # the fused GEMM's unused arguments: now, not inside a torch.compile warm-up
+            gluon_placeholders(self.device)
         # bumped by every call that stamps its gathered input (a column layer's forward): a backward that
         # reads the region later compares its stamp with it (custom_ops, save_gathered="view")
         self.version = torch.zeros(1, dtype=torch.int64, device=self.device)

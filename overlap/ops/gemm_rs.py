@@ -8,7 +8,7 @@ epilogue's, holding the call's M). Flags: protocol.py.
 
 Plans (config.method; the same stream operations eager, replayed or captured):
   fused:           wait free[o] (every owner reduced this rank's slot of the last call), one persistent
-                   Triton GEMM on num_sms - sm_margin programs storing each tile into its owner's slot and
+                   GEMM (Gluon on a GPU: rs_scatter.py) on num_sms - sm_margin programs storing each tile into its owner's slot and
                    writing M into the row block's device flag; on a side stream a reduction kernel on
                    num_comm_sms programs waits until each row block's W flags hold M and sums them into out;
                    then the flags are reset and free[me] raised on every source.
@@ -29,16 +29,13 @@ Every wait of the push path is a memory operation: the copy engine starts while 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
-from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
+from tp_overlap.kernels.constants import EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
 from tp_overlap.symm_mem.regions import RegionSpec
 
-from ..gemm import (Fp8WeightCache, Scatter, choose_blocks, fp8_gemm, launch_gemm, launch_reduce, num_sms,
-                    quantize_activation, sm_carveout)
+from ..gemm import Fp8WeightCache, fp8_gemm, launch_gemm, launch_reduce, num_sms, quantize_activation, sm_carveout
 from . import protocol
 from .protocol import ring_order
 from .base import OpBase
@@ -46,6 +43,8 @@ from .calls import RsCall, RsPlanKey
 from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .program import COMPUTE, Program
+from .rs_scatter import RsScatterGemms
+from ..gemm.gluon_launch import gluon_placeholders
 
 __all__ = ["GemmRs"]
 
@@ -53,7 +52,7 @@ COMM, REDUCE = "comm", "reduce"
 STAGED_METHODS = ("decomposed", "pair")
 
 
-class GemmRs(OpBase):
+class GemmRs(RsScatterGemms, OpBase):
     """Op context built once per (group, pool, max_m, k_local, n, dtype, config); call it many times.
 
     `config` is a GemmRsConfig, or an OpPreset of them (`by_m` buckets: each call runs the config of its M).
@@ -89,6 +88,7 @@ class GemmRs(OpBase):
         self._tile_counters = torch.zeros(-(-max_m // ROW_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
         if methods & {"fused", "epilogue_reduce"}:   # the scatter epilogues' address tables now, likewise
             self._tables = pool.ptr_table(self.flags.region), pool.ptr_table(self.flags.region, device_flags=True)
+            gluon_placeholders(self.device)  # the Gluon GEMM's unused arguments, likewise
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -226,17 +226,6 @@ class GemmRs(OpBase):
         for source in self._peers():
             program.give(lane, self.flags.free(self.rank), source)
 
-    def _scatter(self, m: int) -> Scatter:
-        return Scatter(dst_ptrs=self._tables[0], flag_ptrs=self._tables[1], tile_counters=self._tile_counters,
-                       rows_per_rank=m // self.world_size, src_rank=self.rank, flags_per_source=self.flags_per_source,
-                       error_words=self.pool.error_words(),
-                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
-
-    def _gemm_blocks(self, key: RsPlanKey, programs: int):
-        blocks = choose_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
-                               device_type=self.device.type, warp_specialize=False, sm_count=programs)
-        return dataclasses.replace(blocks, block_m=ROW_BLOCK_M)
-
     def _used_row_flags(self, rows: int) -> torch.Tensor:
         """The device flags a call of `rows` rows per rank sets on this owner, [W, used] (for the host driver)."""
         used = ((self.rank + 1) * rows - 1) // ROW_BLOCK_M - (self.rank * rows) // ROW_BLOCK_M + 1
@@ -245,13 +234,9 @@ class GemmRs(OpBase):
     def _fused(self, program: Program, key: RsPlanKey, config) -> None:
         m, rows = key.m, key.m // self.world_size
         programs = self.num_sms - config.sm_margin
-        blocks, scatter = self._gemm_blocks(key, programs), self._scatter(m)
         self._take_free(program, COMPUTE)
         offset = ((self.rank + 1) % self.world_size) * rows // ROW_BLOCK_M  # owners interleave across ranks
-        own = self._slots(self.rank, rows)[0]
-        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs,
-                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER, tile_row_offset=offset,
-                                                     scatter=scatter))
+        program.run(COMPUTE, self._scatter_gemm(key, programs, offset))
         if not self._cuda:
             program.await_device(REDUCE, self._used_row_flags(rows), value=m,
                                  code=self.pool.device_error_code(self.flags.region, 0))

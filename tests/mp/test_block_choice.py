@@ -11,7 +11,7 @@ from tests.multiproc import run_ranks
 
 def _recorded_choices(rank, world):
     import tp_overlap.ops.ag_consumers as ag_consumers
-    import tp_overlap.ops.gemm_rs as gemm_rs_module
+    import tp_overlap.ops.rs_scatter as gemm_rs_module
     from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
     from tp_overlap.ops.ag_gemm import AgGemm
     from tp_overlap.ops.gemm_rs import GemmRs

@@ -4,7 +4,7 @@
 import pytest
 
 from tp_overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
-                                  block_table_path, choose_blocks, chunk_wait_blocks, heuristic_blocks, load_block_table,
+                                  block_table_path, choose_blocks, fused_gluon_blocks, heuristic_blocks, load_block_table,
                                   parse_block_table, shared_memory_bytes, stream_k_tiles)
 from tp_overlap.launch.cli.shapes import ag_points, rs_points
 
@@ -95,14 +95,14 @@ def test_the_fused_allgather_consumer_gets_one_box_gluon_blocks_without_a_split_
                         GemmBlocks.parse("128x256x64w8s3")),
     ))
     choose = dict(gpu="x", sm_count=132, table=table)
-    assert chunk_wait_blocks(4096, 3072, 4096, b_transposed=False, **choose).name == "192x128x64w4s4gl"
-    assert chunk_wait_blocks(4096, 3072, 4096, b_transposed=True, **choose).name == "128x256x64w4s3gl"
-    assert chunk_wait_blocks(4096, 5120, 4096, b_transposed=False, **choose).name == "128x256x64w4s3gl"
+    assert fused_gluon_blocks(4096, 3072, 4096, b_transposed=False, **choose).name == "192x128x64w4s4gl"
+    assert fused_gluon_blocks(4096, 3072, 4096, b_transposed=True, **choose).name == "128x256x64w4s3gl"
+    assert fused_gluon_blocks(4096, 5120, 4096, b_transposed=False, **choose).name == "128x256x64w4s3gl"
     # no table: the heuristic's wave rule on Gluon tiles (M = 1024, N = 5120: narrow tiles fill the wave)
-    assert chunk_wait_blocks(1024, 5120, 8192, b_transposed=False, gpu="b300", sm_count=132).name == \
+    assert fused_gluon_blocks(1024, 5120, 8192, b_transposed=False, gpu="b300", sm_count=132).name == \
         "128x128x64w4s6gl"
     for entry in H200.entries:
-        got = chunk_wait_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h200",
+        got = fused_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h200",
                                 sm_count=116)
         assert got.gluon and not got.gluon_boxes and not got.stream_k and not got.problems(), (entry, got)
 

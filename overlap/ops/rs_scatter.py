@@ -1,0 +1,62 @@
+"""The scatter GEMMs of a GemmRs plan (`fused`, `epilogue_reduce`, `compute_alone` of both): their blocks,
+their `Scatter` record and, for `fused` on a GPU, the Gluon kernel (kernels/gemm_gluon_scatter.py) where the
+operands allow TMA, else the @triton.jit GEMM's EPILOGUE_SCATTER. A mixin of GemmRs (it reads the op's pool
+tables, counters and configuration)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tp_overlap.kernels.constants import EPILOGUE_SCATTER, ROW_BLOCK_M
+
+from ..gemm import Scatter, choose_blocks, launch_gemm
+from ..gemm.blocks import fused_gluon_blocks
+from ..gemm.gluon_launch import launch_gluon_scatter, scatter_descriptors
+from ..gemm.launch import tma_row_problems
+
+__all__ = ["RsScatterGemms"]
+
+
+class RsScatterGemms:
+    """GemmRs's scatter GEMMs (see the module docstring)."""
+
+    def _scatter(self, m: int) -> Scatter:
+        return Scatter(dst_ptrs=self._tables[0], flag_ptrs=self._tables[1], tile_counters=self._tile_counters,
+                       rows_per_rank=m // self.world_size, src_rank=self.rank, flags_per_source=self.flags_per_source,
+                       error_words=self.pool.error_words(),
+                       error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
+
+    def _gemm_blocks(self, key, programs: int):
+        """The @triton.jit GEMM's blocks: the plain entry, 128-row tiles (one row-block flag each)."""
+        blocks = choose_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                               device_type=self.device.type, warp_specialize=False, sm_count=programs)
+        return dataclasses.replace(blocks, block_m=ROW_BLOCK_M)
+
+    def _scatter_gemm(self, key, programs: int, offset: int):
+        """The fused plan's GEMM step: call -> a @ w stored into the owners' slots, row blocks published. On a GPU
+        the Gluon kernel (`fused_gluon_blocks`, 128-row tiles) when TMA can write every slab (checked once) and
+        read the call's operands (checked per call); else the @triton.jit GEMM."""
+        m, rows = key.m, key.m // self.world_size
+        scatter, plain = self._scatter(m), self._gemm_blocks(key, programs)
+        own = self._slots(self.rank, rows)[0]
+
+        def run_plain(call) -> None:
+            launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs, blocks=plain, epilogue=EPILOGUE_SCATTER,
+                        tile_row_offset=offset, scatter=scatter)
+        if not self._cuda:
+            return run_plain
+        blocks = fused_gluon_blocks(m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs,
+                                    block_m=ROW_BLOCK_M)
+        descriptors = scatter_descriptors([self._slots(owner, rows)[self.rank] for owner in range(self.world_size)],
+                                          blocks)
+        if descriptors is None:
+            return run_plain
+
+        def run(call) -> None:
+            w = call.w if call.w.is_contiguous() else call.w.t()
+            if tma_row_problems((("a", call.a), ("w", w))):
+                run_plain(call)
+            else:
+                launch_gluon_scatter(a=call.a, w=call.w, descriptors=descriptors, scatter=scatter, blocks=blocks,
+                                     num_programs=programs, tile_row_offset=offset)
+        return run
