@@ -32,6 +32,8 @@ import torch.distributed as dist
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.gemm import (choose_blocks, choose_fp8_blocks, gpu_name, num_sms, quantize_activation,
                              quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
+from tp_overlap.gemm.blocks import fused_gluon_blocks
+from tp_overlap.kernels.constants import ROW_BLOCK_M
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
@@ -141,11 +143,7 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
                               device=ops.dev, warmup=3, reps=args.reps, hold_device_us=args.hold_us)
     release_workspaces()
     programs = num_sms(ops.dev) - margin if ops.dev.type == "cuda" else None
-    if variant == "ag_fused_fp8":
-        blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=ops.dev.type, gpu=gpu_name(ops.dev))
-    else:
-        blocks = choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu_name(ops.dev),
-                               device_type=ops.dev.type, warp_specialize=False, sm_count=programs)
+    blocks = _op_blocks(variant, m, n, k, layout, ops.dev, programs)
     t_cublas, t_op = stats["cublas"].median_ms, stats["op"].median_ms
     row = {"variant": variant, "layer": layer, "tp": world, "layout": layout, "M": m, "N": n, "K": k,
            "sm_margin": margin, "blocks": blocks.name, "rel_err": err, "t_cublas_ms": t_cublas, "t_op_ms": t_op,
@@ -153,6 +151,19 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
     for name, s in stats.items():
         row.update(s.as_dict(f"{name}_"))
     return row
+
+
+def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.device, programs: int | None):
+    """The blocks the op's GEMM runs (as the ops choose them): on a GPU the Gluon kernel for the bf16 fused
+    AllGather consumer and the scatter GEMM (128-row tiles), the plain @triton.jit entry otherwise."""
+    gpu = gpu_name(dev)
+    if variant == "ag_fused_fp8":
+        return choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=dev.type, gpu=gpu)
+    if dev.type == "cuda" and variant in ("ag_fused", "rs_fused"):
+        return fused_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, sm_count=programs,
+                                  block_m=ROW_BLOCK_M if variant == "rs_fused" else None)
+    return choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, device_type=dev.type, warp_specialize=False,
+                         sm_count=programs)
 
 
 def _baseline(variant: str, a: torch.Tensor, b: torch.Tensor, margin: int):

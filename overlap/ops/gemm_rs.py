@@ -330,10 +330,7 @@ class GemmRs(RsScatterGemms, OpBase):
                 program.run(COMPUTE, self._mm_into(lo, rows, lambda call, lo=lo: call.out[lo:lo + rows],
                                                    config.sm_margin), local=True)
             return
-        programs = self.num_sms - config.sm_margin
-        blocks = self._gemm_blocks(key, programs)
-        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
-                                                     blocks=blocks), local=True)
+        program.run(COMPUTE, self._local_gemm(key, self.num_sms - config.sm_margin, config.method), local=True)
 
     def _comm_only(self, program: Program, key: RsPlanKey, config) -> None:
         m, rows = key.m, key.m // self.world_size

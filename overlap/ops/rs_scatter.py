@@ -11,8 +11,8 @@ from tp_overlap.kernels.constants import EPILOGUE_SCATTER, ROW_BLOCK_M
 
 from ..gemm import Scatter, choose_blocks, launch_gemm
 from ..gemm.blocks import fused_gluon_blocks
-from ..gemm.gluon_launch import launch_gluon_scatter, scatter_descriptors
-from ..gemm.launch import tma_row_problems
+from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm, launch_gluon_scatter, scatter_descriptors
+from ..gemm.launch import b_operand, tma_row_problems
 
 __all__ = ["RsScatterGemms"]
 
@@ -32,6 +32,29 @@ class RsScatterGemms:
                                device_type=self.device.type, warp_specialize=False, sm_count=programs)
         return dataclasses.replace(blocks, block_m=ROW_BLOCK_M)
 
+    def _local_gemm(self, key, programs: int, method: str):
+        """`compute_alone`'s step: the method's GEMM kernel, blocks and programs with a local store into out."""
+        plain = self._gemm_blocks(key, programs)
+
+        def run_plain(call) -> None:
+            launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs, blocks=plain)
+        if not self._cuda or method != "fused":
+            return run_plain
+        blocks = self._gluon_blocks(key, programs)
+
+        def run(call) -> None:
+            b, _, b_transposed = b_operand(call.w)
+            if gluon_operand_problems(call.a, b, call.out):
+                run_plain(call)
+            else:
+                launch_gluon_gemm(a=call.a, b=b, b_transposed=b_transposed, out=call.out, blocks=blocks,
+                                  num_programs=programs)
+        return run
+
+    def _gluon_blocks(self, key, programs: int):
+        return fused_gluon_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                                  sm_count=programs, block_m=ROW_BLOCK_M)
+
     def _scatter_gemm(self, key, programs: int, offset: int):
         """The fused plan's GEMM step: call -> a @ w stored into the owners' slots, row blocks published. On a GPU
         the Gluon kernel (`fused_gluon_blocks`, 128-row tiles) when TMA can write every slab (checked once) and
@@ -45,16 +68,14 @@ class RsScatterGemms:
                         tile_row_offset=offset, scatter=scatter)
         if not self._cuda:
             return run_plain
-        blocks = fused_gluon_blocks(m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs,
-                                    block_m=ROW_BLOCK_M)
+        blocks = self._gluon_blocks(key, programs)
         descriptors = scatter_descriptors([self._slots(owner, rows)[self.rank] for owner in range(self.world_size)],
                                           blocks)
         if descriptors is None:
             return run_plain
 
         def run(call) -> None:
-            w = call.w if call.w.is_contiguous() else call.w.t()
-            if tma_row_problems((("a", call.a), ("w", w))):
+            if tma_row_problems((("a", call.a), ("w", b_operand(call.w)[0]))):
                 run_plain(call)
             else:
                 launch_gluon_scatter(a=call.a, w=call.w, descriptors=descriptors, scatter=scatter, blocks=blocks,
