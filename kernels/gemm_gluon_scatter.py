@@ -5,7 +5,7 @@ the epilogue stores each warpgroup's 64-row slab of the tile into its owners' pa
 publishes finished 128-row blocks with the same flags as the @triton.jit kernel, so the owner-side reduction
 (`reduce_partials_kernel`) and the host protocol are unchanged:
 
-* owner ``o`` holds rows ``[o * rows_per_rank, (o + 1) * rows_per_rank)``; ``dst_descs[o]`` is a host TMA
+* owner ``o`` holds rows ``[o * rows_per_rank, (o + 1) * rows_per_rank)``; ``dst<o>`` is a host TMA
   descriptor of exactly this source's slab ``[rows_per_rank, N]`` in owner o's buffer, in [64, BLOCK_N] boxes.
   A slab that straddles two owners is stored once per owner at row ``first_row - o * rows_per_rank`` (negative
   for the later owner): TMA writes only the rows inside each descriptor, so nothing lands in another source's
@@ -59,9 +59,10 @@ def _store_owners(out_smem, dst_descs, first_row, first_col, M, rows_per_rank):
     fence_async_shared()
     _barrier()  # every warp's rows are in the staging tile before the stores are issued
     for owner in gl.static_range(len(dst_descs)):
-        lo = owner * rows_per_rank
-        if (first_row < M) & (first_row < lo + rows_per_rank) & (first_row + WG_M > lo):
-            tma.async_copy_shared_to_global(dst_descs[owner], [first_row - lo, first_col], out_smem)
+        if dst_descs[owner] is not None:
+            lo = owner * rows_per_rank
+            if (first_row < M) & (first_row < lo + rows_per_rank) & (first_row + WG_M > lo):
+                tma.async_copy_shared_to_global(dst_descs[owner], [first_row - lo, first_col], out_smem)
 
 
 @gluon.jit
@@ -120,12 +121,15 @@ def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_
 
 
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_tiles"])
-def gluon_scatter_gemm_kernel(a_desc, b_desc, dst_descs, M, N, K, tile_row_offset, num_tiles, rows_per_rank,
-                              src_rank, flag_ptrs, tile_counters, flags_per_source, chunk_args,
-                              NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, LOAD_REGS: gl.constexpr = 40):
-    """A [M, K] @ B scattered to the owners (module docstring); ``chunk_args`` are kernels/gemm_gluon_wait.py's
+def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7, M, N, K,
+                              tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
+                              flags_per_source, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                              LOAD_REGS: gl.constexpr = 40):
+    """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, None past the
+    group (the launcher cannot pass descriptors inside a tuple); ``chunk_args`` are kernels/gemm_gluon_wait.py's
     with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_tiles`` = cdiv(M, 128) *
     cdiv(N, BLOCK_N)."""
+    dst_descs = (dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7)
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
     gl.static_assert(a_desc.block_type.shape[0] == ROWS, "A in [128, BLOCK_K] boxes: two consumer warpgroups")

@@ -124,9 +124,10 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, world_
     bn, bk = blocks.block_n, blocks.block_k
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
     types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]),
-                 dst_descs=tuple(desc([64, bn]) for _ in range(world_size)),
+                 **{f"dst{owner}": desc([64, bn]) for owner in range(world_size)},
                  **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_tiles", "rows_per_rank",
                                              "src_rank", "flags_per_source")},
                  flag_ptrs="*i64:16", tile_counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
-    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40,
+                      **{f"dst{owner}": None for owner in range(world_size, 8)})
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)

@@ -232,13 +232,20 @@ def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str |
     """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose producer warp waits for the
     chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
     names a one-box Gluon configuration (of `block_m` rows if given), its split tail dropped (every tile is
-    whole: no per-stream workspace); else `gluon_heuristic_blocks`."""
+    whole: no per-stream workspace), unless the heuristic's tiles fill the last wave of `sm_count` programs
+    clearly better; else `gluon_heuristic_blocks`."""
     table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
-    if entry is not None and entry.blocks.gluon and not entry.blocks.gluon_boxes and \
-            block_m in (None, entry.blocks.block_m):
-        return dataclasses.replace(entry.blocks, stream_k=0)
-    return gluon_heuristic_blocks(m, n, sm_count=sm_count)
+    if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes or \
+            block_m not in (None, entry.blocks.block_m):
+        return gluon_heuristic_blocks(m, n, sm_count=sm_count)
+    chosen = dataclasses.replace(entry.blocks, stream_k=0)
+    # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle
+    fill = _wave_efficiency(_cdiv(m, chosen.block_m) * _cdiv(n, chosen.block_n), sm_count)
+    other = gluon_heuristic_blocks(m, n, sm_count=sm_count)
+    if _wave_efficiency(_cdiv(m, 128) * _cdiv(n, other.block_n), sm_count) > fill + WAVE_MARGIN:
+        return other
+    return chosen
 
 
 def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm_count: int = 132) -> GemmBlocks:

@@ -16,6 +16,7 @@ from .workspaces import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SCATTER_OWNERS = 8          # kernels/gemm_gluon_scatter.py's descriptor arguments (a node's GPUs)
 # The split tail's cost model (`split_plan`): one SM's bf16 rate at full tensor-core use (~740 TFLOP/s on
 # 132 SMs), a split item's partial store and count, each partial the last arrival reads back (fitted to
 # forced splits of 128x128 and 128x256 tiles on an H200; the tuner still compares sk1 with whole tiles: the
@@ -135,9 +136,11 @@ def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int
 
 def scatter_descriptors(slabs: list[torch.Tensor], blocks: GemmBlocks) -> tuple | None:
     """The host TMA descriptors of this source's slab [rows_per_rank, N] in every owner's partials buffer (in
-    owner order), in [64, BLOCK_N] boxes; None when TMA cannot write one of them (the caller runs the
-    @triton.jit scatter). Built once per plan: the slabs are pool memory."""
-    if tma_row_problems(tuple((f"slab {owner}", slab) for owner, slab in enumerate(slabs))):
+    owner order), in [64, BLOCK_N] boxes; None when TMA cannot write one of them, or for more than
+    MAX_SCATTER_OWNERS owners (the caller runs the @triton.jit scatter). Built once per plan: the slabs are
+    pool memory."""
+    if len(slabs) > MAX_SCATTER_OWNERS or \
+            tma_row_problems(tuple((f"slab {owner}", slab) for owner, slab in enumerate(slabs))):
         return None
     return tuple(tma_descriptor(slab, (64, blocks.block_n)) for slab in slabs)
 
@@ -157,6 +160,6 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     tiles = -(-m // 128) * -(-n // blocks.block_n)
     gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
         tma_descriptor(a, (128, bk)), tma_descriptor(b, (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)),
-        descriptors, m, n, k, tile_row_offset, tiles, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs,
+        *descriptors, *(None,) * (MAX_SCATTER_OWNERS - len(descriptors)), m, n, k, tile_row_offset, tiles, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs,
         scatter.tile_counters, scatter.flags_per_source, _chunk_args(None, a.device), NUM_STAGES=blocks.num_stages,
         B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
