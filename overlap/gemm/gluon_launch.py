@@ -158,8 +158,10 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
     tiles = -(-m // 128) * -(-n // blocks.block_n)
+    b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
+    owners = (*descriptors, *(None,) * (MAX_SCATTER_OWNERS - len(descriptors)))
     gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
-        tma_descriptor(a, (128, bk)), tma_descriptor(b, (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)),
-        *descriptors, *(None,) * (MAX_SCATTER_OWNERS - len(descriptors)), m, n, k, tile_row_offset, tiles, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs,
-        scatter.tile_counters, scatter.flags_per_source, _chunk_args(None, a.device), NUM_STAGES=blocks.num_stages,
-        B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+        tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, tiles,
+        scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,
+        _chunk_args(None, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
+        num_warps=GLUON_NUM_WARPS)

@@ -1,7 +1,8 @@
 """The consumer side of an AgGemm plan: the steps that read the gathered rows. `decomposed`: cuBLAS GEMMs in
 the order of `plan_consumer_gemms`, each after the arrival of the rows it reads; `fused`: one persistent
 GEMM whose tiles wait for their chunk's device flag (on a GPU the Gluon kernel, its producer warp waiting);
-the weight-grad GEMMs of a row layer's backward. A mixin of AgGemm (it reads the op's pool views, flags and configuration)."""
+the weight-grad GEMMs of a row layer's backward. A mixin of AgGemm (it reads the op's pool views, flags and
+configuration)."""
 
 from __future__ import annotations
 
