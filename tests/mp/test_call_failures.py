@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import tp_overlap.ops.ag_consumers as ag_consumers
 import tp_overlap.ops.gemm_rs as gemm_rs
+import tp_overlap.ops.rs_scatter as rs_scatter
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.ops.gemm_rs import GemmRs
@@ -133,7 +134,7 @@ LOCAL = {
 AWAITED = {
     "rs pushed rows' GEMM, decomposed": (_rs_op("decomposed"), _rs_data, _call, (gemm_rs, "sm_carveout", 0)),
     "rs pushed rows' GEMM, pair": (_rs_op("pair"), _rs_data, _call, (gemm_rs, "sm_carveout", 0)),
-    "rs scatter GEMM, fused": (_rs_op("fused"), _rs_data, _call, (gemm_rs, "launch_gemm", 0)),
+    "rs scatter GEMM, fused": (_rs_op("fused"), _rs_data, _call, (rs_scatter, "launch_gemm", 0)),
     "rs reduction, fused": (_rs_op("fused"), _rs_data, _call, (gemm_rs, "launch_reduce", 0)),
     "rs bulk GEMM, decomposed": (_rs_op("decomposed"), _rs_data, _bulk, (gemm_rs, "sm_carveout", 0)),
 }
