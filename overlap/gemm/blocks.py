@@ -231,13 +231,16 @@ def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str |
                        table: BlockTable | None = None) -> GemmBlocks:
     """Blocks of the fused AllGather consumer on a GPU: the Gluon kernel, whose producer warp waits for the
     chunks (kernels/gemm_gluon_wait.py). The table's entry where it names a one-box Gluon configuration, its
-    split tail dropped (every tile is whole: no per-stream workspace), unless the heuristic's tiles fill the
-    last wave of `sm_count` programs clearly better; else `gluon_heuristic_blocks`."""
+    split tail dropped (every tile is whole: no per-stream workspace), unless `sm_count` is below the SMs the
+    table measured and the heuristic's tiles fill the last wave of those programs clearly better; else
+    `gluon_heuristic_blocks`."""
     table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
     if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes:
         return gluon_heuristic_blocks(m, n, sm_count=sm_count)
     chosen = dataclasses.replace(entry.blocks, stream_k=0)
+    if sm_count >= table.num_sms:  # as the table measured it
+        return chosen
     # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle
     fill = _wave_efficiency(_cdiv(m, chosen.block_m) * _cdiv(n, chosen.block_n), sm_count)
     other = gluon_heuristic_blocks(m, n, sm_count=sm_count)
