@@ -215,6 +215,12 @@ def _wave_efficiency(tiles: int, sm_count: int) -> float:
     return tiles / (_cdiv(tiles, sm_count) * sm_count)
 
 
+def _narrow_fills_better(m: int, n: int, sm_count: int) -> bool:
+    """The heuristics' rule: 128x128 tiles fill the last wave of `sm_count` programs clearly better than 128x256."""
+    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
+    return _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count) > wide + WAVE_MARGIN
+
+
 # The Gluon heuristic of a GPU without a table (the table's most frequent Gluon entries on an H200)
 GLUON_WIDE, GLUON_NARROW = "128x256x64w4s3gl", "128x128x64w4s6gl"
 
@@ -222,9 +228,7 @@ GLUON_WIDE, GLUON_NARROW = "128x256x64w4s3gl", "128x128x64w4s6gl"
 def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks:
     """`heuristic_blocks`' rule on the Gluon kernel: 128x256 tiles unless 128x128 fill the last wave of
     `sm_count` programs clearly better."""
-    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
-    narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
-    return GemmBlocks.parse(GLUON_NARROW if narrow > wide + WAVE_MARGIN else GLUON_WIDE)
+    return GemmBlocks.parse(GLUON_NARROW if _narrow_fills_better(m, n, sm_count) else GLUON_WIDE)
 
 
 def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
@@ -254,9 +258,7 @@ def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm
     tiles with 8 warps, 3 stages and warp specialisation, unless 128x128 tiles (4 warps, 4 stages) fill the last
     wave of `sm_count` programs clearly better (e.g. M = 1024 with N = 5120, where 256-wide tiles leave a third of
     the SMs idle)."""
-    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
-    narrow = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count)
-    if narrow > wide + WAVE_MARGIN:
+    if _narrow_fills_better(m, n, sm_count):
         return GemmBlocks(128, 128, 64, 8, 4, 4)
     return GemmBlocks(128, 256, 64, 8, 8, 3, warp_specialize)
 

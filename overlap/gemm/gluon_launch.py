@@ -130,4 +130,3 @@ def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int
         tma_descriptor(a, (bm, bk)), tma_descriptor(b, b_boxes[0]), tma_descriptor(b, b_boxes[1]),
         tma_descriptor(out, (64, bn0)), tma_descriptor(out, (64, bn1)), m, n, k, tile_row_offset,
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
-

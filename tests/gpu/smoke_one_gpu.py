@@ -538,7 +538,8 @@ def _checks(rank, world, full):
                              ("rs", "decomposed")] + ([("rs", "pair")] if world == 2 else []):
             c.run(f"eager replays {kind} {method}", lambda k=kind, m=method: _replays(c, pool, k, m))
         for kind, method in (("ag", "decomposed"), ("rs", "fused")):
-            c.run(f"eager replays keyed by tensors {kind} {method}", lambda k=kind, m=method: _replay_keys(c, pool, k, m))
+            c.run(f"eager replays keyed by tensors {kind} {method}",
+                  lambda k=kind, m=method: _replay_keys(c, pool, k, m))
         pool.barrier()
     if full:
         c.run("TPMLP fwd+bwd decomposed/pair", lambda: _mlp(c, 0, rs_method="pair" if world == 2 else "decomposed"))

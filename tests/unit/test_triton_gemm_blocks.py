@@ -4,8 +4,8 @@
 import pytest
 
 from tp_overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
-                                  block_table_path, choose_blocks, fused_gluon_blocks, heuristic_blocks, load_block_table,
-                                  parse_block_table, shared_memory_bytes, stream_k_tiles)
+                                  block_table_path, choose_blocks, fused_gluon_blocks, heuristic_blocks,
+                                  load_block_table, parse_block_table, shared_memory_bytes, stream_k_tiles)
 from tp_overlap.launch.cli.shapes import ag_points, rs_points
 
 H200 = load_block_table("h200")
