@@ -13,7 +13,11 @@ in boxes [1, 4], the aligned four groups holding g. TMA reads zeros past M, N an
 tails need no masks.
 
     fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
-                                           NUM_STAGES=..., num_warps=4)
+                                           tile_row_offset, chunk_args, NUM_STAGES=..., num_warps=4)
+
+``tile_row_offset`` rotates the row blocks as kernels/gemm_gluon.py does; ``chunk_args`` (kernels/gemm_gluon_wait.py,
+0 chunks per rank: no wait) makes it the fused AllGather consumer: the producer warp waits for a tile's
+gathered chunks (rows and their scales) before its loads.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
@@ -34,7 +38,7 @@ Registers: a kernel of 4 + 4 + 1 warps runs 384 threads, so ptxas allocates at m
 where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
 flight per warpgroup (192) spills there, and a single 8-warp partition (255 registers) needed CTA-wide
 barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
-Tiles are walked persistently in GROUP_M = 8 swizzled order (as ``persistent_gemm_kernel``, no rotation).
+Tiles are walked persistently in GROUP_M = 8 swizzled order, rotated by ``tile_row_offset``.
 """
 
 from triton.experimental import gluon
@@ -43,6 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
+from .gemm_gluon import _tile_coordinates  # GROUP_M = 8 swizzle, rows rotated by tile_row_offset
+from .gemm_gluon_wait import wait_chunk_rows
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
@@ -55,18 +61,8 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
-    # GROUP_M row blocks share each B column panel while it is hot in L2
-    tiles_per_group = GROUP_M * num_col_blocks
-    first_row_block = (tile_id // tiles_per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_row_blocks - first_row_block, GROUP_M)
-    index_in_group = tile_id % tiles_per_group
-    return first_row_block + index_in_group % rows_in_group, index_in_group // rows_in_group
-
-
-@gluon.jit
 def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready,
-                    empty, M, N, K):
+                    empty, M, N, K, tile_row_offset, chunk_args):
     """The producer warp: TMA loads of every K group of this program's tiles into the ring (A and B tiles, the
     tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer warpgroups
     have released it."""
@@ -80,8 +76,13 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
     step = 0
+    waits = chunk_args[1] > 0
+    chunks_ready = waits
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        if waits:  # the rows and their scales come from the same gathered chunks
+            first_row = row_block * BLOCK_M
+            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
         col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
         for k in range(num_k):
             slot = step % NUM_STAGES
@@ -168,7 +169,7 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, ste
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K,
-                   HALF: gl.constexpr):
+                   tile_row_offset, HALF: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -180,7 +181,7 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
     out_smem = c_smem.index(HALF)
     step = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, GROUP_M)
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, step, HALF)
         step += num_k
 
@@ -194,18 +195,20 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
 
 
 @gluon.jit
-def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, 0)
+def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   0)
 
 
 @gluon.jit
-def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, 1)
+def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   1)
 
 
 @gluon.jit
-def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, NUM_STAGES: gl.constexpr,
-                          MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset, chunk_args,
+                          NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -244,9 +247,9 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
         a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M, B_SCALE_BOX],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
-    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K)
+    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
-                 M, N, K)
+                 M, N, K, tile_row_offset, chunk_args)
     gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args)], [4, 1],
                        [MMA_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):

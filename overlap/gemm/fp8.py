@@ -189,7 +189,8 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     float8_e4m3fn, scales as `quantize_activation` / `quantize_weight` make them, any strides), on the
     current stream with `num_programs` persistent programs (default: every SM); `out` (rows contiguous,
     bf16 by default) is valid on the current stream when this returns. `chunk_wait` runs the AllGather
-    consumer mode (tiles wait for the chunks of a8 they read; blocks without warp specialisation).
+    consumer mode (tiles wait for the chunks of a8 they read: the Gluon kernel's producer warp, or the
+    @triton.jit kernel without warp specialisation).
     Gluon blocks (`gl`) read the operands with TMA (`gluon_operand_problems`): where they cannot, the
     table's choice falls back to its plain blocks, and explicit `gl` blocks raise ValueError."""
     m, n, k = _check_gemm_operands(a8, a_scales, w8, w_scales, out)
@@ -198,7 +199,9 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     operand_problems = None
     if blocks is None:
         gpu = gpu_name(a8.device)
-        blocks = choose_fp8_blocks(m, n, k, warp_specialize=chunk_wait is None, device_type=a8.device.type, gpu=gpu)
+        blocks = choose_fp8_blocks(m, n, k, device_type=a8.device.type, gpu=gpu)
+        if chunk_wait is not None and not blocks.gluon:  # a warp-specialised @triton.jit entry cannot wait
+            blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type, gpu=gpu)
         if blocks.gluon:
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
             if operand_problems:  # e.g. scale rows of M % 4 != 0: the table's plain blocks for this shape
@@ -209,33 +212,33 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
                          "multiple of 128, no stream-K")
     if a8.is_cuda and blocks.problems(operand_bytes=1):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(blocks.problems(operand_bytes=1))}")
-    if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten or blocks.gluon):
-        raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl / gl, got {blocks.name}")
+    if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
+        raise ValueError(f"fp8_gemm: chunk_wait needs blocks without ws / fl, got {blocks.name}")
     if blocks.gluon:
         if operand_problems is None:
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
-        _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset, operand_problems)
+        _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset, chunk_wait,
+                      operand_problems)
     elif m and n:
         launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
                         num_programs=num_programs, tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
     return out
 
 
-def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset,
+def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset, chunk_wait,
                   operand_problems: list[str]) -> None:
     problems = gluon_block_problems(block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
                                     num_warps=blocks.num_warps, group_m=blocks.group_m,
                                     num_stages=blocks.num_stages, programs_per_sm=blocks.programs_per_sm)
     problems += operand_problems
-    if tile_row_offset:
-        problems.append(f"tile_row_offset {tile_row_offset} (the Gluon kernel walks tiles from row block 0)")
     if not a8.is_cuda:
         problems.append("needs a CUDA device (Gluon kernels do not run under the interpreter)")
     if problems:
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(problems)}")
     if out.shape[0] and out.shape[1]:
         launch_fp8_gluon_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, block_n=blocks.block_n,
-                              num_stages=blocks.num_stages, num_programs=num_programs, checked=True)
+                              num_stages=blocks.num_stages, num_programs=num_programs, checked=True,
+                              tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
 
 
 def _reference_groups(values: torch.Tensor, amax: torch.Tensor):

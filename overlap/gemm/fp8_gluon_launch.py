@@ -4,12 +4,12 @@ tile shapes) is checked here."""
 
 from __future__ import annotations
 
-
 import torch
 
 from tp_overlap.kernels.constants import SCALE_GROUP
 
-from .launch import tma_descriptor, tma_row_problems
+from .gluon_launch import chunk_args
+from .launch import ChunkWait, tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
@@ -56,9 +56,11 @@ def _a_scale_descriptor(a_scales: torch.Tensor):
 
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
                           out: torch.Tensor, block_n: int = 128, num_stages: int = 4,
-                          num_programs: int | None = None, checked: bool = False) -> None:
+                          num_programs: int | None = None, checked: bool = False, tile_row_offset: int = 0,
+                          chunk_wait: ChunkWait | None = None) -> None:
     """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py).
-    `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path)."""
+    `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path).
+    `chunk_wait`: the fused AllGather consumer (each tile's rows and scales read once their chunks are SET)."""
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     if not checked:
@@ -75,4 +77,5 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     fp8_gluon_gemm_kernel[(programs,)](
         tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
         tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
-        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)
+        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, chunk_args(chunk_wait, a8.device),
+        NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)

@@ -24,7 +24,7 @@ SM_FLOPS = 5.6e12
 SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
-__all__ = ["gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan"]
+__all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -61,7 +61,7 @@ def gluon_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
+def chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
     """The kernel's chunk_args (kernels/gemm_gluon_wait.py); without a wait, 0 chunks per rank and placeholders
     of the real arguments' types (never read), so that both launch the same compiled kernel."""
     if wait is None:
@@ -112,7 +112,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     gluon_gemm_kernel[(programs,)](
         tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
         tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
-        _chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
+        chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
         num_warps=GLUON_NUM_WARPS)
 
 

@@ -73,14 +73,17 @@ class AgConsumers:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]
         if self.fp8:
+            # fp8_gemm chooses: the Gluon kernel where the table names it and TMA reads the operands, else the
+            # plain @triton.jit entry; both walk 128-row tiles
             blocks = choose_fp8_blocks(m, key.n, self.k, warp_specialize=False, device_type=self.device.type,
                                        gpu=self.gpu)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
+            chosen = None if self._cuda else blocks
 
             def gemm(call) -> None:
                 w8, w_scales = call.w_fp8
                 fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
-                         num_programs=programs, chunk_wait=wait, blocks=blocks, tile_row_offset=offset)
+                         num_programs=programs, chunk_wait=wait, blocks=chosen, tile_row_offset=offset)
         else:
             gemm = self._fused_bf16(key, gathered, programs, wait)
         program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)

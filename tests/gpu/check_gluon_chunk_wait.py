@@ -7,7 +7,8 @@ The gathered A starts as NaN; another stream writes each chunk's rows late, in a
 flag after them, while the GEMM (SMs left free for that stream) runs: the output must equal the same GEMM on
 the final rows without waits, bitwise, for both layouts, odd rows per rank and an owner whose trailing
 chunk is empty (never signalled). A flag never set: the kernel still ends, within a few bounds, with the
-chunk's error code in the control page; with the abort word set it ends at once.
+chunk's error code in the control page; with the abort word set it ends at once. The FP8 Gluon kernel
+(kernels/gemm_fp8_gluon.py) likewise, its rows and scales written late.
 """
 
 from __future__ import annotations
@@ -118,6 +119,50 @@ def main(argv=None) -> int:
             expect(elapsed < (0.5 if abort else 6.0), f"abort={abort}: the kernel took {elapsed:.2f} s")
             notes.append(f"{'abort word set' if abort else 'bound 0.5 s'}: ended after {elapsed:.2f} s, code ok")
         return "; ".join(notes)
+
+    @check("FP8 Gluon consumer: rows and scales written late, bitwise the same kernel without waits; a lost flag")
+    def _():
+        from tp_overlap.gemm import fp8
+
+        blocks = GemmBlocks.parse("128x128x128w4s4gl")
+        notes = []
+        for world, rows, chunks, k, n in ((4, 300, 3, 1024, 1536), (8, 64, 2, 512, 640)):
+            m = world * rows
+            x8, xs = fp8.quantize_activation(torch.randn(m, k, generator=gen, device=dev))
+            w8, ws = fp8.quantize_weight(torch.randn(n, k, generator=gen, device=dev) / k ** 0.5)
+            ref = fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs)
+            for rank in (0, world - 1):
+                g8, gs = torch.zeros_like(x8), torch.full_like(xs, float("nan"))
+                flags = torch.zeros(world * chunks, dtype=torch.int32, device=dev)
+                errors = torch.zeros(8, dtype=torch.int32, device=dev)
+                torch.cuda.synchronize(dev)
+                with torch.cuda.stream(writer):
+                    torch.cuda._sleep(2_000_000)
+                    for step in range(world):
+                        for c in range(chunks):
+                            index = ((rank + step) % world) * chunks + c
+                            first, count = ag_chunk_rows(index, rows, chunks)
+                            if count:
+                                g8[first:first + count].copy_(x8[first:first + count])
+                                gs[first:first + count].copy_(xs[first:first + count])
+                                flags[index:index + 1].fill_(1)
+                wait = ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=chunks, error_words=errors,
+                                 error_code_base=1000, timeout_s=10)
+                out = fp8.fp8_gemm(a8=g8, a_scales=gs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs,
+                                   chunk_wait=wait, tile_row_offset=ag_tile_row_offset(rank, rows, 128))
+                torch.cuda.synchronize(dev)
+                expect(errors[0].item() == 0, f"W={world} rank {rank}: error code {errors[0].item()}")
+                expect(torch.equal(out, ref), f"W={world} rank {rank}: {(out != ref).sum().item()} values differ")
+            notes.append(f"W={world} rows/rank={rows} chunks={chunks}")
+        flags[:] = 1
+        flags[1] = 0
+        errors.zero_()
+        fp8.fp8_gemm(a8=g8, a_scales=gs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs,
+                     chunk_wait=ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=chunks, error_words=errors,
+                                          error_code_base=1000, timeout_s=0.2))
+        torch.cuda.synchronize(dev)
+        expect(errors[0].item() == 1001, f"a lost flag: control page {errors.tolist()}")
+        return "; ".join(notes) + "; a lost flag recorded"
 
     return check.summary()
 

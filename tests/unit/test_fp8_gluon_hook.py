@@ -14,7 +14,7 @@ from tp_overlap.gemm.blocks import GemmBlocks
 def test_the_gl_suffix_round_trips_and_is_not_plain():
     blocks = GemmBlocks.parse("128x128x128w4s5gl")
     assert blocks.gluon and blocks.name == "128x128x128w4s5gl"
-    assert not blocks.plain, "the Gluon kernel has no chunk-wait mode: flag-waiting callers must not get it"
+    assert not blocks.plain, "plain: the @triton.jit kernel's configurations (flag-waiting without warp specialisation)"
     assert not GemmBlocks.parse("128x128x128w4s6").gluon
     assert any(GemmBlocks.parse(name).gluon for name in FP8_CANDIDATES)
 
@@ -41,11 +41,24 @@ def test_fp8_gemm_names_what_the_gluon_kernel_cannot_run(name, problem):
         fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse(name))
 
 
-def test_fp8_gemm_refuses_gluon_blocks_for_the_chunk_waiting_consumer():
-    wait = fp8.ChunkWait(flags=torch.zeros(4, dtype=torch.int32), rows_per_rank=4, chunks_per_rank=1,
+def test_the_chunk_waiting_consumer_runs_gluon_blocks_or_plain_ones_never_warp_specialised_jit_ones(monkeypatch):
+    wait = fp8.ChunkWait(flags=torch.ones(4, dtype=torch.int32), rows_per_rank=4, chunks_per_rank=1,
                          error_words=torch.zeros(4, dtype=torch.int32), error_code_base=0, timeout_s=1.0)
-    with pytest.raises(ValueError, match="chunk_wait needs blocks without ws / fl / gl"):
+    with pytest.raises(ValueError, match="chunk_wait needs blocks without ws / fl"):
+        fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse("128x128x128w4s4ws"), chunk_wait=wait)
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # accepted with a wait: the Gluon kernel waits too
         fp8.fp8_gemm(**_operands(), blocks=GemmBlocks.parse("128x128x128w4s4gl"), chunk_wait=wait)
+    chosen = []
+
+    def choose(m, n, k, *, warp_specialize=True, device_type="cuda", gpu="h200"):
+        chosen.append(warp_specialize)
+        return GemmBlocks.parse("128x128x128w4s4ws" if warp_specialize else "16x32x128w4s1")
+
+    monkeypatch.setattr(fp8, "choose_fp8_blocks", choose)
+    ops = _operands()
+    out = fp8.fp8_gemm(**ops, chunk_wait=wait)  # the table's ws entry cannot wait: its plain blocks run
+    assert chosen == [True, False]
+    assert torch.allclose(out.float(), fp8.scaled_mm_reference(**ops).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_the_table_choice_falls_back_to_plain_blocks_where_tma_cannot_read_the_scales(monkeypatch):
