@@ -49,10 +49,13 @@ class Checks:
         start = time.monotonic()
         try:
             result = fn()
+            torch.cuda.synchronize(self.dev)  # a fault of the case's kernels is reported as this case's
             self.lines.append(f"W={self.world} {name}: ok {result or ''} ({time.monotonic() - start:.1f} s)")
         except Exception as exc:  # noqa: BLE001 - every check reports, none stops the others
             self.lines.append(f"W={self.world} {name}: FAIL {type(exc).__name__}: {exc}\n"
                               f"{traceback.format_exc()[-1200:]}")
+            # printed now too: a sticky CUDA error makes the world fail as a whole and its lines are lost
+            print(f"rank {self.rank} {self.lines[-1]}", flush=True)
 
 
 def _ag_case(c, pool, method, lead, chunks, rows, k, n, *, eager_graphs=True, fp8=False):
