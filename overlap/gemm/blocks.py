@@ -232,15 +232,16 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks
 
 
 def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
-                       table: BlockTable | None = None) -> GemmBlocks:
-    """Blocks of the fused AllGather consumer on a GPU: the Gluon kernel, whose producer warp waits for the
-    chunks (kernels/gemm_gluon_wait.py). The table's entry where it names a one-box Gluon configuration, its
-    split tail dropped (every tile is whole: no per-stream workspace), unless `sm_count` is below the SMs the
-    table measured and the heuristic's tiles fill the last wave of those programs clearly better; else
-    `gluon_heuristic_blocks`."""
+                       block_m: int | None = None, table: BlockTable | None = None) -> GemmBlocks:
+    """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose producer warp waits for the
+    chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
+    names a one-box Gluon configuration (of `block_m` rows if given), its split tail dropped (every tile is
+    whole: no per-stream workspace), unless `sm_count` is below the SMs the table measured and the heuristic's
+    tiles fill the last wave of those programs clearly better; else `gluon_heuristic_blocks`."""
     table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
-    if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes:
+    if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes or \
+            block_m not in (None, entry.blocks.block_m):
         return gluon_heuristic_blocks(m, n, sm_count=sm_count)
     chosen = dataclasses.replace(entry.blocks, stream_k=0)
     if sm_count >= table.num_sms:  # as the table measured it

@@ -11,11 +11,12 @@ import torch
 from tp_overlap.kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
-from .launch import ChunkWait, tma_descriptor, tma_row_problems
+from .launch import ChunkWait, Scatter, tma_descriptor, tma_row_problems
 from .workspaces import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SCATTER_OWNERS = 8          # kernels/gemm_gluon_scatter.py's descriptor arguments (a node's GPUs)
 # The split tail's cost model (`split_plan`): one SM's bf16 rate at full tensor-core use (~740 TFLOP/s on
 # 132 SMs), a split item's partial store and count, each partial the last arrival reads back (fitted to
 # forced splits of 128x128 and 128x256 tiles on an H200; the tuner still compares sk1 with whole tiles: the
@@ -24,7 +25,8 @@ SM_FLOPS = 5.6e12
 SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
-__all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan"]
+__all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
+           "scatter_descriptors", "launch_gluon_scatter"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -56,8 +58,8 @@ def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> tupl
 
 @functools.cache
 def gluon_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split arguments of a launch without a split tail (never read; typed as the real ones). AgGemm calls
-    it at construction: made lazily inside a torch.compile warm-up, they would be refused (CUDA-graph trees)."""
+    """The split arguments of a launch without a split tail (never read; typed as the real ones). Ops call it
+    at construction: made lazily inside a torch.compile warm-up, they would be refused (CUDA-graph trees)."""
     return torch.empty(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
@@ -130,3 +132,36 @@ def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int
         tma_descriptor(a, (bm, bk)), tma_descriptor(b, b_boxes[0]), tma_descriptor(b, b_boxes[1]),
         tma_descriptor(out, (64, bn0)), tma_descriptor(out, (64, bn1)), m, n, k, tile_row_offset,
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+
+
+def scatter_descriptors(slabs: list[torch.Tensor], blocks: GemmBlocks) -> tuple | None:
+    """The host TMA descriptors of this source's slab [rows_per_rank, N] in every owner's partials buffer (in
+    owner order), in [64, BLOCK_N] boxes; None when TMA cannot write one of them, or for more than
+    MAX_SCATTER_OWNERS owners (the caller runs the @triton.jit scatter). Built once per plan: the slabs are
+    pool memory."""
+    if len(slabs) > MAX_SCATTER_OWNERS or \
+            tma_row_problems(tuple((f"slab {owner}", slab) for owner, slab in enumerate(slabs))):
+        return None
+    return tuple(tma_descriptor(slab, (64, blocks.block_n)) for slab in slabs)
+
+
+def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple, scatter: Scatter, blocks: GemmBlocks,
+                         num_programs: int, tile_row_offset: int) -> None:
+    """a [M, K] @ w [K, N] (row-major, or the transpose view of a row-major [N, K]) scattered by
+    kernels/gemm_gluon_scatter.py into the owners' slabs (`scatter_descriptors`), each finished 128-row block
+    published on the owners' flags (`scatter`), on the current stream. `blocks`: one-box Gluon, BLOCK_M 128."""
+    from tp_overlap.kernels.gemm_gluon_scatter import gluon_scatter_gemm_kernel
+
+    from .launch import b_operand
+
+    m, k = a.shape
+    b, _, b_transposed = b_operand(w)
+    n, bk = w.shape[1], blocks.block_k
+    tiles = -(-m // 128) * -(-n // blocks.block_n)
+    b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
+    owners = (*descriptors, *(None,) * (MAX_SCATTER_OWNERS - len(descriptors)))
+    gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+        tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, tiles,
+        scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,
+        chunk_args(None, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
+        num_warps=GLUON_NUM_WARPS)

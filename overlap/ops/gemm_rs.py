@@ -8,7 +8,7 @@ epilogue's, holding the call's M). Flags: protocol.py.
 
 Plans (config.method; the same stream operations eager, replayed or captured):
   fused:           wait free[o] (every owner reduced this rank's slot of the last call), one persistent
-                   Triton GEMM on num_sms - sm_margin programs storing each tile into its owner's slot and
+                   GEMM (Gluon on a GPU: rs_scatter.py) on num_sms - sm_margin programs storing each tile into its owner's slot and
                    writing M into the row block's device flag; on a side stream a reduction kernel on
                    num_comm_sms programs waits until each row block's W flags hold M and sums them into out;
                    then the flags are reset and free[me] raised on every source.
@@ -44,6 +44,7 @@ from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .program import COMPUTE, Program
 from .rs_scatter import RsScatterGemms
+from ..gemm.gluon_launch import gluon_placeholders
 
 __all__ = ["GemmRs"]
 
@@ -87,6 +88,7 @@ class GemmRs(RsScatterGemms, OpBase):
         self._tile_counters = torch.zeros(-(-max_m // ROW_BLOCK_M) + 1, dtype=torch.int32, device=self.device)
         if methods & {"fused", "epilogue_reduce"}:   # the scatter epilogues' address tables now, likewise
             self._tables = pool.ptr_table(self.flags.region), pool.ptr_table(self.flags.region, device_flags=True)
+            gluon_placeholders(self.device)  # the Gluon GEMM's unused arguments, likewise
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:
@@ -328,7 +330,7 @@ class GemmRs(RsScatterGemms, OpBase):
                 program.run(COMPUTE, self._mm_into(lo, rows, lambda call, lo=lo: call.out[lo:lo + rows],
                                                    config.sm_margin), local=True)
             return
-        program.run(COMPUTE, self._local_gemm(key, self.num_sms - config.sm_margin), local=True)
+        program.run(COMPUTE, self._local_gemm(key, self.num_sms - config.sm_margin, config.method), local=True)
 
     def _comm_only(self, program: Program, key: RsPlanKey, config) -> None:
         m, rows = key.m, key.m // self.world_size

@@ -1,6 +1,7 @@
-"""The scatter GEMMs of a GemmRs plan (`fused`, `epilogue_reduce`, `compute_alone` of both): their blocks, their
-`Scatter` record and the persistent @triton.jit GEMM with EPILOGUE_SCATTER. A mixin of GemmRs (it reads the
-op's pool tables, counters and configuration)."""
+"""The scatter GEMMs of a GemmRs plan (`fused`, `epilogue_reduce`, `compute_alone` of both): their blocks,
+their `Scatter` record and, for `fused` on a GPU, the Gluon kernel (kernels/gemm_gluon_scatter.py) where the
+operands allow TMA, else the @triton.jit GEMM's EPILOGUE_SCATTER. A mixin of GemmRs (it reads the op's pool
+tables, counters and configuration)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import dataclasses
 from tp_overlap.kernels.constants import EPILOGUE_SCATTER, ROW_BLOCK_M
 
 from ..gemm import Scatter, choose_blocks, launch_gemm
+from ..gemm.blocks import fused_gluon_blocks
+from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm, launch_gluon_scatter, scatter_descriptors
+from ..gemm.launch import b_operand, tma_row_problems
 
 __all__ = ["RsScatterGemms"]
 
@@ -28,15 +32,52 @@ class RsScatterGemms:
                                device_type=self.device.type, warp_specialize=False, sm_count=programs)
         return dataclasses.replace(blocks, block_m=ROW_BLOCK_M)
 
-    def _local_gemm(self, key, programs: int):
-        """`compute_alone`'s step: the scatter GEMM's kernel, blocks and programs with a local store into out."""
+    def _local_gemm(self, key, programs: int, method: str):
+        """`compute_alone`'s step: the method's GEMM kernel, blocks and programs with a local store into out."""
         plain = self._gemm_blocks(key, programs)
-        return lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs, blocks=plain)
+
+        def run_plain(call) -> None:
+            launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs, blocks=plain)
+        if not self._cuda or method != "fused":
+            return run_plain
+        blocks = self._gluon_blocks(key, programs)
+
+        def run(call) -> None:
+            b, _, b_transposed = b_operand(call.w)
+            if gluon_operand_problems(call.a, b, call.out):
+                run_plain(call)
+            else:
+                launch_gluon_gemm(a=call.a, b=b, b_transposed=b_transposed, out=call.out, blocks=blocks,
+                                  num_programs=programs)
+        return run
+
+    def _gluon_blocks(self, key, programs: int):
+        return fused_gluon_blocks(key.m, self.n, key.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                                  sm_count=programs, block_m=ROW_BLOCK_M)
 
     def _scatter_gemm(self, key, programs: int, offset: int):
-        """The fused plan's GEMM step: call -> a @ w stored into the owners' slots, row blocks published (the
-        @triton.jit GEMM's EPILOGUE_SCATTER)."""
-        rows = key.m // self.world_size
-        scatter, plain, own = self._scatter(key.m), self._gemm_blocks(key, programs), self._slots(self.rank, rows)[0]
-        return lambda call: launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs, blocks=plain,
-                                        epilogue=EPILOGUE_SCATTER, tile_row_offset=offset, scatter=scatter)
+        """The fused plan's GEMM step: call -> a @ w stored into the owners' slots, row blocks published. On a GPU
+        the Gluon kernel (`fused_gluon_blocks`, 128-row tiles) when TMA can write every slab (checked once) and
+        read the call's operands (checked per call); else the @triton.jit GEMM."""
+        m, rows = key.m, key.m // self.world_size
+        scatter, plain = self._scatter(m), self._gemm_blocks(key, programs)
+        own = self._slots(self.rank, rows)[0]
+
+        def run_plain(call) -> None:
+            launch_gemm(a=call.a, w=call.w, out=own, num_programs=programs, blocks=plain, epilogue=EPILOGUE_SCATTER,
+                        tile_row_offset=offset, scatter=scatter)
+        if not self._cuda:
+            return run_plain
+        blocks = self._gluon_blocks(key, programs)
+        descriptors = scatter_descriptors([self._slots(owner, rows)[self.rank] for owner in range(self.world_size)],
+                                          blocks)
+        if descriptors is None:
+            return run_plain
+
+        def run(call) -> None:
+            if tma_row_problems((("a", call.a), ("w", b_operand(call.w)[0]))):
+                run_plain(call)
+            else:
+                launch_gluon_scatter(a=call.a, w=call.w, descriptors=descriptors, scatter=scatter, blocks=blocks,
+                                     num_programs=programs, tile_row_offset=offset)
+        return run

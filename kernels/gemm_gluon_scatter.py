@@ -1,0 +1,164 @@
+"""The Gluon GEMM with the scatter epilogue of GEMM+ReduceScatter (EPILOGUE 1 of kernels/gemm.py, `fused`).
+
+The producer warp and the K loop of kernels/gemm_gluon.py (BLOCK_M 128: two consumer warpgroups of 64 rows);
+the epilogue stores each warpgroup's 64-row slab of the tile into its owners' partials buffers by TMA and
+publishes finished 128-row blocks with the same flags as the @triton.jit kernel, so the owner-side reduction
+(`reduce_partials_kernel`) and the host protocol are unchanged:
+
+* owner ``o`` holds rows ``[o * rows_per_rank, (o + 1) * rows_per_rank)``; ``dst<o>`` is a host TMA
+  descriptor of exactly this source's slab ``[rows_per_rank, N]`` in owner o's buffer, in [64, BLOCK_N] boxes.
+  A slab that straddles two owners is stored once per owner at row ``first_row - o * rows_per_rank`` (negative
+  for the later owner): TMA writes only the rows inside each descriptor, so nothing lands in another source's
+  slab;
+* counting, one tile late (as the @triton.jit kernel: the stores have landed by then): a warpgroup waits for
+  its previous tile's stores (``store_wait(0)``, which it needs anyway before reusing its staging tile),
+  fences the async proxy, meets its warps at a barrier, and one thread adds 1 to ``tile_counters[row_block]``
+  (acq_rel, scope sys). The arrival completing ``2 * num_col_blocks`` (every column tile, both warpgroups)
+  zeroes the counter and writes the call's M into each covered owner's flag ``[src_rank, row_block -
+  (o * rows_per_rank) // 128]`` (release, scope sys). Nothing waits inside the kernel.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma)
+
+from .gemm_gluon import _barrier, _k_loop, _load_kn, _load_nk, _staging_free, _tile_coordinates
+
+__all__ = ["gluon_scatter_gemm_kernel"]
+
+ROWS = gl.constexpr(128)  # the tile's rows: one row-block flag (kernels/constants.py ROW_BLOCK_M)
+WG_M = gl.constexpr(64)
+
+
+@gluon.jit
+def _publish(row_block, M, num_col_blocks, scatter_args):
+    """Count this warpgroup's share of a tile of `row_block` (its stores complete); the last arrival releases
+    the row block's flag on every owner its rows belong to."""
+    rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source = scatter_args
+    threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    lane = gl.arange(0, 128, layout=threads)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    _barrier()  # every warp's view of the completed stores precedes the single-thread release
+    first = lane == 0
+    counter = tile_counters + row_block + lane * 0
+    before = gl.atomic_add(counter, lane * 0 + 1, mask=first, sem="acq_rel", scope="sys")
+    if gl.max(gl.where(first, before, -1), axis=0) == 2 * num_col_blocks - 1:
+        gl.atomic_xchg(counter, lane * 0, mask=first, sem="relaxed", scope="gpu")
+        first_row = row_block * ROWS
+        last_row = gl.minimum(first_row + ROWS, M) - 1
+        for owner in range(first_row // rows_per_rank, last_row // rows_per_rank + 1):
+            owner_flags = gl.load(flag_ptrs + owner + lane * 0).to(gl.pointer_type(gl.int32))
+            index = src_rank * flags_per_source + row_block - (owner * rows_per_rank) // ROWS
+            gl.atomic_xchg(owner_flags + index, lane * 0 + M, mask=first, sem="release", scope="sys")
+
+
+@gluon.jit
+def _store_owners(out_smem, dst_descs, first_row, first_col, M, rows_per_rank):
+    """TMA-store the staged 64-row slab into each owner whose rows it covers (module docstring)."""
+    fence_async_shared()
+    _barrier()  # every warp's rows are in the staging tile before the stores are issued
+    for owner in gl.static_range(len(dst_descs)):
+        if dst_descs[owner] is not None:
+            lo = owner * rows_per_rank
+            if (first_row < M) & (first_row < lo + rows_per_rank) & (first_row + WG_M > lo):
+                tma.async_copy_shared_to_global(dst_descs[owner], [first_row - lo, first_col], out_smem)
+
+
+@gluon.jit
+def _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                       HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile, scattered to their owners."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    rows_per_rank = scatter_args[0]
+    num_row_blocks = gl.cdiv(M, ROWS)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    out_smem = c_smem.index(HALF)
+    pending = gl.program_id(0) * 0 - 1
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF, B_TRANSPOSED)
+        step += num_k
+        _staging_free()  # the previous tile's stores are complete: count it now
+        if pending >= 0:
+            _publish(pending, M, num_col_blocks, scatter_args)
+        out_smem.store(acc.to(out_smem.dtype))
+        _store_owners(out_smem, dst_descs, row_block * ROWS + HALF * WG_M, col_block * BLOCK_N, M, rows_per_rank)
+        pending = row_block
+    _staging_free()
+    if pending >= 0:
+        _publish(pending, M, num_col_blocks, scatter_args)
+
+
+@gluon.jit
+def _scatter0_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 0,
+                       False)
+
+
+@gluon.jit
+def _scatter1_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 1,
+                       False)
+
+
+@gluon.jit
+def _scatter0_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 0,
+                       True)
+
+
+@gluon.jit
+def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 1,
+                       True)
+
+
+@gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_tiles"])
+def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7, M, N, K,
+                              tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
+                              flags_per_source, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                              LOAD_REGS: gl.constexpr = 40):
+    """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, None past the
+    group (the launcher cannot pass descriptors inside a tuple); ``chunk_args`` are kernels/gemm_gluon_wait.py's
+    with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_tiles`` = cdiv(M, 128) *
+    cdiv(N, BLOCK_N)."""
+    dst_descs = (dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7)
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
+    gl.static_assert(a_desc.block_type.shape[0] == ROWS, "A in [128, BLOCK_K] boxes: two consumer warpgroups")
+    gl.static_assert(dst_descs[0].block_type.shape[0] == WG_M, "the partials in 64-row boxes, one per consumer")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
+    if B_TRANSPOSED:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dst_descs[0].dtype, [2, WG_M, BLOCK_N], dst_descs[0].layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    scatter_args = (rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source)
+    mma_args = (a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args)
+    # the split count as a runtime value: partitions take no constants (gemm_gluon.py)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_tiles, num_tiles * 0 + 1,
+                 chunk_args)
+    if B_TRANSPOSED:
+        gl.warp_specialize([(_scatter0_nk, mma_args), (_scatter1_nk, mma_args), (_load_nk, load_args)], [4, 1],
+                           [232, LOAD_REGS])
+    else:
+        gl.warp_specialize([(_scatter0_kn, mma_args), (_scatter1_kn, mma_args), (_load_kn, load_args)], [4, 1],
+                           [232, LOAD_REGS])
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
