@@ -19,6 +19,20 @@ import torch
 from tests.gpu.checklist import Checks, expect, target_device
 
 check = Checks()
+# (W, rows per rank, K, N, layout, source, blocks): whole 128-row blocks first, then straddling slabs, column
+# tails, every owner's descriptor, the smoke's shape
+CASES = ((2, 256, 256, 256, "kn", 0, "128x128x64w4s6gl"), (8, 256, 256, 256, "nk", 5, "128x128x64w4s6gl"),
+         (4, 300, 512, 1000, "kn", 1, "128x256x64w4s3gl"), (4, 256, 512, 1000, "nk", 3, "128x256x64w4s3gl"),
+         (8, 100, 264, 136, "nk", 0, "128x128x64w4s6gl"), (2, 1000, 1024, 776, "kn", 1, "128x128x64w4s6gl"),
+         (2, 100, 264, 136, "kn", 1, "128x256x64w4s3gl"))
+
+
+def _cases(argv) -> tuple:
+    """Every case, or those of `--case i[,j...]` (one per process: an illegal instruction ends the context)."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--case" not in args:
+        return CASES
+    return tuple(CASES[int(i)] for i in args[args.index("--case") + 1].split(","))
 
 
 def main(argv=None) -> int:
@@ -78,9 +92,7 @@ def main(argv=None) -> int:
         buffers = [torch.empty(8 * 1024 * 1024, dtype=torch.bfloat16, device=dev) for _ in range(8)]
         flags = [torch.zeros(1024, dtype=torch.int32, device=dev) for _ in range(8)]
         counters = torch.zeros(1024, dtype=torch.int32, device=dev)
-        for world, rows, k, n, layout, src, name in (
-                (4, 300, 512, 1000, "kn", 1, "128x256x64w4s3gl"), (4, 256, 512, 1000, "nk", 3, "128x256x64w4s3gl"),
-                (8, 100, 264, 136, "nk", 0, "128x128x64w4s6gl"), (2, 1000, 1024, 776, "kn", 1, "128x128x64w4s6gl")):
+        for world, rows, k, n, layout, src, name in _cases(argv):
             notes.append(one_case(world, rows, k, n, layout, src, GemmBlocks.parse(name), buffers, flags, counters))
         return "; ".join(notes)
 
