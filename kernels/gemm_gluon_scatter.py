@@ -7,9 +7,9 @@ publishes finished 128-row blocks with the same flags as the @triton.jit kernel,
 
 * owner ``o`` holds rows ``[o * rows_per_rank, (o + 1) * rows_per_rank)``; ``dst<o>`` is a host TMA
   descriptor of exactly this source's slab ``[rows_per_rank, N]`` in owner o's buffer, in [64, BLOCK_N] boxes.
-  A slab that straddles two owners is stored once per owner at row ``first_row - o * rows_per_rank`` (negative
-  for the later owner): TMA writes only the rows inside each descriptor, so nothing lands in another source's
-  slab;
+  The owner of a slab's first row gets the slab by TMA (rows past its slab are clipped, so nothing lands in
+  another source's slab); a slab that straddles owners gives each later owner its rows by masked stores from
+  the registers through ``dst_ptrs`` (a TMA store at a negative row is an illegal instruction on an H100);
 * counting, one tile late (as the @triton.jit kernel: the stores have landed by then): a warpgroup waits for
   its previous tile's stores (``store_wait(0)``, which it needs anyway before reusing its staging tile),
   fences the async proxy, meets its warps at a barrier, and one thread adds 1 to ``tile_counters[row_block]``
@@ -34,7 +34,7 @@ WG_M = gl.constexpr(64)
 def _publish(row_block, M, num_col_blocks, scatter_args):
     """Count this warpgroup's share of a tile of `row_block` (its stores complete); the last arrival releases
     the row block's flag on every owner its rows belong to."""
-    rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source = scatter_args
+    rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source, _ = scatter_args
     threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     lane = gl.arange(0, 128, layout=threads)
     gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
@@ -55,14 +55,34 @@ def _publish(row_block, M, num_col_blocks, scatter_args):
 
 @gluon.jit
 def _store_owners(out_smem, dst_descs, first_row, first_col, M, rows_per_rank):
-    """TMA-store the staged 64-row slab into each owner whose rows it covers (module docstring)."""
+    """TMA-store the staged 64-row slab into the owner of its first row (module docstring)."""
     fence_async_shared()
     _barrier()  # every warp's rows are in the staging tile before the stores are issued
+    first_owner = first_row // rows_per_rank
     for owner in gl.static_range(len(dst_descs)):
         if dst_descs[owner] is not None:
-            lo = owner * rows_per_rank
-            if (first_row < M) & (first_row < lo + rows_per_rank) & (first_row + WG_M > lo):
-                tma.async_copy_shared_to_global(dst_descs[owner], [first_row - lo, first_col], out_smem)
+            if (first_row < M) & (first_owner == owner):
+                tma.async_copy_shared_to_global(dst_descs[owner], [first_row - owner * rows_per_rank, first_col],
+                                                out_smem)
+
+
+@gluon.jit
+def _store_later_owners(acc, out_smem, first_row, first_col, M, N, scatter_args):
+    """The rows of a straddling slab past its first owner's: masked stores from the registers into each later
+    owner's slab of this source (rare: at most one slab per owner boundary and column block)."""
+    rows_per_rank, src_rank, _, _, _, dst_ptrs = scatter_args
+    layout: gl.constexpr = acc.type.layout
+    last_row = gl.minimum(first_row + WG_M, M) - 1
+    rows = first_row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
+    cols = first_col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
+    values = acc.to(out_smem.dtype)
+    for owner in range(first_row // rows_per_rank + 1, last_row // rows_per_rank + 1):
+        lo = owner * rows_per_rank
+        base = gl.load(dst_ptrs + owner).to(gl.pointer_type(out_smem.dtype))
+        slot_rows = (src_rank * rows_per_rank + rows - lo).to(gl.int64)
+        mask = gl.expand_dims((rows >= lo) & (rows < lo + rows_per_rank) & (rows < M), 1) & \
+            gl.expand_dims(cols < N, 0)
+        gl.store(base + gl.expand_dims(slot_rows * N, 1) + gl.expand_dims(cols, 0), values, mask=mask)
 
 
 @gluon.jit
@@ -88,8 +108,10 @@ def _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K,
         _staging_free()  # the previous tile's stores are complete: count it now
         if pending >= 0:
             _publish(pending, M, num_col_blocks, scatter_args)
+        first_row = row_block * ROWS + HALF * WG_M
         out_smem.store(acc.to(out_smem.dtype))
-        _store_owners(out_smem, dst_descs, row_block * ROWS + HALF * WG_M, col_block * BLOCK_N, M, rows_per_rank)
+        _store_owners(out_smem, dst_descs, first_row, col_block * BLOCK_N, M, rows_per_rank)
+        _store_later_owners(acc, out_smem, first_row, col_block * BLOCK_N, M, N, scatter_args)
         pending = row_block
     _staging_free()
     if pending >= 0:
@@ -123,10 +145,11 @@ def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_tiles"])
 def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7, M, N, K,
                               tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
-                              flags_per_source, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                              flags_per_source, dst_ptrs, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
                               LOAD_REGS: gl.constexpr = 40):
     """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, None past the
-    group (the launcher cannot pass descriptors inside a tuple); ``chunk_args`` are kernels/gemm_gluon_wait.py's
+    group (the launcher cannot pass descriptors inside a tuple); ``dst_ptrs`` int64 [W] the owners' partials
+    buffers [W, rows_per_rank, N] (for straddling slabs); ``chunk_args`` are kernels/gemm_gluon_wait.py's
     with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_tiles`` = cdiv(M, 128) *
     cdiv(N, BLOCK_N)."""
     dst_descs = (dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7)
@@ -148,7 +171,7 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    scatter_args = (rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source)
+    scatter_args = (rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source, dst_ptrs)
     mma_args = (a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args)
     # the split count as a runtime value: partitions take no constants (gemm_gluon.py)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_tiles, num_tiles * 0 + 1,

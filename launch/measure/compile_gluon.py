@@ -127,7 +127,7 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, world_
                  **{f"dst{owner}": desc([64, bn]) for owner in range(world_size)},
                  **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_tiles", "rows_per_rank",
                                              "src_rank", "flags_per_source")},
-                 flag_ptrs="*i64:16", tile_counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
+                 flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40,
                       **{f"dst{owner}": None for owner in range(world_size, 8)})
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)

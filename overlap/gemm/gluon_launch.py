@@ -163,5 +163,5 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
         tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, tiles,
         scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,
-        chunk_args(None, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
+        scatter.dst_ptrs, chunk_args(None, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
         num_warps=GLUON_NUM_WARPS)

@@ -53,14 +53,15 @@ def main(argv=None) -> int:
         a = torch.randn(m, k, generator=gen, device=dev).bfloat16()
         w = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16()
         w = w.t() if layout == "nk" else w.t().contiguous()
-        views = [buf[:world * rows * n].view(world, rows, n) for buf in buffers]
+        views = [buf[:world * rows * n].view(world, rows, n) for buf in buffers[:world]]
         for buf in buffers:
             buf.fill_(float("nan"))
         for f in flags:
             f.zero_()
         fps = scatter_flags_per_source(rows)
         flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=dev)
-        scatter = Scatter(dst_ptrs=flag_ptrs, flag_ptrs=flag_ptrs, tile_counters=counters, rows_per_rank=rows,
+        dst_ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=dev)
+        scatter = Scatter(dst_ptrs=dst_ptrs, flag_ptrs=flag_ptrs, tile_counters=counters, rows_per_rank=rows,
                           src_rank=src, flags_per_source=fps, error_words=counters, error_code_base=0, timeout_s=1.0)
         descriptors = scatter_descriptors([v[src] for v in views], blocks)
         expect(descriptors is not None, "TMA refused the slabs")
