@@ -60,10 +60,9 @@ def _store_owners(out_smem, dst_descs, first_row, first_col, M, rows_per_rank):
     _barrier()  # every warp's rows are in the staging tile before the stores are issued
     first_owner = first_row // rows_per_rank
     for owner in gl.static_range(len(dst_descs)):
-        if dst_descs[owner] is not None:
-            if (first_row < M) & (first_owner == owner):
-                tma.async_copy_shared_to_global(dst_descs[owner], [first_row - owner * rows_per_rank, first_col],
-                                                out_smem)
+        if (first_row < M) & (first_owner == owner):
+            tma.async_copy_shared_to_global(dst_descs[owner], [first_row - owner * rows_per_rank, first_col],
+                                            out_smem)
 
 
 @gluon.jit
@@ -147,8 +146,9 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
                               tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
                               flags_per_source, dst_ptrs, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
                               LOAD_REGS: gl.constexpr = 40):
-    """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, None past the
-    group (the launcher cannot pass descriptors inside a tuple); ``dst_ptrs`` int64 [W] the owners' partials
+    """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, any descriptor
+    past the group (never stored to; the launcher cannot pass descriptors inside a tuple, and a None among a
+    partition's arguments does not compile); ``dst_ptrs`` int64 [W] the owners' partials
     buffers [W, rows_per_rank, N] (for straddling slabs); ``chunk_args`` are kernels/gemm_gluon_wait.py's
     with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_tiles`` = cdiv(M, 128) *
     cdiv(N, BLOCK_N)."""

@@ -115,7 +115,7 @@ def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: i
     return compile_gluon(gluon_boxes_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
-def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, world_size: int, arch: int = 90):
+def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90):
     """kernels/gemm_gluon_scatter.py as overlap/gemm/gluon_launch.py launches it: A [128, BLOCK_K], B boxes as
     the Gluon GEMM's, one [64, BLOCK_N] descriptor per owner's slab."""
     from tp_overlap.kernels.gemm_gluon_scatter import gluon_scatter_gemm_kernel
@@ -124,10 +124,9 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, world_
     bn, bk = blocks.block_n, blocks.block_k
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
     types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]),
-                 **{f"dst{owner}": desc([64, bn]) for owner in range(world_size)},
+                 **{f"dst{owner}": desc([64, bn]) for owner in range(8)},
                  **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_tiles", "rows_per_rank",
                                              "src_rank", "flags_per_source")},
                  flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", chunk_args=_GLUON_CHUNK_ARGS)
-    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40,
-                      **{f"dst{owner}": None for owner in range(world_size, 8)})
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)

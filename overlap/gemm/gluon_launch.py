@@ -159,7 +159,7 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     n, bk = w.shape[1], blocks.block_k
     tiles = -(-m // 128) * -(-n // blocks.block_n)
     b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
-    owners = (*descriptors, *(None,) * (MAX_SCATTER_OWNERS - len(descriptors)))
+    owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
     gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
         tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, tiles,
         scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,

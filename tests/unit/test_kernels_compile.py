@@ -35,10 +35,10 @@ out["bf16 gluon kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x2
 out["bf16 gluon nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x128x64w4s6gl"), b_transposed=True))
 out["bf16 gluon 192"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("192x128x64w4s4sk1gl"), b_transposed=True))
 from tp_overlap.launch.measure.compile_gluon import compile_gluon_scatter_gemm
-out["bf16 gluon scatter kn W4"] = resource_usage(compile_gluon_scatter_gemm(GemmBlocks.parse("128x256x64w4s3gl"),
-                                                                           b_transposed=False, world_size=4))
-out["bf16 gluon scatter nk W8"] = resource_usage(compile_gluon_scatter_gemm(GemmBlocks.parse("128x128x64w4s6gl"),
-                                                                           b_transposed=True, world_size=8))
+out["bf16 gluon scatter kn"] = resource_usage(compile_gluon_scatter_gemm(GemmBlocks.parse("128x256x64w4s3gl"),
+                                                                        b_transposed=False))
+out["bf16 gluon scatter nk"] = resource_usage(compile_gluon_scatter_gemm(GemmBlocks.parse("128x128x64w4s6gl"),
+                                                                        b_transposed=True))
 out["bf16 gluon boxes 64x96 kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("64x96x64w4s8gl"),
                                                                    b_transposed=False))
 out["bf16 gluon boxes 128x96 nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x96x64w4s7gl"),
@@ -64,8 +64,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
-                          "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn W4",
-                          "bf16 gluon scatter nk W8",
+                          "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn",
+                          "bf16 gluon scatter nk",
                           "gemm epilogue 0 + chunk waits",
                           "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
