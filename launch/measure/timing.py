@@ -5,8 +5,9 @@ device is drained, the ranks meet at a barrier, L2 is flushed, then the variant 
 on the current stream (host clock on CPU). A variant that uses side streams must join them back into the
 current stream before it returns. With `hold_device_us`, a spin kernel keeps the stream busy that long
 after the flush, so that the variant's launches are all queued before its start event fires: the time is
-then device time only (for kernel comparisons); without it, host launch latency the flush does not hide is
-included (the default: what one eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks
+then device time only (for kernel comparisons), except in a rep whose host enqueue outlasts the hold (counted
+per variant as `late_reps`: its time includes host latency); without it, host launch latency the flush does
+not hide is included (the default: what one eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks
 of the group, and each variant reports median / min / max of those maxima.
 """
 
@@ -35,6 +36,7 @@ class Stats:
     min_ms: float
     max_ms: float
     reps: int
+    late_reps: int = 0  # reps whose host enqueue outlasted the device hold (max over ranks)
 
     @property
     def spread(self) -> float:
@@ -43,7 +45,7 @@ class Stats:
 
     def as_dict(self, prefix: str = "") -> dict:
         return {f"{prefix}median_ms": self.median_ms, f"{prefix}min_ms": self.min_ms,
-                f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps}
+                f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps, f"{prefix}late_reps": self.late_reps}
 
 
 def mark(stream=None):
@@ -90,19 +92,24 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._pending: list = []
+        self.host_ms: list[float] = []  # per ticket: how long fn took to return (its host enqueue on GPU)
 
     def time(self, fn: Callable[[], object]) -> int:
         """Run fn between two marks; returns a ticket redeemed by `elapsed_ms` after `sync`."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host_ms.append((time.perf_counter() - t0) * 1e3)
             end.record()
             self._pending.append((start, end))
         else:
             t0 = time.perf_counter()
             fn()
-            self._pending.append((t0, time.perf_counter()))
+            t1 = time.perf_counter()
+            self.host_ms.append((t1 - t0) * 1e3)
+            self._pending.append((t0, t1))
         return len(self._pending) - 1
 
     def elapsed_ms(self) -> list[float]:
@@ -150,7 +157,11 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
                 torch.cuda._sleep(int(hold_device_us * SLEEP_CYCLES_PER_US))
             tickets[name].append(timer.time(variants[name]))
     elapsed = timer.elapsed_ms()
-    table = torch.tensor([[elapsed[t] for t in tickets[n]] for n in names], dtype=torch.float64)
+    # one extra column per variant: its late reps, whose host enqueue outlasted the hold (on CPU, where no hold
+    # runs: the reps that a hold of that length would not have covered)
+    hold_ms = hold_device_us / 1e3 if hold_device_us > 0 else math.inf
+    table = torch.tensor([[elapsed[t] for t in tickets[n]] + [sum(timer.host_ms[t] > hold_ms for t in tickets[n])]
+                          for n in names], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
         reduce_on = table.to(device) if device.type == "cuda" else table
         dist.all_reduce(reduce_on, op=dist.ReduceOp.MAX, group=group)
@@ -158,6 +169,7 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
     del flush
     out = {}
     for i, name in enumerate(names):
-        samples = table[i].tolist()
-        out[name] = Stats(statistics.median(samples), min(samples), max(samples), len(samples))
+        samples = table[i, :-1].tolist()
+        out[name] = Stats(statistics.median(samples), min(samples), max(samples), len(samples),
+                          late_reps=int(table[i, -1]))
     return out

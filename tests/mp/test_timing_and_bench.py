@@ -26,7 +26,7 @@ def _slow_rank(rank, world):
         "slow": lambda: (order.append("slow"), time.sleep(0.02 if rank == 1 else 0.001)),
     }
     stats = bench_interleaved(variants, group=dist.group.WORLD, device=__import__("torch").device("cpu"),
-                              warmup=1, reps=6)
+                              warmup=1, reps=6, hold_device_us=10_000)
     return stats, order
 
 
@@ -36,6 +36,9 @@ def test_interleaved_max_over_ranks():
     assert s0["slow"].min_ms >= 19.0      # rank 1's sleep, not rank 0's
     assert s0["fast"].median_ms < 5.0
     assert s0["slow"].reps == 6 and s0["fast"].min_ms <= s0["fast"].median_ms <= s0["fast"].max_ms
+    # rank 1's calls outlast a 10 ms hold every rep (rank 0's never): the late count is max over ranks too
+    assert (s0["slow"].late_reps, s0["fast"].late_reps) == (6, 0)
+    assert s0["slow"].as_dict("x_")["x_late_reps"] == 6
     timed = order0[2:]                    # after one warm-up of each
     assert timed[:4] == ["fast", "slow", "slow", "fast"]  # order rotated every rep
 

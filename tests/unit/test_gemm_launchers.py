@@ -93,7 +93,8 @@ def test_tuner_resumes_where_a_run_stopped_and_compiles_in_parallel(tmp_path):
 
 def test_ops_bench_times_each_fused_op_against_cublas_and_summarises_the_targets(tmp_path):
     out = tmp_path / "ops.json"
-    assert gemm_bench.main(COMMON + ["--ops", "--shapes", "256x96x128", "--rs-sm-margin", "1", "--out", str(out)]) == 0
+    assert gemm_bench.main(COMMON + ["--ops", "--shapes", "256x96x128", "--rs-sm-margin", "1", "--hold-us", "300",
+                                     "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = {(r["variant"], r["layout"]): r for r in doc["rows"]}
     # epilogue_reduce needs a GPU: on CPU the AllGather consumer and the scatter GEMM, both layouts, and the
@@ -105,5 +106,7 @@ def test_ops_bench_times_each_fused_op_against_cublas_and_summarises_the_targets
         assert row["sm_margin"] == (1 if variant == "rs_fused" else 0)
     summary = doc["summary"]["ag_fused"]
     assert summary["n"] == 2 and summary["min_at_m_4096"] is None and summary["targets_met"]["min_at_m_4096"]
+    # an interpreted call outlasts a 300 us hold (the default): every rep is late, and the summary says so
+    assert all(r["op_late_reps"] == r["op_reps"] for r in doc["rows"]) and summary["points_with_late_reps"] == 2
     from tp_overlap.launch.cli.common import USAGE_EXIT
     assert gemm_bench.main(COMMON + ["--ops", "--fp8", "--shapes", "256x96x64", "--out", str(out)]) == USAGE_EXIT
