@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
-from tp_overlap.gemm import (choose_blocks, choose_fp8_blocks, gpu_name, num_sms, quantize_activation,
+from tp_overlap.gemm import (choose_blocks, gpu_name, num_sms, quantize_activation,
                              quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
 from tp_overlap.gemm.blocks import fused_gluon_blocks
+from tp_overlap.gemm.fp8 import fp8_default_blocks
 from tp_overlap.kernels.constants import ROW_BLOCK_M
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
@@ -155,10 +156,11 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
 
 def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.device, programs: int | None):
     """The blocks the op's GEMM runs (as the ops choose them): on a GPU the Gluon kernel for the bf16 fused
-    AllGather consumer and the scatter GEMM (128-row tiles), the plain @triton.jit entry otherwise."""
+    AllGather consumer and the scatter GEMM (128-row tiles), the FP8 consumer's `fp8_gemm` choice with chunk
+    waits, the plain @triton.jit entry otherwise."""
     gpu = gpu_name(dev)
     if variant == "ag_fused_fp8":
-        return choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=dev.type, gpu=gpu)
+        return fp8_default_blocks(m, n, k, chunk_wait=True, device_type=dev.type, gpu=gpu)
     if dev.type == "cuda" and variant in ("ag_fused", "rs_fused"):
         return fused_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, sm_count=programs,
                                   block_m=ROW_BLOCK_M if variant == "rs_fused" else None)

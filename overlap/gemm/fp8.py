@@ -38,8 +38,8 @@ from .triton_gemm import gpu_name
 SCALE_ROW_ALIGN = 4  # stored rows of fp32 scales are padded to 16 bytes: the Gluon GEMM reads them with TMA
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "padded_scale_groups",
-           "quantize_activation", "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "scaled_mm_reference",
-           "quantize_activation_reference", "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
+           "quantize_activation", "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "fp8_default_blocks",
+           "scaled_mm_reference", "quantize_activation_reference", "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -181,6 +181,16 @@ def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, d
     return GemmBlocks(128, 128, SCALE_GROUP, 8, 8, 4)
 
 
+def fp8_default_blocks(m: int, n: int, k: int, *, chunk_wait: bool, device_type: str, gpu: str | None) -> GemmBlocks:
+    """The blocks `fp8_gemm` runs when given none, before it checks that TMA can read the call's operands
+    (where it cannot: the plain choice): the table's choice, or with chunk waits the plain one in place of a
+    warp-specialised @triton.jit choice (which cannot wait)."""
+    blocks = choose_fp8_blocks(m, n, k, device_type=device_type, gpu=gpu)
+    if chunk_wait and not blocks.gluon:
+        blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=device_type, gpu=gpu)
+    return blocks
+
+
 def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, num_programs: int | None = None,
              blocks: GemmBlocks | None = None, tile_row_offset: int = 0,
@@ -199,9 +209,7 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     operand_problems = None
     if blocks is None:
         gpu = gpu_name(a8.device)
-        blocks = choose_fp8_blocks(m, n, k, device_type=a8.device.type, gpu=gpu)
-        if chunk_wait is not None and not blocks.gluon:  # a warp-specialised @triton.jit entry cannot wait
-            blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type, gpu=gpu)
+        blocks = fp8_default_blocks(m, n, k, chunk_wait=chunk_wait is not None, device_type=a8.device.type, gpu=gpu)
         if blocks.gluon:
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
             if operand_problems:  # e.g. scale rows of M % 4 != 0: the table's plain blocks for this shape

@@ -122,3 +122,13 @@ def test_every_gluon_choice_of_the_fp8_table_and_the_candidates_is_runnable():
         assert gluon_block_problems(block_m=b.block_m, block_n=b.block_n, block_k=b.block_k, num_warps=b.num_warps,
                                     group_m=b.group_m, num_stages=b.num_stages,
                                     programs_per_sm=b.programs_per_sm) == [], b.name
+
+
+def test_the_fp8_consumer_keeps_the_tables_gluon_entry_and_the_ops_bench_records_it():
+    """With chunk waits the H200 table's Gluon entry stays chosen (its producer warp waits); the ops bench
+    records the blocks through the same function."""
+    from tp_overlap.launch.measure import gemm_bench_ops
+
+    chosen = fp8.fp8_default_blocks(4096, 768, 4096, chunk_wait=True, device_type="cuda", gpu="h200")
+    assert chosen.name == "128x128x128w4s4gl" and chosen == fp8.choose_fp8_blocks(4096, 768, 4096, gpu="h200")
+    assert gemm_bench_ops.fp8_default_blocks is fp8.fp8_default_blocks
