@@ -1,13 +1,14 @@
 """GPU checks of the Gluon scatter GEMM (kernels/gemm_gluon_scatter.py, GemmRs `fused`) in one process: W owners'
 partials buffers and flags on one GPU, one PASS/FAIL line per check, exit status 1 on any FAIL.
 
-    python -m tests.gpu.check_gluon_scatter     # on the GPU machine (~20 s)
+    python -m tests.gpu.check_gluon_scatter              # on the GPU machine (~30 s), every case
+    python -m tests.gpu.check_gluon_scatter --case 4     # one case (a fault ends the process's CUDA context)
 
 Every owner's buffer starts as NaN. After a launch as source `src`: each owner's slab of `src` holds that
 owner's rows of A @ W bitwise as the Gluon GEMM without scatter computes them, every other slab is still NaN
 (a slab straddling two owners wrote nothing across), every row-block flag of `src` that the owner's rows touch
-holds M and no other flag was written, and the tile counters are back at zero; again at another M (rows per
-rank a multiple of 128, then not), both layouts, N with a column tail.
+holds M and no other flag was written, and the tile counters are back at zero: 2 to 8 owners, rows per rank a
+multiple of 128 and not (straddling slabs, fewer rows than a slab), both layouts, N with a column tail.
 """
 
 from __future__ import annotations
