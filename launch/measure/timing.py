@@ -6,7 +6,8 @@ on the current stream (host clock on CPU). A variant that uses side streams must
 current stream before it returns. With `hold_device_us`, a spin kernel keeps the stream busy that long
 after the flush, so that the variant's launches are all queued before its start event fires: the time is
 then device time only (for kernel comparisons), except in a rep whose host enqueue outlasts the hold (counted
-per variant as `late_reps`: its time includes host latency); without it, host launch latency the flush does
+per variant as `late_reps`: its time includes host latency; `host_median_ms` says how long the variant's call
+took to return); without it, host launch latency the flush does
 not hide is included (the default: what one eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks
 of the group, and each variant reports median / min / max of those maxima.
 """
@@ -37,6 +38,7 @@ class Stats:
     max_ms: float
     reps: int
     late_reps: int = 0  # reps whose host enqueue outlasted the device hold (max over ranks)
+    host_median_ms: float = 0.0  # the median time the variant's call took to return on the host (max over ranks)
 
     @property
     def spread(self) -> float:
@@ -45,7 +47,8 @@ class Stats:
 
     def as_dict(self, prefix: str = "") -> dict:
         return {f"{prefix}median_ms": self.median_ms, f"{prefix}min_ms": self.min_ms,
-                f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps, f"{prefix}late_reps": self.late_reps}
+                f"{prefix}max_ms": self.max_ms, f"{prefix}reps": self.reps, f"{prefix}late_reps": self.late_reps,
+                f"{prefix}host_median_ms": self.host_median_ms}
 
 
 def mark(stream=None):
@@ -157,10 +160,11 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
                 torch.cuda._sleep(int(hold_device_us * SLEEP_CYCLES_PER_US))
             tickets[name].append(timer.time(variants[name]))
     elapsed = timer.elapsed_ms()
-    # one extra column per variant: its late reps, whose host enqueue outlasted the hold (on CPU, where no hold
-    # runs: the reps that a hold of that length would not have covered)
+    # two extra columns per variant: its late reps, whose host enqueue outlasted the hold (on CPU, where no hold
+    # runs: the reps that a hold of that length would not have covered), and its median host enqueue time
     hold_ms = hold_device_us / 1e3 if hold_device_us > 0 else math.inf
-    table = torch.tensor([[elapsed[t] for t in tickets[n]] + [sum(timer.host_ms[t] > hold_ms for t in tickets[n])]
+    table = torch.tensor([[elapsed[t] for t in tickets[n]] + [sum(timer.host_ms[t] > hold_ms for t in tickets[n]),
+                                                              statistics.median(timer.host_ms[t] for t in tickets[n])]
                           for n in names], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
         reduce_on = table.to(device) if device.type == "cuda" else table
@@ -169,7 +173,7 @@ def bench_interleaved(variants: dict[str, Callable[[], object]], *, group: dist.
     del flush
     out = {}
     for i, name in enumerate(names):
-        samples = table[i, :-1].tolist()
+        samples = table[i, :-2].tolist()
         out[name] = Stats(statistics.median(samples), min(samples), max(samples), len(samples),
-                          late_reps=int(table[i, -1]))
+                          late_reps=int(table[i, -2]), host_median_ms=float(table[i, -1]))
     return out

@@ -39,6 +39,7 @@ def test_interleaved_max_over_ranks():
     # rank 1's calls outlast a 10 ms hold every rep (rank 0's never): the late count is max over ranks too
     assert (s0["slow"].late_reps, s0["fast"].late_reps) == (6, 0)
     assert s0["slow"].as_dict("x_")["x_late_reps"] == 6
+    assert s0["slow"].host_median_ms >= 19.0 and s0["fast"].host_median_ms < 5.0  # rank 1's enqueue, reduced
     timed = order0[2:]                    # after one warm-up of each
     assert timed[:4] == ["fast", "slow", "slow", "fast"]  # order rotated every rep
 
