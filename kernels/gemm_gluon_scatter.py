@@ -144,7 +144,8 @@ def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_tiles"])
 def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7, M, N, K,
                               tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
-                              flags_per_source, dst_ptrs, chunk_args, NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                              flags_per_source, dst_ptrs, chunk_args, NUM_STAGES: gl.constexpr,
+                              B_TRANSPOSED: gl.constexpr,
                               LOAD_REGS: gl.constexpr = 40):
     """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, any descriptor
     past the group (never stored to; the launcher cannot pass descriptors inside a tuple, and a None among a

@@ -7,9 +7,9 @@ current stream before it returns. With `hold_device_us`, a spin kernel keeps the
 after the flush, so that the variant's launches are all queued before its start event fires: the time is
 then device time only (for kernel comparisons), except in a rep whose host enqueue outlasts the hold (counted
 per variant as `late_reps`: its time includes host latency; `host_median_ms` says how long the variant's call
-took to return); without it, host launch latency the flush does
-not hide is included (the default: what one eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks
-of the group, and each variant reports median / min / max of those maxima.
+took to return); without it, host launch latency the flush does not hide is included (the default: what one
+eager call costs from an idle device). After all reps the per-rep times are reduced with MAX over the ranks of
+the group, and each variant reports median / min / max of those maxima.
 """
 
 from __future__ import annotations

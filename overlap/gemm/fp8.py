@@ -39,7 +39,8 @@ SCALE_ROW_ALIGN = 4  # stored rows of fp32 scales are padded to 16 bytes: the Gl
 
 __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_groups", "padded_scale_groups",
            "quantize_activation", "quantize_weight", "fp8_gemm", "choose_fp8_blocks", "fp8_default_blocks",
-           "scaled_mm_reference", "quantize_activation_reference", "quantize_weight_reference", "dequantize_activation", "dequantize_weight"]
+           "scaled_mm_reference", "quantize_activation_reference", "quantize_weight_reference", "dequantize_activation",
+           "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)

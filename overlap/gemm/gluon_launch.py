@@ -11,7 +11,7 @@ import torch
 from tp_overlap.kernels.constants import GLUON_MAX_SPLITS
 
 from .blocks import GemmBlocks
-from .launch import ChunkWait, Scatter, tma_descriptor, tma_row_problems
+from .launch import ChunkWait, Scatter, b_operand, tma_descriptor, tma_row_problems
 from .workspaces import stream_buffers
 
 GLUON_NUM_WARPS = 4             # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
@@ -151,8 +151,6 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     kernels/gemm_gluon_scatter.py into the owners' slabs (`scatter_descriptors`), each finished 128-row block
     published on the owners' flags (`scatter`), on the current stream. `blocks`: one-box Gluon, BLOCK_M 128."""
     from tp_overlap.kernels.gemm_gluon_scatter import gluon_scatter_gemm_kernel
-
-    from .launch import b_operand
 
     m, k = a.shape
     b, _, b_transposed = b_operand(w)

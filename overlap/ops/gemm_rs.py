@@ -8,10 +8,10 @@ epilogue's, holding the call's M). Flags: protocol.py.
 
 Plans (config.method; the same stream operations eager, replayed or captured):
   fused:           wait free[o] (every owner reduced this rank's slot of the last call), one persistent
-                   GEMM (Gluon on a GPU: rs_scatter.py) on num_sms - sm_margin programs storing each tile into its owner's slot and
-                   writing M into the row block's device flag; on a side stream a reduction kernel on
-                   num_comm_sms programs waits until each row block's W flags hold M and sums them into out;
-                   then the flags are reset and free[me] raised on every source.
+                   GEMM (Gluon on a GPU: rs_scatter.py) on num_sms - sm_margin programs storing each tile into
+                   its owner's slot and writing M into the row block's device flag; on a side stream a
+                   reduction kernel on num_comm_sms programs waits until each row block's W flags hold M and
+                   sums them into out; then the flags are reset and free[me] raised on every source.
   epilogue_reduce: the same GEMM scattering the other owners' rows first and reducing its own rows in its
                    epilogue (no reduction kernel); needs (M/W) % 128 == 0 and a GPU.
   decomposed:      one cuBLAS GEMM per owner chunk (ring order, own chunk last) on num_sms - sm_margin SMs,

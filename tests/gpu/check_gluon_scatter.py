@@ -75,8 +75,9 @@ def main(argv=None) -> int:
         what = f"{blocks.name} {layout} W={world} rows={rows} N={n} src={src}"
         for owner, view in enumerate(views):
             mine = view[src]
-            expect(torch.equal(mine, ref[owner * rows:(owner + 1) * rows]),
-                   f"{what}: owner {owner}'s slab differs in {(mine != ref[owner * rows:(owner + 1) * rows]).sum()} values")
+            want_rows = ref[owner * rows:(owner + 1) * rows]
+            expect(torch.equal(mine, want_rows),
+                   f"{what}: owner {owner}'s slab differs in {(mine != want_rows).sum()} values")
             others = torch.cat([view[s] for s in range(world) if s != src])
             expect(torch.isnan(others).all(), f"{what}: owner {owner}: another source's slab was written")
             first_block, last_block = owner * rows // ROW_BLOCK_M, ((owner + 1) * rows - 1) // ROW_BLOCK_M
