@@ -206,7 +206,7 @@ def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, 
                    1)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M", "tile_row_offset"])  # rank-dependent: one compile for every rank and M
 def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset, chunk_args,
                           NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]

@@ -43,6 +43,7 @@ __all__ = ["FP8_DTYPE", "SCALE_GROUP", "ChunkWait", "Fp8WeightCache", "scale_gro
            "dequantize_weight"]
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_HEURISTIC = "128x128x128w4s4gl"  # a GPU without an FP8 table: the Gluon FP8 kernel
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _OUTPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -170,16 +171,17 @@ def _check_gemm_operands(a8, a_scales, w8, w_scales, out) -> tuple[int, int, int
 def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, device_type: str = "cuda",
                       gpu: str | None = DEFAULT_GPU) -> GemmBlocks:
     """Blocks of the FP8 GEMM (BLOCK_K is the scale group, 128): the table `configs/gemm_blocks/<gpu>_fp8.yaml`
-    when it has (N, K) (written by `tp_overlap.launch.gemm_bench --fp8 --write-table`), else plain 128x128 tiles."""
+    when it has (N, K) (written by `tp_overlap.launch.gemm_bench --fp8 --write-table`), else 128x128 tiles: on
+    the Gluon kernel (FP8_HEURISTIC), or plain with `warp_specialize=False`."""
     if device_type != "cuda":
         return GemmBlocks(16, 32, SCALE_GROUP, 4, 1, 1)
     table = load_block_table(f"{gpu}_fp8") if gpu else None
     entry = table.lookup(m, n, k, "nk") if table is not None else None
     if entry is not None:
         return entry.blocks if warp_specialize else entry.plain
-    # the warp-specialised 4-warp default computed wrong tiles on the H200 (results/gemm_fp8_h200.json): plain until a
-    # table entry measured correct and faster says otherwise
-    return GemmBlocks(128, 128, SCALE_GROUP, 8, 8, 4)
+    # the H200 table's choice at 102 of its 120 shapes; plain: its usual plain column (a warp-specialised
+    # @triton.jit default computed wrong tiles on the H200, results/gemm_fp8_h200.json)
+    return GemmBlocks.parse(FP8_HEURISTIC) if warp_specialize else GemmBlocks(128, 128, SCALE_GROUP, 8, 8, 4)
 
 
 def fp8_default_blocks(m: int, n: int, k: int, *, chunk_wait: bool, device_type: str, gpu: str | None) -> GemmBlocks:

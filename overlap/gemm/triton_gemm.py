@@ -25,15 +25,22 @@ __all__ = ["triton_mm", "num_sms", "sm_carveout", "gpu_name"]
 
 @contextlib.contextmanager
 def sm_carveout(sm_margin: int):
-    """cuBLAS calls inside use num_sms - sm_margin SMs (a process-wide setting: restored on exit)."""
+    """cuBLAS calls inside use num_sms - sm_margin SMs (process-wide settings: restored on exit). Only cuBLASLt
+    honours the carve-out (its SM count target): torch's default cuBLAS path ignores it, so on a GPU the
+    preferred BLAS library is cuBLASLt inside."""
     if not sm_margin:
         yield
         return
     previous = torch._C._get_sm_carveout_experimental()
+    backend = torch._C._get_blas_preferred_backend() if torch.cuda.is_available() else None
     torch._C._set_sm_carveout_experimental(sm_margin)
+    if backend is not None:
+        torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
     try:
         yield
     finally:
+        if backend is not None:
+            torch._C._set_blas_preferred_backend(backend)
         torch._C._set_sm_carveout_experimental(previous)
 
 

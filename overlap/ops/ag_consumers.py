@@ -10,8 +10,9 @@ import torch
 
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
-from ..gemm import ChunkWait, choose_blocks, choose_fp8_blocks, fp8_gemm, launch_gemm, sm_carveout
+from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
 from ..gemm.blocks import fused_gluon_blocks
+from ..gemm.fp8 import fp8_default_blocks
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
@@ -73,10 +74,9 @@ class AgConsumers:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]
         if self.fp8:
-            # fp8_gemm chooses: the Gluon kernel where the table names it and TMA reads the operands, else the
-            # plain @triton.jit entry; both walk 128-row tiles
-            blocks = choose_fp8_blocks(m, key.n, self.k, warp_specialize=False, device_type=self.device.type,
-                                       gpu=self.gpu)
+            # fp8_gemm chooses per call (the Gluon kernel where the table names it and TMA reads the operands,
+            # else the plain entry); the tile order follows the blocks it runs when TMA can read them
+            blocks = fp8_default_blocks(m, key.n, self.k, chunk_wait=True, device_type=self.device.type, gpu=self.gpu)
             offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
             chosen = None if self._cuda else blocks
 
