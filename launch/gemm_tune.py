@@ -225,7 +225,9 @@ class _Sweep:
             return
         t_cublas = times.pop("cublas")
         best = min(times, key=times.get)
-        plains = [nm for nm in times if GemmBlocks.parse(nm).plain and GemmBlocks.parse(nm).block_m == PLAIN_BLOCK_M]
+        # what flag-waiting callers can run: plain, 128-row tiles, one program per SM
+        plains = [nm for nm, b in ((nm, GemmBlocks.parse(nm)) for nm in times)
+                  if b.plain and b.block_m == PLAIN_BLOCK_M and b.programs_per_sm == 1]
         plain = min(plains, key=times.get) if plains else None
         if plain is not None and times[plain] <= times[best] * PLAIN_PREFERENCE:
             best = plain

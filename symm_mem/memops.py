@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 from tp_overlap.ipc.errors import OverlapError
 
 __all__ = ["MemOp", "MemOpBatch", "MemOpError", "wait_eq", "wait_geq", "write", "host_register", "host_unregister",
-           "memcpy_async"]
+           "memcpy_async", "Memcpy2D"]
 
 _OP_WAIT_VALUE_32 = 1
 _OP_WRITE_VALUE_32 = 2
@@ -28,6 +28,7 @@ _PARAMS_BYTES = 48  # sizeof(CUstreamBatchMemOpParams): a union padded to 6 x ui
 _MAX_BATCH = 255    # the driver refuses 256 or more operations in one call
 _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+_MEMORYTYPE_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
 
 
 class MemOpError(OverlapError, RuntimeError):
@@ -67,6 +68,20 @@ class _Params(ctypes.Union):
 assert ctypes.sizeof(_Params) == _PARAMS_BYTES
 
 
+class _Copy2D(ctypes.Structure):
+    # CUDA_MEMCPY2D (v2): source fields, destination fields, then the extent
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+assert ctypes.sizeof(_Copy2D) == 128
+
+
 class _Driver:
     """The few libcuda entry points this module needs, resolved once per process."""
 
@@ -85,6 +100,9 @@ class _Driver:
         self.memcpy = lib.cuMemcpyAsync
         self.memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         self.memcpy.restype = ctypes.c_int
+        self.memcpy_2d = lib.cuMemcpy2DAsync_v2
+        self.memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.memcpy_2d.restype = ctypes.c_int
         self.register = lib.cuMemHostRegister_v2
         self.register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self.register.restype = ctypes.c_int
@@ -158,6 +176,26 @@ class MemOpBatch:
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """`cuMemcpyAsync` between device (or mapped) addresses: the copy engine, no torch dispatch."""
     _check(_Driver.get().memcpy(dst, src, nbytes, stream_handle), f"cuMemcpyAsync of {nbytes} bytes")
+
+
+class Memcpy2D:
+    """A pitched copy of `height` rows of `width_bytes` between device (or mapped) addresses, built once and
+    enqueued many times by `cuMemcpy2DAsync`: one copy-engine copy for a strided block such as some columns
+    of every row of a matrix (a rank's scales in the gathered, group-major FP8 scales)."""
+
+    def __init__(self, *, dst: int, dst_pitch: int, src: int, src_pitch: int, width_bytes: int, height: int):
+        if not 0 < width_bytes <= min(dst_pitch, src_pitch) or height < 1:
+            raise MemOpError(f"a 2D copy needs 0 < width_bytes <= both pitches and height >= 1, got width_bytes="
+                             f"{width_bytes}, pitches {dst_pitch} / {src_pitch}, height {height}")
+        self._copy = _Copy2D(srcMemoryType=_MEMORYTYPE_DEVICE, srcDevice=src, srcPitch=src_pitch,
+                             dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
+                             WidthInBytes=width_bytes, Height=height)
+        self._pointer = ctypes.addressof(self._copy)
+        self._what = f"cuMemcpy2DAsync of {height} x {width_bytes} bytes"
+        self._driver = _Driver.get()
+
+    def enqueue(self, stream_handle: int) -> None:
+        _check(self._driver.memcpy_2d(self._pointer, stream_handle), self._what)
 
 
 def host_register(address: int, nbytes: int) -> int:

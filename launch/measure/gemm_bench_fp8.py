@@ -156,7 +156,8 @@ def _record_times(row: dict, stats: dict, blocks: dict, shape: tuple[int, int, i
     if "scaled_mm" in times:
         row["best_over_scaled_mm"] = times["scaled_mm"] / ours[best]
         row["default_over_scaled_mm"] = times["scaled_mm"] / ours["default"] if "default" in ours else None
-    plains = [nm for nm in ours if blocks[nm].plain and blocks[nm].block_m == PLAIN_BLOCK_M]
+    plains = [nm for nm in ours  # what flag-waiting callers can run: 128-row tiles, one program per SM
+              if blocks[nm].plain and blocks[nm].block_m == PLAIN_BLOCK_M and blocks[nm].programs_per_sm == 1]
     plain = min(plains, key=ours.get) if plains else None
     plain_blocks = blocks[plain] if plain else choose_fp8_blocks(m, n, k, warp_specialize=False)
     entries[("nk", m, n, k)] = BlockTableEntry("nk", m, n, k, blocks[best], plain_blocks,

@@ -177,7 +177,7 @@ def choose_fp8_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, d
         return GemmBlocks(16, 32, SCALE_GROUP, 4, 1, 1)
     table = load_block_table(f"{gpu}_fp8") if gpu else None
     entry = table.lookup(m, n, k, "nk") if table is not None else None
-    if entry is not None:
+    if entry is not None and (warp_specialize or entry.plain.programs_per_sm == 1):  # o2: see GemmBlocks.plain
         return entry.blocks if warp_specialize else entry.plain
     # the H200 table's choice at 102 of its 120 shapes; plain: its usual plain column (a warp-specialised
     # @triton.jit default computed wrong tiles on the H200, results/gemm_fp8_h200.json)

@@ -126,6 +126,11 @@ def _contiguous_bytes(t: torch.Tensor) -> int | None:
     return t.numel() * t.element_size() if t.is_contiguous() else None
 
 
+def _pitched(t: torch.Tensor) -> bool:
+    """Rows of contiguous elements at a stride of at least a row: what one 2D copy moves."""
+    return t.dim() == 2 and t.numel() > 0 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
+
+
 class CudaDriver:
     """Runs a program on CUDA streams: side lanes on the op's streams, "compute" on the given stream."""
 
@@ -173,6 +178,12 @@ class CudaDriver:
             if nbytes is not None and _contiguous_bytes(src) == nbytes:
                 d, s = dst.data_ptr(), src.data_ptr()
                 return (lambda call, stream: memops.memcpy_async(d, s, nbytes, stream.cuda_stream)), False
+            if _pitched(dst) and _pitched(src) and dst.shape == src.shape and dst.dtype == src.dtype:
+                size = dst.element_size()  # rows of columns: one copy-engine copy, not torch's copy kernel
+                copy = memops.Memcpy2D(dst=dst.data_ptr(), dst_pitch=dst.stride(0) * size, src=src.data_ptr(),
+                                       src_pitch=src.stride(0) * size, width_bytes=dst.shape[1] * size,
+                                       height=dst.shape[0])
+                return (lambda call, stream: copy.enqueue(stream.cuda_stream)), False
             return (lambda call, stream: dst.copy_(src, non_blocking=True)), True
         if step.kind == "record":
             event = self.events[step.args[0]]

@@ -132,3 +132,14 @@ def test_the_fp8_consumer_keeps_the_tables_gluon_entry_and_the_ops_bench_records
     chosen = fp8.fp8_default_blocks(4096, 768, 4096, chunk_wait=True, device_type="cuda", gpu="h200")
     assert chosen.name == "128x128x128w4s4gl" and chosen == fp8.choose_fp8_blocks(4096, 768, 4096, gpu="h200")
     assert gemm_bench_ops.fp8_default_blocks is fp8.fp8_default_blocks
+
+
+def test_plain_fp8_blocks_run_one_program_per_sm_where_the_table_measured_o2():
+    from tp_overlap.gemm.blocks import load_block_table
+    table = load_block_table("h100_fp8")
+    o2 = [e for e in table.entries if e.plain.programs_per_sm == 2]
+    assert o2, "the H100 FP8 table has o2 plain entries: the case this guards"
+    for e in o2:
+        got = fp8.choose_fp8_blocks(e.m, e.n, e.k, warp_specialize=False, gpu="h100")
+        assert got.programs_per_sm == 1 and got.block_m == 128 and got.plain
+        assert fp8.choose_fp8_blocks(e.m, e.n, e.k, gpu="h100") == e.blocks

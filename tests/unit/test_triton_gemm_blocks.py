@@ -81,8 +81,22 @@ def test_flag_waiting_callers_always_get_a_plain_configuration():
     for entry in H200.entries:
         for m in (entry.m, entry.m // 2 + 1):
             got = choose_blocks(m, entry.n, entry.k, b_transposed=entry.layout == "nk", warp_specialize=False)
-            assert got.plain and got.block_m == PLAIN_BLOCK_M
+            assert got.plain and got.block_m == PLAIN_BLOCK_M and got.programs_per_sm == 1
     assert choose_blocks(333, 444, 555, warp_specialize=False).plain
+
+
+def test_an_o2_plain_entry_gives_flag_waiting_callers_the_heuristic_they_run_one_program_per_sm():
+    table = BlockTable("x", 132, (
+        BlockTableEntry("kn", 1024, 4096, 1792, GemmBlocks.parse("128x128x64w4s6gl"),
+                        GemmBlocks.parse("128x128x64w4s3es2o2")),
+        BlockTableEntry("nk", 1024, 4096, 1792, GemmBlocks.parse("128x128x64w4s6gl"),
+                        GemmBlocks.parse("128x256x64w8s4es2"))))
+    assert choose_blocks(1024, 4096, 1792, warp_specialize=False, table=table) == \
+        heuristic_blocks(1024, 4096, 1792, warp_specialize=False)
+    assert choose_blocks(1024, 4096, 1792, table=table).name == "128x128x64w4s6gl"  # the table's fastest stays
+    assert choose_blocks(1024, 4096, 1792, b_transposed=True, warp_specialize=False, table=table).name == \
+        "128x256x64w8s4es2"
+    assert any(e.plain.programs_per_sm == 2 for e in load_block_table("h100").entries)  # the case is real
 
 
 def test_the_fused_allgather_consumer_gets_one_box_gluon_blocks_without_a_split_tail():
