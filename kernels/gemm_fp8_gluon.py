@@ -78,13 +78,11 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     step = 0
     waits = chunk_args[1] > 0
     chunks_ready = waits
-    verified = (tile_row_offset * 0).to(gl.int64)  # the chunks this warp has seen SET (bits 0-63)
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         if waits:  # the rows and their scales come from the same gathered chunks
             first_row = row_block * BLOCK_M
-            chunks_ready, verified = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1,
-                                                     chunks_ready, verified)
+            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
         col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
         for k in range(num_k):
             slot = step % NUM_STAGES

@@ -108,14 +108,12 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
     step = 0
     waits = chunk_args[1] > 0
     chunks_ready = waits
-    verified = (tile_row_offset * 0).to(gl.int64)  # the chunks this warp has seen SET (bits 0-63)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         if waits:
             first_row = row_block * BLOCK_M
-            chunks_ready, verified = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1,
-                                                     chunks_ready, verified)
+            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
         for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete

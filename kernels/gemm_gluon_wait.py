@@ -81,31 +81,22 @@ def _await_chunk(flag_ptr, code, error_ptr, timeout_ns, lane):
 
 
 @gluon.jit
-def wait_chunk_rows(chunk_args, first_row, last_row, ready, verified):
+def wait_chunk_rows(chunk_args, first_row, last_row, ready):
     """Wait (bounded) for every chunk flag holding gathered rows [first_row, last_row], unless an earlier wait
-    of this program failed (`ready` False: the rows are loaded without waiting) or this warp has already seen
-    the chunk SET (bit `chunk` of the int64 `verified`, chunks 0-63: its acquire and proxy fence came before,
-    in program order, every later load). Returns (`ready`, `verified`) for the next tile. Called by the
-    producer warp only, before the tile's first TMA load of A."""
+    of this program failed (`ready` False: the rows are loaded without waiting). Returns `ready` for the next
+    tile. Called by the producer warp only, before the tile's first TMA load of A."""
     flags, chunks_per_rank, rows_per_rank, error_ptr, error_code_base, timeout_ns = chunk_args
     lane = _lanes()
-    waited = lane * 0
     if ready:
         rows_per_chunk = gl.cdiv(rows_per_rank, chunks_per_rank)
         first_chunk = (first_row // rows_per_rank) * chunks_per_rank + (first_row % rows_per_rank) // rows_per_chunk
         last_chunk = (last_row // rows_per_rank) * chunks_per_rank + (last_row % rows_per_rank) // rows_per_chunk
         for chunk in range(first_chunk, last_chunk + 1):
-            bit = gl.minimum(chunk, 63).to(gl.int64)
-            known = (chunk < 64) & (((verified >> bit) & 1) != 0)
             # an owner's trailing chunks can be empty (9 rows in 4 chunks of 3): nobody signals those
-            if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank) & (not known):
+            if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
                 ready = _await_chunk(flags + chunk, error_code_base + chunk, error_ptr, timeout_ns, lane)
                 if ready:  # every lane acquires once itself: the TMA issuer is ordered after the flag
                     gl.atomic_add(flags + chunk + lane * 0, lane * 0, sem="acquire", scope="sys")
-                    if chunk < 64:
-                        verified = verified | (verified * 0 + 1) << bit
-                waited = waited + 1
-    if gl.max(waited, axis=0) > 0:  # a fence after the last acquire covers every later TMA load
-        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    return ready, verified
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    return ready
