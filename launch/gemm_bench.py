@@ -40,6 +40,8 @@ from .measure.gemm_bench_ops import run_ops
 
 REL_TOLERANCE = 1e-2
 PER_CALL_OVERHEAD_S = 6e-4
+HOLD_US = 300.0       # covers triton_mm's and torch.mm's host enqueue
+OPS_HOLD_US = 1500.0  # covers an op's compute_alone (0.3-0.65 ms of host time measured on an H100 machine)
 
 
 def shape_points(tps, ms, layers=None, shapes=()) -> list[tuple[str, str, int, int, int, int]]:
@@ -79,7 +81,10 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--layers", type=_parse_list, default=None,
                    help="subset of docs/ARCHITECTURE.md's layers (default: all)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per variant and shape (median)")
-    p.add_argument("--hold-us", type=float, default=300.0, help="device hold before each timed call (0: none)")
+    p.add_argument("--hold-us", type=float, default=None,
+                   help="device hold before each timed call (0: none; default 300, with --ops 1500: the ops' host "
+                   "enqueue reached 0.3-0.65 ms on an H100 machine, and a rep whose enqueue outlasts the hold "
+                   "times host latency)")
     p.add_argument("--table", default=None, help="block table YAML (default: the GPU's package table)")
     p.add_argument("--configs", type=_parse_list, default=(),
                    help="extra block configurations to time (--fp8: the candidates, instead of FP8_CANDIDATES; "
@@ -112,6 +117,8 @@ def _parse(argv):
     require(args.layers is None or set(args.layers) <= layers,
             f"--layers: got {args.layers}; allowed: {', '.join(sorted(layers))}")
     require(args.reps >= 1, f"--reps: got {args.reps}; allowed: >= 1")
+    if args.hold_us is None:
+        args.hold_us = OPS_HOLD_US if args.ops else HOLD_US
     require(args.hold_us >= 0, f"--hold-us: got {args.hold_us}; allowed: >= 0")
     require(args.time_budget_s >= 0, f"--time-budget-s: got {args.time_budget_s}; allowed: >= 0")
     require(args.jobs >= 1, f"--jobs: got {args.jobs}; allowed: >= 1")

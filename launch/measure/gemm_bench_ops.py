@@ -16,7 +16,9 @@ layout (`kn`: B row-major [K, N]; `nk`: B = w.t() of an nn.Linear weight [N, K])
 each next to cuBLAS on the same operands with the same carveout (`torch.mm`; for FP8 `torch._scaled_mm` on the
 same quantised values and scales, the CPU: their dequantised product), checked first against it (relative
 error <= 1e-2), timed interleaved with L2 flushed and the device held busy before each call (device time, as
-the GEMM bench). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant gives the median,
+the GEMM bench; 1.5 ms by default, longer than an op's host enqueue, so that no rep times host latency: with
+0.3 ms, the ops' enqueue outlasted the hold at half the points on an H100 machine and a few points per run
+read 1.5-8x their own minimum). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant gives the median,
 the minimum at M >= 4096 and everywhere, and whether the targets hold (bf16: median >= 0.97, every M >= 4096
 point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
 """
@@ -60,7 +62,7 @@ def run_ops(args, *, dev: torch.device, device_name: str, points: list[tuple[str
         work = [(p, layout, v) for p in points for layout in args.layouts for v in _variants(p[1], dev)
                 if v != "ag_fused_fp8" or (layout == "nk" and p[5] % 128 == 0)]
         for i, ((layer, op_name, world, m, n, k), layout, variant) in enumerate(work):
-            estimate = 2 * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S)
+            estimate = 2 * (args.reps + 4) * (2 * m * n * k / 600e12 + PER_CALL_OVERHEAD_S + args.hold_us * 1e-6)
             if time.monotonic() - started + estimate > args.time_budget_s:
                 skipped.append({"layer": layer, "tp": world, "layout": layout, "variant": variant, "M": m, "N": n,
                                 "K": k})

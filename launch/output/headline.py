@@ -49,6 +49,22 @@ def _fp8(doc: dict) -> str:
             f"median {statistics.median(big):.2f}x bf16 cuBLAS at M >= 4096")
 
 
+def _fused(doc: dict) -> str:
+    s, rows = doc["summary"], doc["rows"]
+    bf16 = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8"]
+    large = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8" and r["M"] >= 4096]
+    small = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8" and r["M"] < 4096]
+    smallest_m = min(r["M"] for r in rows)
+    text = (f"AllGather consumer median {s['ag_fused']['median']:.3f} of cuBLAS, ReduceScatter scatter GEMM "
+            f"{s['rs_fused']['median']:.3f} (cuBLAS under the same SM carve-out), epilogue_reduce "
+            f"{s['rs_epilogue_reduce']['median']:.3f}: at least {min(large):.2f} at M >= 4096")
+    if small:
+        text += f", {min(small):.2f} at M = {smallest_m}"
+    if "ag_fused_fp8" in s:
+        text += f"; FP8 consumer {s['ag_fused_fp8']['median']:.3f} of `torch._scaled_mm`"
+    return text if bf16 else "-"
+
+
 def _host(doc: dict) -> str:
     ops = [r["ratio"] for r in doc["rows"] if r["op"] in ("ag_gemm", "gemm_rs") and r["eager_graphs"]]
     steps = {r["op"].split(" (")[0]: r for r in doc["rows"] if r["op"] not in ("ag_gemm", "gemm_rs")}
@@ -75,6 +91,7 @@ ROWS = (  # (results file, what, how the number reads)
     ("gemm_rs_h200_tp2_graphs.json", "GEMM + ReduceScatter, per shape (best method)", _op),
     ("gemm_h200_triton371.json", "our bf16 GEMM (tuned block table, Triton 3.7.1)", _gemm),
     ("gemm_fp8_h200.json", "our FP8 GEMM (1x128 / 128x128 scales)", _fp8),
+    ("gemm_fused_h100.json", "each fused op's own GEMM (`compute_alone`)", _fused),
     ("host_cost_h100.json", "host time of the eager path", _host),
     ("offload_h200.json", "activation offload, the planner's default plan", _offload),
 )

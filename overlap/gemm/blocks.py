@@ -95,10 +95,8 @@ class GemmBlocks:
 
     @property
     def plain(self) -> bool:
-        """Usable by callers whose K loop waits on flags (no warp specialisation, flattening, stream-K,
-        split-K or Gluon). They run one program per SM they may use, so `choose_blocks` gives them these
-        blocks only without `o2` (on an H100, 128x128x64w4s3es2o2 at one program per SM ran the
-        scatter-reduce GEMM at 0.64-0.69 of cuBLAS where the heuristic's plain blocks ran at 0.95)."""
+        """Usable by callers whose K loop waits on flags (no ws, fl, sk, sp or gl). They run one program per
+        SM, so `choose_blocks` gives them no `o2` (128x128x64w4s3es2o2 so: 0.64-0.69 of cuBLAS on an H100)."""
         return not (self.warp_specialize or self.flatten or self.stream_k or self.split_k > 1 or self.gluon)
 
     def problems(self, operand_bytes: int = 2) -> list[str]:

@@ -65,11 +65,12 @@ def test_the_results_say_what_chose_the_blocks():
     from tp_overlap.launch.output.report import gemm_blocks_source
 
     assert gemm_blocks_source("NVIDIA H200") == "h200.yaml"
-    assert gemm_blocks_source("NVIDIA H100 80GB HBM3") == "heuristic (no table for h100)"
+    assert gemm_blocks_source("NVIDIA H100 80GB HBM3") == "h100.yaml"
+    assert gemm_blocks_source("NVIDIA A100-SXM4-80GB") == "heuristic (no table for a100)"
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     # a GPU without a table: the heuristic, whatever the layout
     for transposed in (False, True):
-        assert choose_blocks(4096, 1536, 4096, b_transposed=transposed, gpu="h100") == \
+        assert choose_blocks(4096, 1536, 4096, b_transposed=transposed, gpu="a100") == \
             heuristic_blocks(4096, 1536, 4096, sm_count=132)
 
 
