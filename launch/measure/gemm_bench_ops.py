@@ -18,9 +18,9 @@ same quantised values and scales, the CPU: their dequantised product), checked f
 error <= 1e-2), timed interleaved with L2 flushed and the device held busy before each call (device time, as
 the GEMM bench; 1.5 ms by default, longer than an op's host enqueue, so that no rep times host latency: with
 0.3 ms, the ops' enqueue outlasted the hold at half the points on an H100 machine and a few points per run
-read 1.5-8x their own minimum). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant gives the median,
-the minimum at M >= 4096 and everywhere, and whether the targets hold (bf16: median >= 0.97, every M >= 4096
-point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
+read 1.5-8x their own minimum). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant
+gives the median, the minimum at M >= 4096 and everywhere, and whether the targets hold (bf16: median >= 0.97,
+every M >= 4096 point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
 """
 
 from __future__ import annotations
