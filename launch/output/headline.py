@@ -50,19 +50,15 @@ def _fp8(doc: dict) -> str:
 
 
 def _fused(doc: dict) -> str:
-    s, rows = doc["summary"], doc["rows"]
-    bf16 = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8"]
-    large = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8" and r["M"] >= 4096]
-    small = [r["op_over_cublas"] for r in rows if r["variant"] != "ag_fused_fp8" and r["M"] < 4096]
-    smallest_m = min(r["M"] for r in rows)
-    text = (f"AllGather consumer median {s['ag_fused']['median']:.3f} of cuBLAS, ReduceScatter scatter GEMM "
-            f"{s['rs_fused']['median']:.3f} (cuBLAS under the same SM carve-out), epilogue_reduce "
-            f"{s['rs_epilogue_reduce']['median']:.3f}: at least {min(large):.2f} at M >= 4096")
-    if small:
-        text += f", {min(small):.2f} at M = {smallest_m}"
+    s = doc["summary"]
+    bf16 = [s[v] for v in ("ag_fused", "rs_fused", "rs_epilogue_reduce")]
+    text = (f"AllGather consumer median {bf16[0]['median']:.3f} of cuBLAS, ReduceScatter scatter GEMM "
+            f"{bf16[1]['median']:.3f} (cuBLAS under the same SM carve-out), epilogue_reduce {bf16[2]['median']:.3f}: "
+            f"at least {min(v['min_at_m_4096'] for v in bf16):.2f} at M >= 4096, {min(v['min'] for v in bf16):.2f} "
+            "everywhere")
     if "ag_fused_fp8" in s:
         text += f"; FP8 consumer {s['ag_fused_fp8']['median']:.3f} of `torch._scaled_mm`"
-    return text if bf16 else "-"
+    return text
 
 
 def _host(doc: dict) -> str:

@@ -32,7 +32,7 @@ def sm_carveout(sm_margin: int):
         yield
         return
     previous = torch._C._get_sm_carveout_experimental()
-    backend = torch._C._get_blas_preferred_backend() if torch.cuda.is_available() else None
+    backend = torch._C._get_blas_preferred_backend() if _cuda_present() else None
     torch._C._set_sm_carveout_experimental(sm_margin)
     if backend is not None:
         torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
@@ -42,6 +42,11 @@ def sm_carveout(sm_margin: int):
         if backend is not None:
             torch._C._set_blas_preferred_backend(backend)
         torch._C._set_sm_carveout_experimental(previous)
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_present() -> bool:  # once: sm_carveout runs on the ops' hot path
+    return torch.cuda.is_available()
 
 
 def num_sms(device: torch.device) -> int:
