@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import constants
 from .gemm_gluon import _tile_coordinates  # GROUP_M = 8 swizzle, rows rotated by tile_row_offset
-from .gemm_gluon_wait import wait_chunk_rows
+from .gemm_gluon_wait import (init_chunk_barriers, invalidate_chunk_barriers, publish_chunk_rows,
+                               take_chunk_rows)
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
@@ -62,7 +63,7 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready,
-                    empty, M, N, K, tile_row_offset, chunk_args):
+                    empty, M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free):
     """The producer warp: TMA loads of every K group of this program's tiles into the ring (A and B tiles, the
     tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer warpgroups
     have released it."""
@@ -77,12 +78,12 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     num_k = gl.cdiv(K, BLOCK_K)
     step = 0
     waits = chunk_args[1] > 0
-    chunks_ready = waits
+    index = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        if waits:  # the rows and their scales come from the same gathered chunks
-            first_row = row_block * BLOCK_M
-            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
+        if waits:  # the rows and their scales come from the same gathered chunks: the waiter warp's
+            take_chunk_rows(index, chunks_ok, chunks_free)
+        index += 1
         col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
         for k in range(num_k):
             slot = step % NUM_STAGES
@@ -100,6 +101,25 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
             tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
                                             b_scale_bufs.index(slot).slice(0, 1))
             step += 1
+
+
+@gluon.jit
+def _wait_partition(a_desc, b_desc, M, N, tile_row_offset, chunk_args, chunks_ok, chunks_free):
+    """The waiter warp of the fused AllGather consumer (kernels/gemm_gluon_wait.py): the chunks of this program's
+    tiles, in the producer's order; nothing without chunk waits."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    if chunk_args[1] > 0:
+        ready = chunk_args[1] > 0
+        index = 0
+        for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+            row_block, _ = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+            first_row = row_block * BLOCK_M
+            ready = publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready, index,
+                                       chunks_ok, chunks_free)
+            index += 1
 
 
 @gluon.jit
@@ -237,6 +257,7 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    chunks_ok, chunks_free = init_chunk_barriers()
     fence_async_shared()
 
     # the consumers read the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
@@ -249,9 +270,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
     mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
-                 M, N, K, tile_row_offset, chunk_args)
-    gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args)], [4, 1],
-                       [MMA_REGS, LOAD_REGS])
+                 M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free)
+    wait_args = (a_desc, b_desc, M, N, tile_row_offset, chunk_args, chunks_ok, chunks_free)
+    gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
+                        (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    invalidate_chunk_barriers(chunks_ok, chunks_free)

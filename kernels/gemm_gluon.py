@@ -50,7 +50,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gemm_gluon_wait import wait_chunk_rows
+from .gemm_gluon_wait import (init_chunk_barriers, invalidate_chunk_barriers, publish_chunk_rows,
+                               take_chunk_rows)
 
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
@@ -90,10 +91,10 @@ def _work_item(item, num_whole_tiles, splits, num_k):
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    chunk_args, B_TRANSPOSED: gl.constexpr):
+                    chunk_args, chunks_ok, chunks_free, B_TRANSPOSED: gl.constexpr):
     """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
-    every consumer warpgroup has released it; with chunk waits, each item's A rows only once their chunks
-    arrived (kernels/gemm_gluon_wait.py)."""
+    every consumer warpgroup has released it; with chunk waits, each item's A rows only once the waiter warp
+    has seen their chunks arrive (kernels/gemm_gluon_wait.py)."""
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -107,13 +108,13 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     step = 0
     waits = chunk_args[1] > 0
-    chunks_ready = waits
+    index = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         if waits:
-            first_row = row_block * BLOCK_M
-            chunks_ready = wait_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, chunks_ready)
+            take_chunk_rows(index, chunks_ok, chunks_free)
+        index += 1
         for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
@@ -128,6 +129,30 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
             else:
                 tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
             step += 1
+
+
+@gluon.jit
+def _wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+                    chunks_free):
+    """The waiter warp of the fused AllGather consumer (kernels/gemm_gluon_wait.py): the chunks of this program's
+    work items, in the producer's order; nothing without chunk waits."""
+    BLOCK_M: gl.constexpr = 128 if a_desc.block_type.shape[0] == 128 else 192  # A in 64-row boxes for 192
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, BLOCK_K)
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
+    if chunk_args[1] > 0:
+        ready = chunk_args[1] > 0
+        index = 0
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            tile_id, _, _, _ = _work_item(item, num_whole_tiles, splits, num_k)
+            row_block, _ = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+            first_row = row_block * BLOCK_M
+            ready = publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready, index,
+                                       chunks_ok, chunks_free)
+            index += 1
 
 
 @gluon.jit
@@ -295,9 +320,9 @@ def _mma2_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_off
 
 @gluon.jit
 def _load_kn(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-            chunk_args):
+             chunk_args, chunks_ok, chunks_free):
     _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    chunk_args, False)
+                    chunk_args, chunks_ok, chunks_free, False)
 
 
 @gluon.jit
@@ -317,9 +342,9 @@ def _mma2_nk(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_off
 
 @gluon.jit
 def _load_nk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-            chunk_args):
+             chunk_args, chunks_ok, chunks_free):
     _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    chunk_args, True)
+                    chunk_args, chunks_ok, chunks_free, True)
 
 
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
@@ -353,29 +378,34 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    chunks_ok, chunks_free = init_chunk_barriers()
     fence_async_shared()
 
     split_args = (num_whole_tiles, splits, workspace, counters)
     mma_args = (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                 chunk_args)
+                 chunk_args, chunks_ok, chunks_free)
+    wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     # the 64K registers of the SM, shared (setmaxnreg): 2 consumer warpgroups get 232 each; 3 (416 threads with the
     # producer warp: at most 157 each) get 152
     MMA_REGS: gl.constexpr = 232 if CONSUMERS == 2 else 152
     if B_TRANSPOSED:
         if CONSUMERS == 2:
-            gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_load_nk, load_args)], [4, 1],
-                               [MMA_REGS, LOAD_REGS])
+            gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_load_nk, load_args),
+                                (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_mma2_nk, mma_args),
-                                (_load_nk, load_args)], [4, 4, 1], [MMA_REGS, MMA_REGS, LOAD_REGS])
+                                (_load_nk, load_args), (_wait_partition, wait_args)], [4, 4, 1, 1],
+                               [MMA_REGS, MMA_REGS, LOAD_REGS, LOAD_REGS])
     else:
         if CONSUMERS == 2:
-            gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_load_kn, load_args)], [4, 1],
-                               [MMA_REGS, LOAD_REGS])
+            gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_load_kn, load_args),
+                                (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_mma2_kn, mma_args),
-                                (_load_kn, load_args)], [4, 4, 1], [MMA_REGS, MMA_REGS, LOAD_REGS])
+                                (_load_kn, load_args), (_wait_partition, wait_args)], [4, 4, 1, 1],
+                               [MMA_REGS, MMA_REGS, LOAD_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    invalidate_chunk_barriers(chunks_ok, chunks_free)

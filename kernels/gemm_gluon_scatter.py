@@ -23,6 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma)
 
 from .gemm_gluon import _barrier, _k_loop, _load_kn, _load_nk, _staging_free, _tile_coordinates
+from .gemm_gluon_wait import init_chunk_barriers, invalidate_chunk_barriers
 
 __all__ = ["gluon_scatter_gemm_kernel"]
 
@@ -170,13 +171,14 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    chunks_ok, chunks_free = init_chunk_barriers()  # the producer's arguments; no waits (0 chunks per rank)
     fence_async_shared()
 
     scatter_args = (rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source, dst_ptrs)
     mma_args = (a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args)
     # the split count as a runtime value: partitions take no constants (gemm_gluon.py)
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_tiles, num_tiles * 0 + 1,
-                 chunk_args)
+                 chunk_args, chunks_ok, chunks_free)
     if B_TRANSPOSED:
         gl.warp_specialize([(_scatter0_nk, mma_args), (_scatter1_nk, mma_args), (_load_nk, load_args)], [4, 1],
                            [232, LOAD_REGS])
@@ -186,3 +188,4 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    invalidate_chunk_barriers(chunks_ok, chunks_free)
