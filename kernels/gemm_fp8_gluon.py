@@ -47,14 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
-from .gemm_gluon import _tile_coordinates  # GROUP_M = 8 swizzle, rows rotated by tile_row_offset
-from .gemm_gluon_wait import (init_chunk_barriers, invalidate_chunk_barriers, publish_chunk_rows,
-                               take_chunk_rows)
+from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
+from .gemm_gluon_walk import GROUP_M, tile_coordinates as _tile_coordinates  # noqa: F401 (GROUP_M: the launcher's)
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
-GROUP_M = gl.constexpr(8)
 B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
 SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignment of TMA's shared-memory writes
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
@@ -101,25 +99,6 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
             tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
                                             b_scale_bufs.index(slot).slice(0, 1))
             step += 1
-
-
-@gluon.jit
-def _wait_partition(a_desc, b_desc, M, N, tile_row_offset, chunk_args, chunks_ok, chunks_free):
-    """The waiter warp of the fused AllGather consumer (kernels/gemm_gluon_wait.py): the chunks of this program's
-    tiles, in the producer's order; nothing without chunk waits."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    num_row_blocks = gl.cdiv(M, BLOCK_M)
-    num_col_blocks = gl.cdiv(N, BLOCK_N)
-    if chunk_args[1] > 0:
-        ready = chunk_args[1] > 0
-        index = 0
-        for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
-            row_block, _ = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-            first_row = row_block * BLOCK_M
-            ready = publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready, index,
-                                       chunks_ok, chunks_free)
-            index += 1
 
 
 @gluon.jit
@@ -271,9 +250,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free)
-    wait_args = (a_desc, b_desc, M, N, tile_row_offset, chunk_args, chunks_ok, chunks_free)
+    # every tile whole (one split): the waiter walks the tiles as the producer does
+    wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), M * 0 + 1,
+                 chunk_args, chunks_ok, chunks_free)
     gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
-                        (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                        (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

@@ -50,43 +50,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gemm_gluon_wait import (init_chunk_barriers, invalidate_chunk_barriers, publish_chunk_rows,
-                               take_chunk_rows)
+from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
+from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
-# partition needs at compile time comes from types (ring depth, tile shapes), module constants, or the choice
-# of partition function (the B layout).
-GROUP_M = gl.constexpr(8)
+# partition needs at compile time comes from types (ring depth, tile shapes), module constants (GROUP_M in
+# kernels/gemm_gluon_walk.py), or the choice of partition function (the B layout).
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-@gluon.jit
-def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
-    # GROUP_M row blocks share each B column panel while it is hot in L2; the rotation lets a caller start at
-    # the rows it needs first
-    tiles_per_group = GROUP_M * num_col_blocks
-    first_row_block = (tile_id // tiles_per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_row_blocks - first_row_block, GROUP_M)
-    index_in_group = tile_id % tiles_per_group
-    row_block = (first_row_block + index_in_group % rows_in_group + tile_row_offset) % num_row_blocks
-    return row_block, index_in_group // rows_in_group
-
-
-@gluon.jit
-def _work_item(item, num_whole_tiles, splits, num_k):
-    """(tile, first K step, end K step, split unit or -1) of work item `item` (module docstring)."""
-    unit = item - num_whole_tiles
-    if unit < 0:
-        tile = item
-        first_k = unit * 0  # an int32 like the other branch's (a literal 0 would be a constexpr)
-        end_k = num_k
-    else:
-        tile = num_whole_tiles + unit // splits
-        split = unit % splits
-        first_k = split * num_k // splits
-        end_k = (split + 1) * num_k // splits
-    return tile, first_k, end_k, unit
 
 
 @gluon.jit
@@ -129,30 +100,6 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
             else:
                 tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
             step += 1
-
-
-@gluon.jit
-def _wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
-                    chunks_free):
-    """The waiter warp of the fused AllGather consumer (kernels/gemm_gluon_wait.py): the chunks of this program's
-    work items, in the producer's order; nothing without chunk waits."""
-    BLOCK_M: gl.constexpr = 128 if a_desc.block_type.shape[0] == 128 else 192  # A in 64-row boxes for 192
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    num_row_blocks = gl.cdiv(M, BLOCK_M)
-    num_col_blocks = gl.cdiv(N, BLOCK_N)
-    num_k = gl.cdiv(K, BLOCK_K)
-    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
-    if chunk_args[1] > 0:
-        ready = chunk_args[1] > 0
-        index = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            tile_id, _, _, _ = _work_item(item, num_whole_tiles, splits, num_k)
-            row_block, _ = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-            first_row = row_block * BLOCK_M
-            ready = publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready, index,
-                                       chunks_ok, chunks_free)
-            index += 1
 
 
 @gluon.jit
@@ -302,7 +249,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
     tma.store_wait(pendings=0)
 
 
-# One function per (partition, B layout): partitions receive no compile-time arguments (see GROUP_M).
+# One function per (partition, B layout): partitions receive no compile-time arguments (see _barrier).
 @gluon.jit
 def _mma0_kn(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args):
     _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args, 0, False)
@@ -392,18 +339,18 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     if B_TRANSPOSED:
         if CONSUMERS == 2:
             gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_load_nk, load_args),
-                                (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                                (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([(_mma0_nk, mma_args), (_mma1_nk, mma_args), (_mma2_nk, mma_args),
-                                (_load_nk, load_args), (_wait_partition, wait_args)], [4, 4, 1, 1],
+                                (_load_nk, load_args), (chunk_wait_partition, wait_args)], [4, 4, 1, 1],
                                [MMA_REGS, MMA_REGS, LOAD_REGS, LOAD_REGS])
     else:
         if CONSUMERS == 2:
             gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_load_kn, load_args),
-                                (_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                                (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
         else:
             gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_mma2_kn, mma_args),
-                                (_load_kn, load_args), (_wait_partition, wait_args)], [4, 4, 1, 1],
+                                (_load_kn, load_args), (chunk_wait_partition, wait_args)], [4, 4, 1, 1],
                                [MMA_REGS, MMA_REGS, LOAD_REGS, LOAD_REGS])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))

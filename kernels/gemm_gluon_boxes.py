@@ -28,7 +28,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from tp_overlap.kernels.gemm_gluon import _barrier, _staging_free, _tile_coordinates
+from tp_overlap.kernels.gemm_gluon import _barrier, _staging_free
+from tp_overlap.kernels.gemm_gluon_walk import tile_coordinates as _tile_coordinates
 
 # Fixed for the reason kernels/gemm_gluon.py gives: partitions take no compile-time arguments, so the shapes come
 # from the buffers' types and the B layout and the warpgroup from which partition function runs.

@@ -15,14 +15,19 @@ publishes finished 128-row blocks with the same flags as the @triton.jit kernel,
   fences the async proxy, meets its warps at a barrier, and one thread adds 1 to ``tile_counters[row_block]``
   (acq_rel, scope sys). The arrival completing ``2 * num_col_blocks`` (every column tile, both warpgroups)
   zeroes the counter and writes the call's M into each covered owner's flag ``[src_rank, row_block -
-  (o * rows_per_rank) // 128]`` (release, scope sys). Nothing waits inside the kernel.
+  (o * rows_per_rank) // 128]`` (release, scope sys). Nothing waits inside the kernel;
+* a split tail (kernels/gemm_gluon.py: the last partial wave's tiles cut by K, for a grid an sm_margin
+  leaves short of whole waves): a split item stores and counts its fp32 partial; the last of a (tile,
+  warpgroup)'s pieces sums them into the staging tile and scatters it as a whole tile's, so each tile is
+  stored, and counted, once per warpgroup as before.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma)
 
-from .gemm_gluon import _barrier, _k_loop, _load_kn, _load_nk, _staging_free, _tile_coordinates
+from .gemm_gluon import _barrier, _count_partial, _k_loop, _load_kn, _load_nk, _staging_free, _sum_partials
+from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 from .gemm_gluon_wait import init_chunk_barriers, invalidate_chunk_barriers
 
 __all__ = ["gluon_scatter_gemm_kernel"]
@@ -86,74 +91,100 @@ def _store_later_owners(acc, out_smem, first_row, first_col, M, N, scatter_args)
 
 
 @gluon.jit
+def _scatter_tile(values, out_smem, dst_descs, row_block, col_block, M, N, scatter_args, HALF: gl.constexpr):
+    """Store this warpgroup's slab of a finished tile (`out_smem` holds it; `values` the same rows in registers,
+    read only for a slab that straddles owners) into its owners. Returns the row block to count next (once
+    the staging tile is free again, the stores are complete)."""
+    BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
+    rows_per_rank = scatter_args[0]
+    first_row = row_block * ROWS + HALF * WG_M
+    _store_owners(out_smem, dst_descs, first_row, col_block * BLOCK_N, M, rows_per_rank)
+    _store_later_owners(values, out_smem, first_row, col_block * BLOCK_N, M, N, scatter_args)
+    return row_block
+
+
+@gluon.jit
 def _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
-                       HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
-    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile, scattered to their owners."""
+                       split_args, HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item (whole tiles, then the split
+    tail's K pieces as kernels/gemm_gluon.py walks them), each finished tile scattered to its owners."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    rows_per_rank = scatter_args[0]
     num_row_blocks = gl.cdiv(M, ROWS)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
+    num_whole_tiles, splits, workspace, counters = split_args
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     pending = gl.program_id(0) * 0 - 1
     step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, num_k, step, HALF, B_TRANSPOSED)
-        step += num_k
-        _staging_free()  # the previous tile's stores are complete: count it now
-        if pending >= 0:
-            _publish(pending, M, num_col_blocks, scatter_args)
-        first_row = row_block * ROWS + HALF * WG_M
-        out_smem.store(acc.to(out_smem.dtype))
-        _store_owners(out_smem, dst_descs, first_row, col_block * BLOCK_N, M, rows_per_rank)
-        _store_later_owners(acc, out_smem, first_row, col_block * BLOCK_N, M, N, scatter_args)
-        pending = row_block
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, end_k - first_k, step, HALF, B_TRANSPOSED)
+        step += end_k - first_k
+        if unit < 0:
+            _staging_free()  # the previous tile's stores are complete: count it now
+            if pending >= 0:
+                _publish(pending, M, num_col_blocks, scatter_args)
+            out_smem.store(acc.to(out_smem.dtype))
+            pending = _scatter_tile(acc, out_smem, dst_descs, row_block, col_block, M, N, scatter_args, HALF)
+        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, 2):
+            _staging_free()
+            if pending >= 0:
+                _publish(pending, M, num_col_blocks, scatter_args)
+            _sum_partials(workspace, (unit - unit % splits) * 2 + HALF, splits, out_smem, WG_M, BLOCK_N, 2)
+            _barrier()  # every warp's columns are in the staging tile before any thread reads rows of it back
+            pending = _scatter_tile(out_smem.load(mma_layout), out_smem, dst_descs, row_block, col_block, M, N,
+                                    scatter_args, HALF)
     _staging_free()
     if pending >= 0:
         _publish(pending, M, num_col_blocks, scatter_args)
 
 
 @gluon.jit
-def _scatter0_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
-    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 0,
-                       False)
+def _scatter0_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                 split_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                       split_args, 0, False)
 
 
 @gluon.jit
-def _scatter1_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
-    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 1,
-                       False)
+def _scatter1_kn(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                 split_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                       split_args, 1, False)
 
 
 @gluon.jit
-def _scatter0_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
-    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 0,
-                       True)
+def _scatter0_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                 split_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                       split_args, 0, True)
 
 
 @gluon.jit
-def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args):
-    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, 1,
-                       True)
+def _scatter1_nk(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                 split_args):
+    _scatter_partition(a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args,
+                       split_args, 1, True)
 
 
-@gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_tiles"])
+@gluon.jit(do_not_specialize=["M", "tile_row_offset", "rows_per_rank", "src_rank", "num_whole_tiles", "splits"])
 def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7, M, N, K,
-                              tile_row_offset, num_tiles, rows_per_rank, src_rank, flag_ptrs, tile_counters,
-                              flags_per_source, dst_ptrs, chunk_args, NUM_STAGES: gl.constexpr,
-                              B_TRANSPOSED: gl.constexpr,
-                              LOAD_REGS: gl.constexpr = 40):
+                              tile_row_offset, num_whole_tiles, splits, workspace, counters, rows_per_rank, src_rank,
+                              flag_ptrs, tile_counters, flags_per_source, dst_ptrs, chunk_args,
+                              NUM_STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr, LOAD_REGS: gl.constexpr = 40):
     """A [M, K] @ B scattered to the owners (module docstring): ``dst<o>`` owner o's descriptor, any descriptor
     past the group (never stored to; the launcher cannot pass descriptors inside a tuple, and a None among a
     partition's arguments does not compile); ``dst_ptrs`` int64 [W] the owners' partials
     buffers [W, rows_per_rank, N] (for straddling slabs); ``chunk_args`` are kernels/gemm_gluon_wait.py's
-    with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_tiles`` = cdiv(M, 128) *
-    cdiv(N, BLOCK_N)."""
+    with 0 chunks per rank (the producer warp is gemm_gluon.py's); ``num_whole_tiles``, ``splits``,
+    ``workspace`` and ``counters`` the split tail's, as kernels/gemm_gluon.py takes them (``splits == 1``: every
+    tile whole, ``num_whole_tiles`` = cdiv(M, 128) * cdiv(N, BLOCK_N))."""
     dst_descs = (dst0, dst1, dst2, dst3, dst4, dst5, dst6, dst7)
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = dst_descs[0].block_type.shape[1]
@@ -175,9 +206,9 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     fence_async_shared()
 
     scatter_args = (rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source, dst_ptrs)
-    mma_args = (a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args)
-    # the split count as a runtime value: partitions take no constants (gemm_gluon.py)
-    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_tiles, num_tiles * 0 + 1,
+    split_args = (num_whole_tiles, splits, workspace, counters)
+    mma_args = (a_bufs, b_bufs, ready, empty, dst_descs, c_smem, M, N, K, tile_row_offset, scatter_args, split_args)
+    load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
                  chunk_args, chunks_ok, chunks_free)
     if B_TRANSPOSED:
         gl.warp_specialize([(_scatter0_nk, mma_args), (_scatter1_nk, mma_args), (_load_nk, load_args)], [4, 1],

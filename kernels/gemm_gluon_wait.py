@@ -5,7 +5,7 @@ first TMA load of a work item's A rows ``[first_row, last_row]``, every gathered
 polled (acquire, scope sys) until it holds SET; chunk flags are owner-major and an owner's trailing chunks may
 be empty (never signalled, never read).
 
-A waiter warp of its own does the polling (``publish_chunk_rows``), up to TILE_SLOTS work items ahead of the
+A waiter warp of its own does the polling (``chunk_wait_partition``), up to TILE_SLOTS work items ahead of the
 producer warp, and hands each item over by a CTA mbarrier (``take_chunk_rows``: release / acquire at CTA
 scope, after the waiter's acquire and proxy fence). Why not in the producer: a sys-scope acquire is an L2
 round trip (two with every lane's), and the producer issues nothing meanwhile, so the ring drained at every
@@ -34,6 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .constants import MISMATCH_BIT, SET
+from .gemm_gluon_walk import tile_coordinates, work_item
 
 SET_FLAG = gl.constexpr(SET)
 MISMATCH_FLAG_BIT = gl.constexpr(MISMATCH_BIT)
@@ -41,7 +42,7 @@ POLL_NS = gl.constexpr(250)  # as kernels/flags.py: the bound in polls is timeou
 ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip)
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 
-__all__ = ["wait_chunk_rows", "publish_chunk_rows", "take_chunk_rows", "init_chunk_barriers",
+__all__ = ["wait_chunk_rows", "chunk_wait_partition", "take_chunk_rows", "init_chunk_barriers",
            "invalidate_chunk_barriers", "TILE_SLOTS"]
 
 
@@ -93,7 +94,7 @@ def _await_chunk(flag_ptr, code, error_ptr, timeout_ns, lane):
 def wait_chunk_rows(chunk_args, first_row, last_row, ready):
     """Wait (bounded) for every chunk flag holding gathered rows [first_row, last_row], unless an earlier wait
     of this program failed (`ready` False: the rows are loaded without waiting). Returns `ready` for the next
-    tile. Called by the waiter warp (`publish_chunk_rows`)."""
+    tile. Called by the waiter warp (`chunk_wait_partition`)."""
     flags, chunks_per_rank, rows_per_rank, error_ptr, error_code_base, timeout_ns = chunk_args
     lane = _lanes()
     if ready:
@@ -112,7 +113,31 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready):
 
 
 @gluon.jit
-def publish_chunk_rows(chunk_args, first_row, last_row, ready, index, chunks_ok, chunks_free):
+def chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+                         chunks_free):
+    """The waiter warp of a Gluon GEMM (a warp_specialize partition): the chunks of this program's work items
+    (kernels/gemm_gluon_walk.py), in the producer's order; nothing without chunk waits. The tile comes from the
+    descriptors: A in [128, BLOCK_K] boxes (BLOCK_M 128) or [64, BLOCK_K] (BLOCK_M 192), C in [64, BLOCK_N]."""
+    BLOCK_M: gl.constexpr = 128 if a_desc.block_type.shape[0] == 128 else 192
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    num_row_blocks = gl.cdiv(M, BLOCK_M)
+    num_col_blocks = gl.cdiv(N, BLOCK_N)
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
+    if chunk_args[1] > 0:
+        ready = chunk_args[1] > 0
+        index = 0
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            tile_id, _, _, _ = work_item(item, num_whole_tiles, splits, gl.cdiv(K, BLOCK_K))
+            row_block, _ = tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+            first_row = row_block * BLOCK_M
+            ready = _publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready, index,
+                                        chunks_ok, chunks_free)
+            index += 1
+
+
+@gluon.jit
+def _publish_chunk_rows(chunk_args, first_row, last_row, ready, index, chunks_ok, chunks_free):
     """The waiter warp's part for this program's `index`-th work item: once the producer has taken the item
     TILE_SLOTS before it, wait for the chunks of rows [first_row, last_row] (`wait_chunk_rows`) and hand the
     item to the producer (``chunks_ok``, one arrival). Returns `ready` for the next item (a failed wait still

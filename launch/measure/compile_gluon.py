@@ -125,8 +125,9 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: 
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
     types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]),
                  **{f"dst{owner}": desc([64, bn]) for owner in range(8)},
-                 **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_tiles", "rows_per_rank",
-                                             "src_rank", "flags_per_source")},
+                 **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_whole_tiles", "splits",
+                                             "rows_per_rank", "src_rank", "flags_per_source")},
+                 workspace="*fp32:16", counters="*i32:16",
                  flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)

@@ -36,12 +36,12 @@ from tp_overlap.gemm import (choose_blocks, gpu_name, num_sms, quantize_activati
                              quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
 from tp_overlap.gemm.blocks import fused_gluon_blocks
 from tp_overlap.gemm.fp8 import fp8_default_blocks
-from tp_overlap.kernels.constants import ROW_BLOCK_M
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
 from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.ops.gemm_rs import GemmRs
+from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
 from tp_overlap.symm_mem.pool import SymmetricPool
 
 from .canary import operands
@@ -163,9 +163,10 @@ def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.dev
     gpu = gpu_name(dev)
     if variant == "ag_fused_fp8":
         return fp8_default_blocks(m, n, k, chunk_wait=True, device_type=dev.type, gpu=gpu)
-    if dev.type == "cuda" and variant in ("ag_fused", "rs_fused"):
-        return fused_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, sm_count=programs,
-                                  block_m=ROW_BLOCK_M if variant == "rs_fused" else None)
+    if dev.type == "cuda" and variant == "rs_fused":
+        return scatter_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
+    if dev.type == "cuda" and variant == "ag_fused":
+        return fused_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, sm_count=programs)
     return choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, device_type=dev.type, warp_specialize=False,
                          sm_count=programs)
 

@@ -41,10 +41,9 @@ from tp_overlap.ipc.errors import OverlapError
 from tp_overlap.kernels.constants import ROW_BLOCK_M
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
-           "fused_gluon_blocks", "gluon_heuristic_blocks",
-           "load_block_table", "block_table_path", "block_table_name", "gpu_slug", "stream_k_tiles",
-           "shared_memory_bytes", "LAYOUTS",
-           "DEFAULT_GPU", "SHARED_MEMORY_LIMIT", "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
+           "fused_gluon_blocks", "gluon_heuristic_blocks", "load_block_table", "block_table_path", "block_table_name",
+           "gpu_slug", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS", "DEFAULT_GPU", "SHARED_MEMORY_LIMIT",
+           "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
 
 LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major [N, K]
 DEFAULT_GPU = "h200"            # the table callers get when they do not name a GPU
@@ -165,7 +164,6 @@ class GemmBlocks:
             out.append("gluon: split-K and es2 are @triton.jit options")
         return out
 
-
     def _gluon_box_problems(self) -> list[str]:
         """Why kernels/gemm_gluon_boxes.py cannot run these blocks."""
         out = []
@@ -232,26 +230,28 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks
 
 
 def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
-                       block_m: int | None = None, table: BlockTable | None = None) -> GemmBlocks:
+                       block_m: int | None = None, table: BlockTable | None = None,
+                       split_tail: bool = False) -> GemmBlocks:
     """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose producer warp waits for the
     chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
-    names a one-box Gluon configuration (of `block_m` rows if given), its split tail dropped (every tile is
-    whole: no per-stream workspace), unless `sm_count` is below the SMs the table measured and the heuristic's
-    tiles fill the last wave of those programs clearly better; else `gluon_heuristic_blocks`."""
+    names a one-box Gluon configuration (of `block_m` rows if given), unless `sm_count` is below the SMs the
+    table measured and the heuristic's tiles fill the last wave of those programs clearly better; else
+    `gluon_heuristic_blocks`. The entry's split tail (`sk1`) is dropped unless `split_tail` (a caller with a
+    workspace of its own: gluon_launch.split_buffers), which also adds one where the table did not measure this
+    grid (fewer programs, e.g. an sm_margin, or no entry): split_plan decides per launch whether it pays."""
     table = table if table is not None else load_block_table(gpu) if gpu else None
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
     if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes or \
             block_m not in (None, entry.blocks.block_m):
-        return gluon_heuristic_blocks(m, n, sm_count=sm_count)
-    chosen = dataclasses.replace(entry.blocks, stream_k=0)
-    if sm_count >= table.num_sms:  # as the table measured it
-        return chosen
-    # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle
-    fill = _wave_efficiency(_cdiv(m, chosen.block_m) * _cdiv(n, chosen.block_n), sm_count)
-    other = gluon_heuristic_blocks(m, n, sm_count=sm_count)
-    if _wave_efficiency(_cdiv(m, 128) * _cdiv(n, other.block_n), sm_count) > fill + WAVE_MARGIN:
-        return other
-    return chosen
+        chosen = gluon_heuristic_blocks(m, n, sm_count=sm_count)
+    elif sm_count >= table.num_sms:  # as the table measured it
+        return entry.blocks if split_tail else dataclasses.replace(entry.blocks, stream_k=0)
+    else:  # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle
+        chosen, other = entry.blocks, gluon_heuristic_blocks(m, n, sm_count=sm_count)
+        fill = _wave_efficiency(_cdiv(m, chosen.block_m) * _cdiv(n, chosen.block_n), sm_count)
+        if _wave_efficiency(_cdiv(m, 128) * _cdiv(n, other.block_n), sm_count) > fill + WAVE_MARGIN:
+            chosen = other
+    return dataclasses.replace(chosen, stream_k=1 if split_tail else 0)
 
 
 def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm_count: int = 132) -> GemmBlocks:

@@ -26,7 +26,7 @@ SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
 __all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
-           "scatter_descriptors", "launch_gluon_scatter"]
+           "split_buffers", "scatter_descriptors", "launch_gluon_scatter"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -39,16 +39,20 @@ def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) 
 
 
 @functools.lru_cache(maxsize=1024)
-def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> tuple[int, int]:
+def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int,
+               max_items: int | None = None) -> tuple[int, int]:
     """(whole tiles, splits) for `tiles` output tiles on `programs` programs: the tiles of the last, partial
     wave (all of them when there are fewer than programs) are cut into `splits` K ranges when the cost model
-    says that finishes sooner than whole tiles (splits 1: no split)."""
+    says that finishes sooner than whole tiles (splits 1: no split), into at most `max_items` pieces in all
+    (a caller's fixed workspace)."""
     tail = tiles % programs
     if tail == 0 or k_steps < 2:
         return tiles, 1
     tile_s = tile_flops / SM_FLOPS
     best_s, best = tile_s, 1
     for splits in range(2, min(GLUON_MAX_SPLITS, k_steps) + 1):
+        if max_items is not None and tail * splits > max_items:
+            break
         waves = -(-tail * splits // programs)
         seconds = waves * (tile_s / splits + SPLIT_ITEM_S) + splits * SPLIT_READ_S
         if seconds < best_s:
@@ -73,12 +77,46 @@ def chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
             int(wait.timeout_s * 1e9))
 
 
+def split_buffers(device: torch.device, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split tail's (fp32 workspace, int32 counters at zero) for `programs` programs, to own and pass as
+    `split_buffers=`: room for one piece per program of the widest tile (128 x 256), so `split_plan` cuts the
+    last partial wave into at most `programs` pieces (~128 KiB a program). Allocated by a caller once
+    (an op at construction: outside any capture), used by one launch at a time (stream-ordered)."""
+    return (torch.empty(programs * 128 * 256, dtype=torch.float32, device=device),
+            torch.zeros(3 * programs, dtype=torch.int32, device=device))  # a counter per split tile and consumer
+
+
+def _split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
+                buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """(programs, whole tiles, splits, workspace, counters) of a launch (module `split_plan`): `buffers` given,
+    at most as many pieces as they hold; else the current stream's (`stream_buffers`)."""
+    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+    tiles = -(-m // bm) * -(-n // bn)
+    programs = max(1, min(tiles, num_programs))
+    if not blocks.stream_k:
+        return (programs, tiles, 1) + gluon_placeholders(device)
+    max_items = buffers[0].numel() // (bm * bn) if buffers is not None else None
+    whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k, max_items)
+    if splits == 1:
+        return (programs, tiles, 1) + gluon_placeholders(device)
+    split_tiles = tiles - whole
+    if not 1 < splits <= min(GLUON_MAX_SPLITS, -(-k // bk)):  # the kernel's precondition: no empty piece
+        raise ValueError(f"gluon GEMM: {splits} splits of {-(-k // bk)} K steps")
+    if buffers is None:  # one growing pair per stream: every launch leaves the counters at zero
+        buffers = stream_buffers(device, ("gluon_split",), split_tiles * splits * bm * bn, bm // 64 * split_tiles)
+    elif split_tiles > buffers[1].numel() // (bm // 64):
+        raise ValueError(f"gluon GEMM: {split_tiles} split tiles, counters for {buffers[1].numel() // (bm // 64)}")
+    return (min(num_programs, whole + split_tiles * splits), whole, splits) + tuple(buffers)
+
+
 def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, out: torch.Tensor, blocks: GemmBlocks,
-                      num_programs: int, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None) -> None:
+                      num_programs: int, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None,
+                      split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
     transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
-    Blocks with `sk1` cut the last partial wave by K (`split_plan`); their workspace and counters belong to
-    the current stream (allocated on its first use there: warm up before a CUDA-graph capture).
+    Blocks with `sk1` cut the last partial wave by K (`split_plan`) into the workspace and counters of
+    `split_buffers` (module `split_buffers`), else of the current stream (allocated on its first use there:
+    warm up before a CUDA-graph capture).
     `chunk_wait`: the fused AllGather consumer, each tile's A rows read once their chunk flags are SET
     (`a` is the gathered [M, K]; not with `gluon_boxes` blocks)."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
@@ -96,21 +134,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
         return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    tiles = -(-m // bm) * -(-n // bn)
-    programs = max(1, min(tiles, num_programs))
-    whole, splits = tiles, 1
-    if blocks.stream_k:
-        whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k)
-    if splits > 1:
-        split_tiles = tiles - whole
-        if not 1 < splits <= min(GLUON_MAX_SPLITS, -(-k // bk)):  # the kernel's precondition: no empty piece
-            raise ValueError(f"launch_gluon_gemm: {splits} splits of {-(-k // bk)} K steps")
-        # one growing pair per stream: every launch leaves the counters at zero, launches on it run in order
-        workspace, counters = stream_buffers(a.device, ("gluon_split",), split_tiles * splits * bm * bn,
-                                             bm // 64 * split_tiles)   # a counter per tile and consumer
-        programs = min(num_programs, whole + split_tiles * splits)
-    else:
-        workspace, counters = gluon_placeholders(a.device)
+    programs, whole, splits, workspace, counters = _split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     gluon_gemm_kernel[(programs,)](
         tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
         tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
@@ -146,20 +170,22 @@ def scatter_descriptors(slabs: list[torch.Tensor], blocks: GemmBlocks) -> tuple 
 
 
 def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple, scatter: Scatter, blocks: GemmBlocks,
-                         num_programs: int, tile_row_offset: int) -> None:
+                         num_programs: int, tile_row_offset: int,
+                         split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """a [M, K] @ w [K, N] (row-major, or the transpose view of a row-major [N, K]) scattered by
     kernels/gemm_gluon_scatter.py into the owners' slabs (`scatter_descriptors`), each finished 128-row block
-    published on the owners' flags (`scatter`), on the current stream. `blocks`: one-box Gluon, BLOCK_M 128."""
+    published on the owners' flags (`scatter`), on the current stream. `blocks`: one-box Gluon, BLOCK_M 128;
+    with `sk1`, the last partial wave cut by K as `launch_gluon_gemm` cuts it (`split_buffers` likewise)."""
     from tp_overlap.kernels.gemm_gluon_scatter import gluon_scatter_gemm_kernel
 
     m, k = a.shape
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
-    tiles = -(-m // 128) * -(-n // blocks.block_n)
+    programs, whole, splits, workspace, counters = _split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
     owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
-    gluon_scatter_gemm_kernel[(max(1, min(tiles, num_programs)),)](
-        tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, tiles,
-        scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source,
-        scatter.dst_ptrs, chunk_args(None, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
-        num_warps=GLUON_NUM_WARPS)
+    gluon_scatter_gemm_kernel[(programs,)](
+        tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, m, n, k, tile_row_offset, whole, splits,
+        workspace, counters, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters,
+        scatter.flags_per_source, scatter.dst_ptrs, chunk_args(None, a.device), NUM_STAGES=blocks.num_stages,
+        B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)

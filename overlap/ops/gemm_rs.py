@@ -44,7 +44,7 @@ from .validate import OpInputError, check_method_runs, check_tensor
 from ..config.schema import GemmRsConfig
 from .program import COMPUTE, Program
 from .rs_scatter import RsScatterGemms
-from ..gemm.gluon_launch import gluon_placeholders
+from ..gemm.gluon_launch import gluon_placeholders, split_buffers
 
 __all__ = ["GemmRs"]
 
@@ -89,6 +89,11 @@ class GemmRs(RsScatterGemms, OpBase):
         if methods & {"fused", "epilogue_reduce"}:   # the scatter epilogues' address tables now, likewise
             self._tables = pool.ptr_table(self.flags.region), pool.ptr_table(self.flags.region, device_flags=True)
             gluon_placeholders(self.device)  # the Gluon GEMM's unused arguments, likewise
+        # the Gluon scatter GEMM's split tail (the last wave an sm_margin leaves partial, cut by K): the calls'
+        # workspace and compute_alone's (which may run beside a call), likewise
+        fused_gluon = "fused" in methods and self.device.type == "cuda"
+        self._split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
+        self._alone_split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:

@@ -8,7 +8,9 @@ Every owner's buffer starts as NaN. After a launch as source `src`: each owner's
 owner's rows of A @ W bitwise as the Gluon GEMM without scatter computes them, every other slab is still NaN
 (a slab straddling two owners wrote nothing across), every row-block flag of `src` that the owner's rows touch
 holds M and no other flag was written, and the tile counters are back at zero: 2 to 8 owners, rows per rank a
-multiple of 128 and not (straddling slabs, fewer rows than a slab), both layouts, N with a column tail.
+multiple of 128 and not (straddling slabs, fewer rows than a slab), both layouts, N with a column tail; split
+tails (`sk1`: every tile split, straddling slabs among them; a partial last wave split), the split counters
+back at zero too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ check = Checks()
 CASES = ((2, 256, 256, 256, "kn", 0, "128x128x64w4s6gl"), (8, 256, 256, 256, "nk", 5, "128x128x64w4s6gl"),
          (4, 300, 512, 1000, "kn", 1, "128x256x64w4s3gl"), (4, 256, 512, 1000, "nk", 3, "128x256x64w4s3gl"),
          (8, 100, 264, 136, "nk", 0, "128x128x64w4s6gl"), (2, 1000, 1024, 776, "kn", 1, "128x128x64w4s6gl"),
-         (2, 100, 264, 136, "kn", 1, "128x256x64w4s3gl"))
+         (2, 100, 264, 136, "kn", 1, "128x256x64w4s3gl"), (4, 100, 2048, 1000, "nk", 2, "128x128x64w4s6sk1gl"),
+         (4, 300, 2048, 1664, "kn", 3, "128x128x64w4s6sk1gl"), (2, 512, 4096, 1024, "nk", 0, "128x256x64w4s3sk1gl"))
 
 
 def _cases(argv) -> tuple:
@@ -42,14 +45,15 @@ def main(argv=None) -> int:
         print("FAIL the Gluon scatter GEMM needs a CUDA device")
         return 1
     from tp_overlap.gemm import GemmBlocks, Scatter, num_sms
-    from tp_overlap.gemm.gluon_launch import launch_gluon_gemm, launch_gluon_scatter, scatter_descriptors
+    from tp_overlap.gemm.gluon_launch import launch_gluon_gemm, launch_gluon_scatter, scatter_descriptors, split_buffers
+    from tp_overlap.gemm.gluon_launch import split_plan
     from tp_overlap.gemm.launch import b_operand
     from tp_overlap.kernels.constants import ROW_BLOCK_M, scatter_flags_per_source
 
     gen = torch.Generator(device=dev).manual_seed(0)
     programs = num_sms(dev) - 16
 
-    def one_case(world, rows, k, n, layout, src, blocks, buffers, flags, counters):
+    def one_case(world, rows, k, n, layout, src, blocks, buffers, flags, counters, splits):
         m = world * rows
         a = torch.randn(m, k, generator=gen, device=dev).bfloat16()
         w = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).bfloat16()
@@ -67,12 +71,21 @@ def main(argv=None) -> int:
         descriptors = scatter_descriptors([v[src] for v in views], blocks)
         expect(descriptors is not None, "TMA refused the slabs")
         launch_gluon_scatter(a=a, w=w, descriptors=descriptors, scatter=scatter, blocks=blocks, num_programs=programs,
-                             tile_row_offset=((src + 1) % world) * rows // ROW_BLOCK_M)
+                             tile_row_offset=((src + 1) % world) * rows // ROW_BLOCK_M, split_buffers=splits)
         b, _, transposed = b_operand(w)
         ref = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-        launch_gluon_gemm(a=a, b=b, b_transposed=transposed, out=ref, blocks=blocks, num_programs=programs)
+        # the same split plan (the same buffers): the sum of a split tile's pieces is bitwise the same
+        launch_gluon_gemm(a=a, b=b, b_transposed=transposed, out=ref, blocks=blocks, num_programs=programs,
+                          split_buffers=splits)
         torch.cuda.synchronize(dev)
         what = f"{blocks.name} {layout} W={world} rows={rows} N={n} src={src}"
+        if blocks.stream_k:
+            tiles = -(-m // 128) * -(-n // blocks.block_n)
+            whole, pieces = split_plan(tiles, programs, -(-k // 64), 2 * 128 * blocks.block_n * k,
+                                       splits[0].numel() // (128 * blocks.block_n))
+            expect(pieces > 1, f"{what}: no split tail ({tiles} tiles on {programs} programs)")
+            expect(int(splits[1].abs().sum()) == 0, f"{what}: split counters left at {splits[1].tolist()}")
+            what += f" ({whole} whole + {tiles - whole} x {pieces})"
         for owner, view in enumerate(views):
             mine = view[src]
             want_rows = ref[owner * rows:(owner + 1) * rows]
@@ -95,8 +108,10 @@ def main(argv=None) -> int:
         buffers = [torch.empty(8 * 1024 * 1024, dtype=torch.bfloat16, device=dev) for _ in range(8)]
         flags = [torch.zeros(1024, dtype=torch.int32, device=dev) for _ in range(8)]
         counters = torch.zeros(1024, dtype=torch.int32, device=dev)
+        splits = split_buffers(dev, programs)
         for world, rows, k, n, layout, src, name in _cases(argv):
-            notes.append(one_case(world, rows, k, n, layout, src, GemmBlocks.parse(name), buffers, flags, counters))
+            notes.append(one_case(world, rows, k, n, layout, src, GemmBlocks.parse(name), buffers, flags, counters,
+                                  splits))
         return "; ".join(notes)
 
     return check.summary()

@@ -113,6 +113,30 @@ def test_split_plan_cuts_only_a_partial_last_wave_and_only_when_it_pays():
         assert 1 <= splits <= 8 and (splits == 1) == (whole == tiles)
 
 
+def test_split_plan_keeps_within_a_fixed_workspace():
+    from tp_overlap.gemm.gluon_launch import split_plan
+
+    tile = 2 * 128 * 128 * 14336  # 160 tiles on 116 programs: a tail of 44 tiles of 224 K steps
+    whole, splits = split_plan(160, 116, 224, tile)
+    assert whole == 116 and 44 * splits > 116, "uncapped, the model cuts the tail into more pieces than programs"
+    whole, capped = split_plan(160, 116, 224, tile, 116)
+    assert whole == 116 and 1 < capped < splits and 44 * capped <= 116
+    assert split_plan(160, 116, 224, tile, 44) == (160, 1), "room for one piece a tile: no split"
+
+
+def test_split_buffers_bound_every_plan_they_serve():
+    from tp_overlap.gemm.gluon_launch import split_buffers, split_plan
+
+    workspace, counters = split_buffers(torch.device("cpu"), 116)
+    assert int(counters.abs().sum()) == 0 and counters.dtype == torch.int32
+    for bn in (128, 256):
+        cap = workspace.numel() // (128 * bn)
+        for tiles in range(1, 700, 3):
+            whole, splits = split_plan(tiles, 116, 112, 2 * 128 * bn * 7168, cap)
+            assert (tiles - whole) * splits * 128 * bn <= workspace.numel() or splits == 1
+            assert 2 * (tiles - whole) <= counters.numel() or splits == 1
+
+
 def test_sk1_is_the_only_stream_k_the_gluon_kernel_takes():
     assert GemmBlocks.parse("128x128x64w4s6sk1gl").problems() == []
     assert any("stream_k 2 not in (0, 1)" in p for p in GemmBlocks.parse("128x128x64w4s6sk2gl").problems())

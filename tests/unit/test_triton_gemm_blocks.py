@@ -126,6 +126,32 @@ def test_the_fused_allgather_consumer_gets_one_box_gluon_blocks_without_a_split_
         assert got.gluon and not got.gluon_boxes and not got.stream_k and not got.problems(), (entry, got)
 
 
+def test_the_scatter_gemm_keeps_or_adds_a_split_tail_where_the_table_did_not_measure_its_grid():
+    from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
+
+    table = BlockTable("x", 132, (
+        BlockTableEntry("kn", 1024, 4096, 3584, GemmBlocks.parse("128x128x64w4s6sk1gl"),
+                        GemmBlocks.parse("128x256x64w8s3")),
+        BlockTableEntry("nk", 1024, 4096, 1792, GemmBlocks.parse("128x128x64w4s6gl"),
+                        GemmBlocks.parse("128x128x64w4s3")),
+    ))
+    split = dict(gpu="x", table=table, block_m=128, split_tail=True)
+    assert fused_gluon_blocks(1024, 4096, 3584, b_transposed=False, sm_count=132, **split).name == \
+        "128x128x64w4s6sk1gl", "the table's split tail, kept"
+    assert fused_gluon_blocks(1024, 4096, 1792, b_transposed=True, sm_count=132, **split).name == \
+        "128x128x64w4s6gl", "the table measured every SM and chose whole tiles"
+    assert fused_gluon_blocks(1024, 4096, 1792, b_transposed=True, sm_count=116, **split).name == \
+        "128x128x64w4s6sk1gl", "116 programs: 256 tiles leave a wave of 24, cut by K"
+    assert fused_gluon_blocks(1024, 4096, 3584, b_transposed=False, sm_count=132, gpu="x", table=table,
+                              block_m=128).name == "128x128x64w4s6gl", "no workspace of its own: whole tiles"
+    assert fused_gluon_blocks(1024, 4096, 7168, b_transposed=False, sm_count=116, **split).name == \
+        "128x128x64w4s6sk1gl", "no entry: the heuristic's tiles, split"
+    for entry in H200.entries:
+        got = scatter_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h200",
+                                   programs=116)
+        assert got.block_m == 128 and got.stream_k == 1 and not got.gluon_boxes and not got.problems(), (entry, got)
+
+
 def test_stream_k_tiles_cover_the_last_partial_wave_plus_full_waves():
     assert stream_k_tiles(96, 132, 1) == 96          # less than one wave: every tile is split
     assert stream_k_tiles(192, 132, 1) == 60
