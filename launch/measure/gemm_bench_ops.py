@@ -18,9 +18,10 @@ same quantised values and scales, the CPU: their dequantised product), checked f
 error <= 1e-2), timed interleaved with L2 flushed and the device held busy before each call (device time, as
 the GEMM bench; 1.5 ms by default, longer than an op's host enqueue, so that no rep times host latency: with
 0.3 ms, the ops' enqueue outlasted the hold at half the points on an H100 machine and a few points per run
-read 1.5-8x their own minimum). Rows carry `op_over_cublas` = cuBLAS time / op time; the summary per variant
-gives the median, the minimum at M >= 4096 and everywhere, and whether the targets hold (bf16: median >= 0.97,
-every M >= 4096 point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
+read 1.5-8x their own minimum; a point where more than a quarter of the reps still were late is measured again
+and the run with fewer kept, `retried` in its row). Rows carry `op_over_cublas` = cuBLAS time / op time; the
+summary per variant gives the median, the minimum at M >= 4096 and everywhere, and whether the targets hold
+(bf16: median >= 0.97, every M >= 4096 point >= 0.90, every point >= 0.85; FP8: median >= 0.95 of `_scaled_mm`).
 """
 
 from __future__ import annotations
@@ -142,18 +143,33 @@ def _measure(ops: _OneRank, variant: str, layer: str, world: int, m: int, n: int
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     if not err <= REL_TOLERANCE:
         raise RuntimeError(f"{variant} {layer}@tp{world} M={m} {layout}: relative error {err:.3g} vs cuBLAS")
-    stats = bench_interleaved({"cublas": cublas, "op": lambda: op.compute_alone(a, b)}, group=None,
-                              device=ops.dev, warmup=3, reps=args.reps, hold_device_us=args.hold_us)
+    stats, retried = _timed(op, a, b, cublas, ops.dev, args)
     release_workspaces()
     programs = num_sms(ops.dev) - margin if ops.dev.type == "cuda" else None
     blocks = _op_blocks(variant, m, n, k, layout, ops.dev, programs)
     t_cublas, t_op = stats["cublas"].median_ms, stats["op"].median_ms
     row = {"variant": variant, "layer": layer, "tp": world, "layout": layout, "M": m, "N": n, "K": k,
            "sm_margin": margin, "blocks": blocks.name, "rel_err": err, "t_cublas_ms": t_cublas, "t_op_ms": t_op,
-           "op_over_cublas": t_cublas / t_op, "tflops_op": 2 * m * n * k / t_op / 1e9}
+           "op_over_cublas": t_cublas / t_op, "tflops_op": 2 * m * n * k / t_op / 1e9, "retried": retried}
     for name, s in stats.items():
         row.update(s.as_dict(f"{name}_"))
     return row
+
+
+def _timed(op, a, b, cublas, dev: torch.device, args) -> tuple[dict, bool]:
+    """(Stats of cuBLAS and the op's compute_alone, interleaved; whether measured twice): a run where more than a
+    quarter of either's reps were late (the host's enqueue outlasted the device hold: a hiccup of the host, not
+    of the kernels) is measured once more, and the run with fewer late reps kept."""
+    def run():
+        return bench_interleaved({"cublas": cublas, "op": lambda: op.compute_alone(a, b)}, group=None,
+                                 device=dev, warmup=3, reps=args.reps, hold_device_us=args.hold_us)
+
+    def late(stats):
+        return max(s.late_reps for s in stats.values())
+    stats = run()
+    if late(stats) <= args.reps // 4:
+        return stats, False
+    return min((stats, run()), key=late), True
 
 
 def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.device, programs: int | None):

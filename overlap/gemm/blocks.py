@@ -10,21 +10,19 @@ the block table of the GPU (`configs/gemm_blocks/<gpu>.yaml`, package data, writ
   warp specialisation, loop flattening or stream-K, with BLOCK_M = 128: what callers whose K loop waits
   on flags get (`warp_specialize=False`: the fused AllGather consumer, the scatter epilogues, whose flags
   are per 128-row block), unless it is `o2` (they run one program per SM: then the heuristic's plain blocks);
-* a shape, layout or GPU not in a table falls back to `heuristic_blocks` (the hand rule measured on an
-  H200 before the table existed: 128x256x64 tiles, 8 warps, 3 stages, unless 128x128 tiles fill the
-  last wave of `sm_count` programs clearly better).
+* a shape, layout or GPU not in a table falls back to `heuristic_blocks` (measured on an H200: 128x256x64
+  tiles, 8 warps, 3 stages, unless 128x128 tiles fill the last wave of `sm_count` programs clearly better).
 
 A configuration is written as its name, e.g. `128x256x64w8s3g16ws`: BLOCK_M x BLOCK_N x BLOCK_K, warps,
 stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl` (flattened loop nest),
 `es2` (epilogue in two column halves), `sk<w>` (stream-K over the last partial wave plus w - 1 full waves),
 `o2` (two persistent programs per SM by default: two CTAs share an SM and hide each other's epilogue),
 `sp<S>` (split-K, kernels/gemm_splitk.py: each tile's K steps split over S units, summed by the last to
-finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and a consumer
-warpgroup per 64 rows: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, or BLOCK_M 192
-with BN <= 128; `sk1` cuts the last partial wave's tiles by K, as many pieces as overlap/gemm/gluon_launch.py
-split_plan says; BLOCK_M 64, or BN the sum of two powers of two such as 96 = 64 + 32:
-kernels/gemm_gluon_boxes.py, B in two boxes, no `sk1`; FP8: kernels/gemm_fp8_gluon.py,
-128xBNx128w4s<stages>, BN 64 or 128).
+finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and a consumer warpgroup
+per 64 rows: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, or BLOCK_M 192 with BN <=
+128; `sk1` cuts the last partial wave's tiles by K, as many pieces as gluon_launch.split_plan says; BLOCK_M 64,
+or BN the sum of two powers of two such as 96 = 64 + 32: kernels/gemm_gluon_boxes.py, B in two boxes, no `sk1`;
+FP8: kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
 from __future__ import annotations
@@ -223,9 +221,11 @@ def _narrow_fills_better(m: int, n: int, sm_count: int) -> bool:
 GLUON_WIDE, GLUON_NARROW = "128x256x64w4s3gl", "128x128x64w4s6gl"
 
 
-def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132) -> GemmBlocks:
-    """`heuristic_blocks`' rule on the Gluon kernel: 128x256 tiles unless 128x128 fill the last wave of
-    `sm_count` programs clearly better."""
+def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132, split_tail: bool = False) -> GemmBlocks:
+    """`heuristic_blocks`' rule on the Gluon kernel: 128x256 tiles unless 128x128 fill the last wave of `sm_count`
+    programs clearly better; with a split tail (the last wave cut by K), 128x256 where they fill two waves."""
+    if split_tail:
+        return GemmBlocks.parse(GLUON_WIDE if _cdiv(m, 128) * _cdiv(n, 256) >= 2 * sm_count else GLUON_NARROW)
     return GemmBlocks.parse(GLUON_NARROW if _narrow_fills_better(m, n, sm_count) else GLUON_WIDE)
 
 
@@ -243,7 +243,7 @@ def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str |
     entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
     if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes or \
             block_m not in (None, entry.blocks.block_m):
-        chosen = gluon_heuristic_blocks(m, n, sm_count=sm_count)
+        chosen = gluon_heuristic_blocks(m, n, sm_count=sm_count, split_tail=split_tail)
     elif sm_count >= table.num_sms:  # as the table measured it
         return entry.blocks if split_tail else dataclasses.replace(entry.blocks, stream_k=0)
     else:  # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle

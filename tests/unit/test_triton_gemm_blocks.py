@@ -146,6 +146,12 @@ def test_the_scatter_gemm_keeps_or_adds_a_split_tail_where_the_table_did_not_mea
                               block_m=128).name == "128x128x64w4s6gl", "no workspace of its own: whole tiles"
     assert fused_gluon_blocks(1024, 4096, 7168, b_transposed=False, sm_count=116, **split).name == \
         "128x128x64w4s6sk1gl", "no entry: the heuristic's tiles, split"
+    # no entry, split: wide tiles where they fill two waves (H100, M = 1024 on 116 programs, vs cuBLASLt: N = 8192
+    # wide 0.95, narrow 0.90-0.92; N = 4096 narrow 0.94-0.97, wide 0.82-0.93)
+    assert fused_gluon_blocks(1024, 8192, 7168, b_transposed=True, sm_count=116, **split).name == \
+        "128x256x64w4s3sk1gl"
+    assert fused_gluon_blocks(1024, 8192, 7168, b_transposed=True, sm_count=116, gpu="x", table=table,
+                              block_m=128).name == "128x128x64w4s6gl", "whole tiles: the wave rule (88 % vs 74 %)"
     for entry in H200.entries:
         got = scatter_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h200",
                                    programs=116)
