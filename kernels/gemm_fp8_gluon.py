@@ -16,8 +16,8 @@ tails need no masks.
                                            tile_row_offset, chunk_args, NUM_STAGES=..., num_warps=4)
 
 ``tile_row_offset`` rotates the row blocks as kernels/gemm_gluon.py does; ``chunk_args`` (kernels/gemm_gluon_wait.py,
-0 chunks per rank: no wait) makes it the fused AllGather consumer: the producer warp waits for a tile's
-gathered chunks (rows and their scales) before its loads.
+0 chunks per rank: no wait) makes it the fused AllGather consumer: a waiter warp (a fourth partition) polls a
+tile's gathered chunks (rows and their scales) and hands the tile to the producer warp before its loads.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
@@ -34,7 +34,7 @@ multiplies the two scales right after the load, before the MMA wait, and an L2 r
 (loading one step ahead does not help for the same reason). Row-major A scales cost one more partition
 barrier per step (their column moves into the rows' layout through shared memory).
 
-Registers: a kernel of 4 + 4 + 1 warps runs 384 threads, so ptxas allocates at most 168 per thread even
+Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, so ptxas allocates at most 168 per thread even
 where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
 flight per warpgroup (192) spills there, and a single 8-warp partition (255 registers) needed CTA-wide
 barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).

@@ -10,8 +10,9 @@ and K and clips the store, so whole tiles need no masks.
                                        workspace, counters, chunk_args, NUM_STAGES=..., B_TRANSPOSED=...,
                                        CONSUMERS=..., num_warps=4)
 
-AllGather consumer (``chunk_args``, kernels/gemm_gluon_wait.py): the producer warp waits for the chunk flags of
-a work item's rows before its first load; ``chunk_args[1] == 0`` (chunks per rank) means no wait.
+AllGather consumer (``chunk_args``, kernels/gemm_gluon_wait.py): a waiter warp polls the chunk flags of each work
+item's rows and hands the item to the producer warp before its first load; ``chunk_args[1] == 0`` (chunks per
+rank) means no wait.
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
 persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
@@ -23,10 +24,11 @@ the epilogue; here the descriptors come from the host and three warp-specialised
 * a consumer warpgroup per 64 rows of the tile (two for BLOCK_M 128; three for BLOCK_M 192, whose A comes in
   three [64, BLOCK_K] boxes, Gluon shapes being powers of two): chain async MMAs into one accumulator,
   keep one in flight, release each slot as soon as the MMA reading it retired, then store their 64-row slab of C
-  through shared memory with a TMA store that completes while the next tile's K loop runs.
+  through shared memory with a TMA store that completes while the next tile's K loop runs;
+* a waiter warp, idle without chunk waits (kernels/gemm_gluon_wait.py).
 
 Tiles are walked persistently in GROUP_M = 8 swizzled order, row blocks rotated by ``tile_row_offset`` (as
-``persistent_gemm_kernel``).
+``persistent_gemm_kernel``; kernels/gemm_gluon_walk.py).
 
 Split tail (``splits > 1``): a last wave that would leave SMs idle is cut by K instead. The first
 ``num_whole_tiles`` tiles of the walk are whole work items; each remaining tile becomes ``splits`` items of

@@ -232,7 +232,7 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132, split_tail: b
 def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
                        block_m: int | None = None, table: BlockTable | None = None,
                        split_tail: bool = False) -> GemmBlocks:
-    """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose producer warp waits for the
+    """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose waiter warp polls the
     chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
     names a one-box Gluon configuration (of `block_m` rows if given), unless `sm_count` is below the SMs the
     table measured and the heuristic's tiles fill the last wave of those programs clearly better; else

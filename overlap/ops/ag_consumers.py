@@ -1,6 +1,6 @@
 """The consumer side of an AgGemm plan: the steps that read the gathered rows. `decomposed`: cuBLAS GEMMs in
 the order of `plan_consumer_gemms`, each after the arrival of the rows it reads; `fused`: one persistent
-GEMM whose tiles wait for their chunk's device flag (on a GPU the Gluon kernel, its producer warp waiting);
+GEMM whose tiles wait for their chunk's device flag (on a GPU the Gluon kernel, its waiter warp polling);
 the weight-grad GEMMs of a row layer's backward. A mixin of AgGemm (it reads the op's pool views, flags and
 configuration)."""
 
@@ -89,7 +89,7 @@ class AgConsumers:
         program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)
 
     def _fused_bf16(self, key, gathered: torch.Tensor, programs: int, wait: ChunkWait):
-        """The bf16 / fp16 fused consumer: on a GPU, the Gluon GEMM whose producer warp waits for the chunks
+        """The bf16 / fp16 fused consumer: on a GPU, the Gluon GEMM whose waiter warp polls the chunks
         (`fused_gluon_blocks`); the plain @triton.jit GEMM for the interpreter, or for operands TMA cannot read
         (checked per call: w and out are the call's)."""
         m, rows = key.m, key.m // self.world_size

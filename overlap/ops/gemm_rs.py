@@ -60,7 +60,8 @@ class GemmRs(RsScatterGemms, OpBase):
     call may be captured in a CUDA graph and replayed. A device-side wait that expired is raised by the next
     call or by `check_errors()` (which synchronises; call it at step boundaries). `bulk=True` allocates
     bulk()'s [max_m, n] staging at construction (otherwise at its first call): needed when that first call
-    runs under torch.compile(mode="reduce-overhead").
+    runs under torch.compile(mode="reduce-overhead"). A `fused` config on a GPU also allocates its scatter
+    GEMM's split-tail buffers (gluon_launch.split_buffers, twice: ~34 MB on 132 SMs).
     """
 
     kind = "gemm_rs"
