@@ -35,12 +35,12 @@ import torch.distributed as dist
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.gemm import (choose_blocks, gpu_name, num_sms, quantize_activation,
                              quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
-from tp_overlap.gemm.blocks import fused_gluon_blocks
 from tp_overlap.gemm.fp8 import fp8_default_blocks
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
 from tp_overlap.ops.ag_gemm import AgGemm
+from tp_overlap.ops.ag_consumers import consumer_gluon_blocks
 from tp_overlap.ops.gemm_rs import GemmRs
 from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
 from tp_overlap.symm_mem.pool import SymmetricPool
@@ -182,7 +182,7 @@ def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.dev
     if dev.type == "cuda" and variant == "rs_fused":
         return scatter_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
     if dev.type == "cuda" and variant == "ag_fused":
-        return fused_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, sm_count=programs)
+        return consumer_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
     return choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, device_type=dev.type, warp_specialize=False,
                          sm_count=programs)
 

@@ -18,7 +18,13 @@ from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
 from .program import COMPUTE, Program
 
-__all__ = ["AgConsumers"]
+__all__ = ["AgConsumers", "consumer_gluon_blocks"]
+
+
+def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
+    """The Gluon blocks of the bf16 `fused` consumer (and of its `compute_alone`): the table's entry, its split
+    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`)."""
+    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
 
 
 class AgConsumers:
@@ -99,8 +105,11 @@ class AgConsumers:
         if not self._cuda:
             return lambda call: launch_gemm(a=gathered, w=call.w, out=call.out, num_programs=programs, blocks=plain,
                                             tile_row_offset=plain_offset, chunk_wait=wait)
-        blocks = fused_gluon_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu, sm_count=programs)
+        blocks = consumer_gluon_blocks(m, key.n, self.k, b_transposed=key.b_transposed, gpu=self.gpu,
+                                       programs=programs)
         offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
+        # compute_alone may run beside a call (the k-factor's pair mode): its split tail has buffers of its own
+        buffers = self._alone_split_buffers if key.consumer == "compute" else self._split_buffers
 
         def gemm(call) -> None:
             b, _, b_transposed = b_operand(call.w)
@@ -109,7 +118,7 @@ class AgConsumers:
                             tile_row_offset=plain_offset, chunk_wait=wait)
             else:
                 launch_gluon_gemm(a=gathered, b=b, b_transposed=b_transposed, out=call.out, blocks=blocks,
-                                  num_programs=programs, tile_row_offset=offset, chunk_wait=wait)
+                                  num_programs=programs, tile_row_offset=offset, chunk_wait=wait, split_buffers=buffers)
         return gemm
 
     def _lead_wgrad(self, program: Program, m: int, rows: int, margin: int) -> None:

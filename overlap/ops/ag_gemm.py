@@ -29,7 +29,7 @@ from tp_overlap.symm_mem.regions import RegionSpec
 
 from ..gemm import Fp8WeightCache, dequantize_activation, launch_quantize_activation, num_sms, scale_groups
 from ..gemm.fp8 import SCALE_ROW_ALIGN
-from ..gemm.gluon_launch import gluon_placeholders
+from ..gemm.gluon_launch import gluon_placeholders, split_buffers
 from . import protocol
 from .ag_chunks import Chunk, ConsumerGemm, plan_chunks, plan_consumer_gemms
 from .protocol import ring_order
@@ -86,6 +86,10 @@ class AgGemm(AgConsumers, OpBase):
         protocol.initialise(pool, self.flags)
         if self.device.type == "cuda":  # the fused GEMM's unused arguments: now, not inside a torch.compile warm-up
             gluon_placeholders(self.device)
+        # the bf16 Gluon consumer's split tail (the table's `sk1`): the calls' buffers and compute_alone's, likewise
+        fused_gluon = self.device.type == "cuda" and not fp8 and any(c.method == "fused" for c in self.configs())
+        self._split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
+        self._alone_split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
         # bumped by every call that stamps its gathered input (a column layer's forward): a backward that
         # reads the region later compares its stamp with it (custom_ops, save_gathered="view")
         self.version = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -5,8 +5,8 @@ kernel): one PASS/FAIL line per check, exit status 1 on any FAIL.
 
 The gathered A starts as NaN; another stream writes each chunk's rows late, in arrival order, and sets its
 flag after them, while the GEMM (SMs left free for that stream) runs: the output must equal the same GEMM on
-the final rows without waits, bitwise, for both layouts, odd rows per rank and an owner whose trailing
-chunk is empty (never signalled). A flag never set: the kernel still ends, within a few bounds, with the
+the final rows without waits, bitwise, for both layouts, odd rows per rank, an owner whose trailing
+chunk is empty (never signalled) and split tails (`sk1`: the pieces of a tile each wait for its rows). A flag never set: the kernel still ends, within a few bounds, with the
 chunk's error code in the control page; with the abort word set it ends at once. The FP8 Gluon kernel
 (kernels/gemm_fp8_gluon.py) likewise, its rows and scales written late.
 """
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
         print("FAIL the Gluon chunk wait needs a CUDA device")
         return 1
     from tp_overlap.gemm import ChunkWait, GemmBlocks, num_sms
-    from tp_overlap.gemm.gluon_launch import launch_gluon_gemm
+    from tp_overlap.gemm.gluon_launch import launch_gluon_gemm, split_buffers
     from tp_overlap.gemm.launch import b_operand
     from tp_overlap.kernels.constants import ag_chunk_rows, ag_tile_row_offset
 
@@ -48,17 +48,22 @@ def main(argv=None) -> int:
         errors = torch.zeros(8, dtype=torch.int32, device=dev)
         return final, w, gathered, flags, errors
 
+    splits = split_buffers(dev, programs)  # a split tail's pieces (`sk1`), as the op owns them
+
     def launch(gathered, w, out, blocks, rank, rows, chunks, flags, errors, timeout_s):
         b, _, transposed = b_operand(w)
         wait = ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=chunks, error_words=errors,
                          error_code_base=1000, timeout_s=timeout_s)
         launch_gluon_gemm(a=gathered, b=b, b_transposed=transposed, out=out, blocks=blocks, num_programs=programs,
-                          tile_row_offset=ag_tile_row_offset(rank, rows, blocks.block_m), chunk_wait=wait)
+                          tile_row_offset=ag_tile_row_offset(rank, rows, blocks.block_m), chunk_wait=wait,
+                          split_buffers=splits)
 
-    def expected(final, w, blocks):
+    def expected(final, w, blocks, rank, rows):
+        """The same launch without waits: the same row rotation, so the same tiles are split (bitwise)."""
         b, _, transposed = b_operand(w)
         out = torch.empty(final.shape[0], w.shape[1], dtype=torch.bfloat16, device=dev)
-        launch_gluon_gemm(a=final, b=b, b_transposed=transposed, out=out, blocks=blocks, num_programs=programs)
+        launch_gluon_gemm(a=final, b=b, b_transposed=transposed, out=out, blocks=blocks, num_programs=programs,
+                          tile_row_offset=ag_tile_row_offset(rank, rows, blocks.block_m), split_buffers=splits)
         return out
 
     def late_chunks(world, rows, chunks, rank, final, gathered, flags, skip=()):
@@ -76,17 +81,20 @@ def main(argv=None) -> int:
                     gathered[first:first + count].copy_(final[first:first + count])
                     flags[index:index + 1].fill_(1)
 
-    @check("late chunks, written while the GEMM waits: bitwise the GEMM without waits (both layouts, tails)")
+    @check("late chunks, written while the GEMM waits: bitwise the GEMM without waits (both layouts, tails, "
+           "split tails)")
     def _():
         notes = []
         for world, rows, chunks, k, n, layout, name in (
                 (4, 300, 3, 1024, 1536, "kn", "128x256x64w4s3gl"), (4, 300, 3, 1024, 1536, "nk", "128x128x64w4s6gl"),
-                (8, 9, 4, 264, 136, "kn", "128x128x64w4s6gl"), (2, 1000, 2, 2048, 776, "nk", "192x128x64w4s4gl")):
+                (8, 9, 4, 264, 136, "kn", "128x128x64w4s6gl"), (2, 1000, 2, 2048, 776, "nk", "192x128x64w4s4gl"),
+                (4, 300, 3, 4096, 1536, "nk", "128x128x64w4s6sk1gl"),
+                (2, 256, 2, 4096, 1024, "kn", "128x256x64w4s3sk1gl")):
             blocks = GemmBlocks.parse(name)
             for rank in (0, world - 1):
                 final, w, gathered, flags, errors = setup(world, rows, chunks, k, n, layout)
                 out = torch.full((world * rows, w.shape[1]), float("nan"), dtype=torch.bfloat16, device=dev)
-                ref = expected(final, w, blocks)
+                ref = expected(final, w, blocks, rank, rows)
                 torch.cuda.synchronize(dev)
                 late_chunks(world, rows, chunks, rank, final, gathered, flags)
                 launch(gathered, w, out, blocks, rank, rows, chunks, flags, errors, timeout_s=10)
@@ -94,6 +102,7 @@ def main(argv=None) -> int:
                 expect(errors[0].item() == 0, f"{name} W={world} rank {rank}: error code {errors[0].item()}")
                 expect(torch.equal(out, ref), f"{name} {layout} W={world} rows={rows} rank {rank}: "
                        f"{(out != ref).sum().item()} values differ from the GEMM without waits")
+                expect(int(splits[1].abs().sum()) == 0, f"{name}: split counters left at {splits[1].tolist()}")
             notes.append(f"{name} {layout} W={world} rows/rank={rows} chunks={chunks}")
         return "; ".join(notes)
 

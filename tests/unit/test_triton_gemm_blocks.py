@@ -99,7 +99,7 @@ def test_an_o2_plain_entry_gives_flag_waiting_callers_the_heuristic_they_run_one
     assert any(e.plain.programs_per_sm == 2 for e in load_block_table("h100").entries)  # the case is real
 
 
-def test_the_fused_allgather_consumer_gets_one_box_gluon_blocks_without_a_split_tail():
+def test_fused_gluon_blocks_are_one_box_and_drop_the_split_tail_of_callers_without_buffers():
     table = BlockTable("x", 132, (
         BlockTableEntry("kn", 4096, 3072, 4096, GemmBlocks.parse("192x128x64w4s4sk1gl"),
                         GemmBlocks.parse("128x128x64w4s4")),
@@ -156,6 +156,21 @@ def test_the_scatter_gemm_keeps_or_adds_a_split_tail_where_the_table_did_not_mea
         got = scatter_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h200",
                                    programs=116)
         assert got.block_m == 128 and got.stream_k == 1 and not got.gluon_boxes and not got.problems(), (entry, got)
+
+
+def test_the_allgather_consumer_keeps_the_tables_split_tail():
+    from tp_overlap.ops.ag_consumers import consumer_gluon_blocks
+
+    h100 = load_block_table("h100")
+    entry = h100.lookup(1024, 14336, 4096, "nk")
+    assert entry.blocks.name == "128x256x64w4s3sk1gl"
+    assert consumer_gluon_blocks(1024, 14336, 4096, b_transposed=True, gpu="h100", programs=132) == entry.blocks
+    for entry in h100.entries:
+        got = consumer_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h100",
+                                    programs=132)
+        assert got.gluon and not got.gluon_boxes and not got.problems(), (entry, got)
+        if entry.blocks.gluon and not entry.blocks.gluon_boxes:
+            assert got == entry.blocks, (entry, got)
 
 
 def test_stream_k_tiles_cover_the_last_partial_wave_plus_full_waves():
