@@ -54,6 +54,8 @@ class AgGemm(AgConsumers, OpBase):
     Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU). The
     gathered `a` (`return_gathered=True`, `all_gather`) is a view into the pool, valid until the next call of
     this op (or its close); clone it to keep it longer. Any call may be captured in a CUDA graph and replayed.
+    A bf16 `fused` config on a GPU allocates its consumer's split-tail buffers when built
+    (gluon_launch.split_buffers, twice: ~34 MB on 132 SMs).
     """
 
     kind = "ag_gemm"
