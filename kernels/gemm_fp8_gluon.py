@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import constants
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
-from .gemm_gluon_walk import GROUP_M, tile_coordinates as _tile_coordinates  # noqa: F401 (GROUP_M: the launcher's)
+from .gemm_gluon_walk import tile_coordinates as _tile_coordinates  # GROUP_M swizzle, rows rotated
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
@@ -216,6 +216,7 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
+    gl.static_assert(c_desc.block_type.shape[1] == BLOCK_N, "C boxes as wide as the tile (the waiter walks by them)")
     A_SCALE_BOX: gl.constexpr = a_scale_desc.block_type.shape
     gl.static_assert(((A_SCALE_BOX[0] == 1) and (A_SCALE_BOX[1] == BLOCK_M))
                      or ((A_SCALE_BOX[0] == BLOCK_M) and (A_SCALE_BOX[1] == B_SCALE_BOX)),

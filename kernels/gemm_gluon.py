@@ -16,7 +16,7 @@ rank) means no wait.
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
 persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
-the epilogue; here the descriptors come from the host and three warp-specialised partitions share the SM:
+the epilogue; here the descriptors come from the host and warp-specialised partitions share the SM:
 
 * a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted),
   running ahead into the next tile while the consumers store this one; it refills a slot once every
@@ -335,8 +335,8 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     load_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
                  chunk_args, chunks_ok, chunks_free)
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
-    # the 64K registers of the SM, shared (setmaxnreg): 2 consumer warpgroups get 232 each; 3 (416 threads with the
-    # producer warp: at most 157 each) get 152
+    # the 64K registers of the SM, shared (setmaxnreg): 2 consumer warpgroups get 232 each; 3 (with the producer
+    # and waiter warps 14 warps, launched as 512 threads: ptxas gives every thread 128, no setmaxnreg) fit in 152
     MMA_REGS: gl.constexpr = 232 if CONSUMERS == 2 else 152
     if B_TRANSPOSED:
         if CONSUMERS == 2:

@@ -15,9 +15,11 @@ Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum
 32 lanes leave the loop at the same poll and take the same branch. The bound is a count of polls (about
 ``timeout_ns``, kernels/flags.py), and a set abort word (another rank gave up) ends it early.
 
-Ordering: once the flag is seen, every lane performs one acquire of it itself (whichever lane issues the TMA
-copy is then ordered after the acquire), then ``fence.proxy.async.global`` orders the generic-proxy view
-before the async-proxy (TMA) loads.
+Ordering: once the flag is seen, every lane of the waiter performs one acquire of it itself, then
+``fence.proxy.async.global`` orders the generic-proxy view before the async-proxy (TMA) loads; the hand-over
+(mbarrier arrive: release at CTA scope; the producer's wait: acquire) carries that order to the producer warp,
+whose TMA loads follow it. (Since the waiter left the producer warp, lane 0's acquire alone would do: the
+every-lane acquire stays off the loads' path.)
 
 Failure: an expired wait records ``error_code_base + chunk`` (a flag holding another nonzero value records a
 mismatch) in the pool's control page and returns False. The producer cannot skip the tile (the consumers
@@ -105,7 +107,7 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready):
             # an owner's trailing chunks can be empty (9 rows in 4 chunks of 3): nobody signals those
             if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
                 ready = _await_chunk(flags + chunk, error_code_base + chunk, error_ptr, timeout_ns, lane)
-                if ready:  # every lane acquires once itself: the TMA issuer is ordered after the flag
+                if ready:  # every lane acquires once itself (see Ordering)
                     gl.atomic_add(flags + chunk + lane * 0, lane * 0, sem="acquire", scope="sys")
     gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
                               is_pure=False, pack=1)

@@ -79,8 +79,8 @@ def chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
 
 def split_buffers(device: torch.device, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A split tail's (fp32 workspace, int32 counters at zero) for `programs` programs, to own and pass as
-    `split_buffers=`: room for one piece per program of the widest tile (128 x 256), so `split_plan` cuts the
-    last partial wave into at most `programs` pieces (~128 KiB a program). Allocated by a caller once
+    `split_buffers=`: room for `programs` pieces of the widest tile (128 x 256; twice as many of 128 x 128), so
+    `split_plan` cuts a last partial wave into no more (~128 KiB a program). Allocated by a caller once
     (an op at construction: outside any capture), used by one launch at a time (stream-ordered)."""
     return (torch.empty(programs * 128 * 256, dtype=torch.float32, device=device),
             torch.zeros(3 * programs, dtype=torch.int32, device=device))  # a counter per split tile and consumer

@@ -109,7 +109,7 @@ class AgConsumers:
                                        programs=programs)
         offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
         # compute_alone may run beside a call (the k-factor's pair mode): its split tail has buffers of its own
-        buffers = self._alone_split_buffers if key.consumer == "compute" else self._split_buffers
+        buffers = self._alone_buffers() if key.consumer == "compute" else self._split_buffers
 
         def gemm(call) -> None:
             b, _, b_transposed = b_operand(call.w)

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from tp_overlap.symm_mem.errors import ArgumentMismatch, DeviceCheckError, PeerMismatchError, PoolClosedError
 
 from ..config import envs
-from ..gemm import gpu_name
+from ..gemm import gpu_name, num_sms
+from ..gemm.gluon_launch import split_buffers
 from .validate import OpInputError, check_at_most, check_divisible, check_same_group, check_tensor, check_weight
 from ..config.schema import OpPreset
 from .program import CudaDriver, HostDriver
@@ -59,6 +60,7 @@ class OpBase:
     """Subclasses define `kind`, build `self.flags` (an AgFlags / RsFlags) and `_build(key, config)`."""
 
     kind = "op"
+    _alone_split_buffers = None  # compute_alone's split-tail buffers (`_alone_buffers`), made at first use
 
     def __init__(self, *, group: dist.ProcessGroup, pool, name: str, config, max_m: int, static: dict):
         if group is None:
@@ -201,6 +203,13 @@ class OpBase:
             self._lock.release()
         if not self._cuda:  # a peer that gave up during this call: raise on this call
             self._raise_if_failed()
+
+    def _alone_buffers(self):
+        """compute_alone's split-tail buffers (gluon_launch.split_buffers), made at its first plan: apart from
+        the calls' (it may run beside one), and only for those who measure it."""
+        if self._alone_split_buffers is None:
+            self._alone_split_buffers = split_buffers(self.device, num_sms(self.device))
+        return self._alone_split_buffers
 
     def _run_alone(self, key, m: int, call) -> None:
         """Run the plan of `key` at once on the current stream (CPU: this thread), outside the op's call

@@ -61,7 +61,8 @@ class GemmRs(RsScatterGemms, OpBase):
     call or by `check_errors()` (which synchronises; call it at step boundaries). `bulk=True` allocates
     bulk()'s [max_m, n] staging at construction (otherwise at its first call): needed when that first call
     runs under torch.compile(mode="reduce-overhead"). A `fused` config on a GPU also allocates its scatter
-    GEMM's split-tail buffers (gluon_launch.split_buffers, twice: ~34 MB on 132 SMs).
+    GEMM's split-tail buffers (gluon_launch.split_buffers: ~17 MB on 132 SMs; compute_alone another at its
+    first call).
     """
 
     kind = "gemm_rs"
@@ -91,10 +92,10 @@ class GemmRs(RsScatterGemms, OpBase):
             self._tables = pool.ptr_table(self.flags.region), pool.ptr_table(self.flags.region, device_flags=True)
             gluon_placeholders(self.device)  # the Gluon GEMM's unused arguments, likewise
         # the Gluon scatter GEMM's split tail (the last wave an sm_margin leaves partial, cut by K): the calls'
-        # workspace and compute_alone's (which may run beside a call), likewise
+        # workspace, likewise; compute_alone (which may run beside a call) makes its own at its first use
         fused_gluon = "fused" in methods and self.device.type == "cuda"
         self._split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
-        self._alone_split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
+        self._alone_split_buffers = None
 
     @staticmethod
     def regions(*, name: str, world_size: int, max_m: int, n: int, dtype: torch.dtype) -> list[RegionSpec]:

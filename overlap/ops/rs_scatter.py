@@ -49,7 +49,7 @@ class RsScatterGemms:
             launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs, blocks=plain)
         if not self._cuda or method != "fused":
             return run_plain
-        blocks = self._gluon_blocks(key, programs)
+        blocks, buffers = self._gluon_blocks(key, programs), self._alone_buffers()
 
         def run(call) -> None:
             b, _, b_transposed = b_operand(call.w)
@@ -57,7 +57,7 @@ class RsScatterGemms:
                 run_plain(call)
             else:
                 launch_gluon_gemm(a=call.a, b=b, b_transposed=b_transposed, out=call.out, blocks=blocks,
-                                  num_programs=programs, split_buffers=self._alone_split_buffers)
+                                  num_programs=programs, split_buffers=buffers)
         return run
 
     def _gluon_blocks(self, key, programs: int):
