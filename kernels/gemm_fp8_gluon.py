@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
+from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates  # GROUP_M swizzle, rows rotated
 
@@ -232,11 +233,7 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS // B_SCALE_BOX, B_SCALE_BOX],
                                              b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     chunks_ok, chunks_free = init_chunk_barriers()
     fence_async_shared()
 
@@ -256,7 +253,5 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
                  chunk_args, chunks_ok, chunks_free)
     gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
                         (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty)
     invalidate_chunk_barriers(chunks_ok, chunks_free)

@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 
@@ -322,11 +323,7 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, 64, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ready, empty = init_ring(NUM_STAGES, CONSUMERS)  # one `empty` arrival per consumer warpgroup
     chunks_ok, chunks_free = init_chunk_barriers()
     fence_async_shared()
 
@@ -354,7 +351,5 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
             gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_mma2_kn, mma_args),
                                 (_load_kn, load_args), (chunk_wait_partition, wait_args)], [4, 4, 1, 1],
                                [MMA_REGS, MMA_REGS, LOAD_REGS, LOAD_REGS])
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty)
     invalidate_chunk_barriers(chunks_ok, chunks_free)

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from tp_overlap.kernels.gemm_gluon import _barrier, _staging_free
+from tp_overlap.kernels.gemm_gluon_ring import init_ring, invalidate_ring
 from tp_overlap.kernels.gemm_gluon_walk import tile_coordinates as _tile_coordinates
 
 # Fixed for the reason kernels/gemm_gluon.py gives: partitions take no compile-time arguments, so the shapes come
@@ -182,11 +183,7 @@ def gluon_boxes_gemm_kernel(a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K,
                                                         b1_desc.block_type.shape[1]], b1_desc.layout)
     c0_smem = gl.allocate_shared_memory(c0_desc.dtype, [CONSUMERS, 64, c0_desc.block_type.shape[1]], c0_desc.layout)
     c1_smem = gl.allocate_shared_memory(c1_desc.dtype, [CONSUMERS, 64, c1_desc.block_type.shape[1]], c1_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    ready, empty = init_ring(NUM_STAGES, CONSUMERS)  # one `empty` arrival per consumer warpgroup
     fence_async_shared()
 
     mma_args = (a_bufs, b0_bufs, b1_bufs, ready, empty, c0_desc, c1_desc, c0_smem, c1_smem, M, N, K, tile_row_offset)
@@ -204,6 +201,4 @@ def gluon_boxes_gemm_kernel(a_desc, b0_desc, b1_desc, c0_desc, c1_desc, M, N, K,
         else:
             gl.warp_specialize([(_mma0_kn, mma_args), (_mma1_kn, mma_args), (_load_kn, load_args)], [4, 1],
                                [232, 40])
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty)

@@ -24,9 +24,10 @@ publishes finished 128-row blocks with the same flags as the @triton.jit kernel,
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from .gemm_gluon import _barrier, _count_partial, _k_loop, _load_kn, _load_nk, _staging_free, _sum_partials
+from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 from .gemm_gluon_wait import init_chunk_barriers, invalidate_chunk_barriers
 
@@ -197,11 +198,7 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
     c_smem = gl.allocate_shared_memory(dst_descs[0].dtype, [2, WG_M, BLOCK_N], dst_descs[0].layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     chunks_ok, chunks_free = init_chunk_barriers()  # the producer's arguments; no waits (0 chunks per rank)
     fence_async_shared()
 
@@ -216,7 +213,5 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     else:
         gl.warp_specialize([(_scatter0_kn, mma_args), (_scatter1_kn, mma_args), (_load_kn, load_args)], [4, 1],
                            [232, LOAD_REGS])
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    invalidate_ring(ready, empty)
     invalidate_chunk_barriers(chunks_ok, chunks_free)
