@@ -18,16 +18,15 @@ import time
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, target_device
+from tests.gpu.checklist import Checks, cuda_device, expect
 
 check = Checks()
 MARGIN = 16  # SMs the GEMM leaves to the stream that writes the chunks
 
 
 def main(argv=None) -> int:
-    dev = target_device(argv)
-    if dev is None or dev.type != "cuda":
-        print("FAIL the Gluon chunk wait needs a CUDA device")
+    dev = cuda_device(argv, "the Gluon chunk wait")
+    if dev is None:
         return 1
     from tp_overlap.gemm import ChunkWait, GemmBlocks, num_sms
     from tp_overlap.gemm.gluon_launch import launch_gluon_gemm, split_buffers

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, graph_replays_right, rel, target_device
+from tests.gpu.checklist import Checks, cuda_device, expect, graph_replays_right, rel
 
 TOLERANCE = 1e-2
 TAIL_SHAPES = ((1000, 776, 1000), (136, 1288, 4104), (4096, 3072, 4096), (1, 8, 64))
@@ -26,9 +26,8 @@ check = Checks()
 
 
 def main(argv=None) -> int:
-    dev = target_device(argv)
-    if dev is None or dev.type != "cuda":
-        print("FAIL Gluon kernels need a CUDA device (no interpreter)")
+    dev = cuda_device(argv, "the Gluon GEMM")
+    if dev is None:
         return 1
     from tp_overlap.launch.measure.tune import GLUON_BOX_CANDIDATES, GLUON_CANDIDATES
     from tp_overlap.gemm import GemmBlocks, triton_mm

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tests.gpu.checklist import Checks, expect, target_device
+from tests.gpu.checklist import Checks, cuda_device, expect
 
 check = Checks()
 # (W, rows per rank, K, N, layout, source, blocks): whole 128-row blocks first, then straddling slabs, column
@@ -40,9 +40,8 @@ def _cases(argv) -> tuple:
 
 
 def main(argv=None) -> int:
-    dev = target_device(argv)
-    if dev is None or dev.type != "cuda":
-        print("FAIL the Gluon scatter GEMM needs a CUDA device")
+    dev = cuda_device(argv, "the Gluon scatter GEMM")
+    if dev is None:
         return 1
     from tp_overlap.gemm import GemmBlocks, Scatter, num_sms
     from tp_overlap.gemm.gluon_launch import launch_gluon_gemm, launch_gluon_scatter, scatter_descriptors, split_buffers

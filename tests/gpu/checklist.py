@@ -47,6 +47,16 @@ def target_device(argv) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def cuda_device(argv, what: str) -> torch.device | None:
+    """The current CUDA device for a check of `what` that has no interpreter path (Gluon kernels); None after a
+    FAIL line where there is none (or --cpu was given)."""
+    dev = target_device(argv)
+    if dev is None or dev.type != "cuda":
+        print(f"FAIL {what} needs a CUDA device (Gluon kernels do not run under the interpreter)")
+        return None
+    return dev
+
+
 def rel(actual, expected) -> float:
     """Relative Frobenius error, in fp64."""
     return (torch.linalg.norm(actual.double() - expected.double()) / torch.linalg.norm(expected.double())).item()
