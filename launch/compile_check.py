@@ -2,13 +2,16 @@
 compile with this Triton, and what does it cost in shared memory, registers and spills?
 
     python -m tp_overlap.launch.compile_check [--table] [--candidates] [--fp8] [--configs NAME,...] [--jobs 2]
+    python -m tp_overlap.launch.compile_check --sass DIR [--only scatter,fp8]
 
 The target is sm_90 (Hopper). `--table` checks every configuration of the block tables
 (configs/gemm_blocks/), `--candidates` the sweep of launch.gemm_tune, `--fp8` the FP8 GEMM's candidates and
 the quantisers, `--configs` the bf16 configurations named (BMxBNxBKw<warps>s<stages>[g<group>][ws][fl][es2]
 [sk<waves>][o2][sp<splits>], e.g. 128x256x64w8s3 or the split-K 128x128x64w4s3sp4); give at least one of
 the four. Exit status 1 when a configuration fails to compile or spills registers. Runs on CPU (Triton's own
-ptxas); it checks the compiler, not speed or results.
+ptxas); it checks the compiler, not speed or results. `--sass DIR` writes the SASS of every Gluon GEMM build the
+launchers use instead (launch/measure/sass.py; `--only` keeps the builds whose label contains one of the
+comma-separated words): two runs' `diff -r` shows whether a change left the machine code as it was.
 """
 
 from __future__ import annotations
@@ -189,6 +192,9 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--configs", default="", help="comma-separated extra bf16 configuration names (default: none)")
     p.add_argument("--jobs", type=int, default=None,
                    help="compiler processes in parallel (default: the number of CPUs)")
+    p.add_argument("--sass", default=None, metavar="DIR",
+                   help="write the SASS of every Gluon GEMM build into DIR (one file each) instead")
+    p.add_argument("--only", default="", help="with --sass: the builds whose label contains one of these words")
     return p
 
 
@@ -201,8 +207,10 @@ def parse_args(argv=None):
             GemmBlocks.parse(name)
         except ValueError as exc:
             p.error(f"--configs: {exc}")
-    if not (names or args.table or args.candidates or args.fp8):
-        p.error("nothing to compile: give --table, --candidates, --fp8 or --configs NAME,...")
+    if args.only and not args.sass:
+        p.error("--only selects builds of --sass DIR")
+    if not (names or args.table or args.candidates or args.fp8 or args.sass):
+        p.error("nothing to compile: give --table, --candidates, --fp8, --configs NAME,... or --sass DIR")
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     return args
@@ -236,6 +244,12 @@ def _jobs(args) -> set:
 
 
 def _run(args) -> int:
+    if args.sass:
+        from .measure.sass import write_sass
+
+        written = write_sass(args.sass, tuple(w for w in args.only.split(",") if w))
+        print(f"{len(written)} builds' SASS in {args.sass}: {', '.join(written)}")
+        return 0 if written else 1
     jobs = _jobs(args)
     if args.fp8:
         for kernel, compiled in compile_quantizers().items():

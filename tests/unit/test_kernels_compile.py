@@ -76,3 +76,23 @@ def test_new_kernels_compile_for_sm90_without_spills():
         assert u["shared"] <= SHARED_MEMORY_LIMIT, (name, u)
     assert usage["quantize_activation"]["div_rn"] and usage["quantize_weight"]["div_rn"], \
         "scales must be correctly rounded divisions"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton has no bundled ptxas")
+def test_sass_snapshots_name_each_build_and_hold_its_machine_code(tmp_path):
+    """`compile_check --sass DIR --only ...` writes one file per selected build, the kernel's SASS without
+    addresses (so that two commits' files compare equal exactly when the machine code is the same)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = child_pythonpath()
+    out = tmp_path / "sass"
+    proc = subprocess.run([sys.executable, "-m", "tp_overlap.launch.compile_check", "--sass", str(out), "--only",
+                           "fp8_128x64x128w4s4gl_group"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.iterdir()
+    text = path.read_text()
+    assert path.name == "fp8_128x64x128w4s4gl_group_major.sass" and "Function : fp8_gluon_gemm_kernel" in text
+    assert "QGMMA.64x64x32.F32.E4M3.E4M3" in text and "/*" not in text, text[:400]
+    bad = subprocess.run([sys.executable, "-m", "tp_overlap.launch.compile_check", "--only", "fp8"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--only selects builds of --sass DIR" in bad.stderr
