@@ -193,8 +193,10 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--jobs", type=int, default=None,
                    help="compiler processes in parallel (default: the number of CPUs)")
     p.add_argument("--sass", default=None, metavar="DIR",
-                   help="write the SASS of every Gluon GEMM build into DIR (one file each) instead")
-    p.add_argument("--only", default="", help="with --sass: the builds whose label contains one of these words")
+                   help="write the SASS of every Gluon GEMM build into DIR (one file each) instead (default: none)")
+    p.add_argument("--only", default="",
+                   help="with --sass: the builds whose label contains one of these comma-separated words (default: "
+                        "every build)")
     return p
 
 
