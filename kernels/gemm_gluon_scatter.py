@@ -10,12 +10,12 @@ publishes finished 128-row blocks with the same flags as the @triton.jit kernel,
   The owner of a slab's first row gets the slab by TMA (rows past its slab are clipped, so nothing lands in
   another source's slab); a slab that straddles owners gives each later owner its rows by masked stores from
   the registers through ``dst_ptrs`` (a TMA store at a negative row is an illegal instruction on an H100);
-* counting, one tile late (as the @triton.jit kernel: the stores have landed by then): a warpgroup waits for
-  its previous tile's stores (``store_wait(0)``, which it needs anyway before reusing its staging tile),
-  fences the async proxy, meets its warps at a barrier, and one thread adds 1 to ``tile_counters[row_block]``
-  (acq_rel, scope sys). The arrival completing ``2 * num_col_blocks`` (every column tile, both warpgroups)
-  zeroes the counter and writes the call's M into each covered owner's flag ``[src_rank, row_block -
-  (o * rows_per_rank) // 128]`` (release, scope sys). Nothing waits inside the kernel;
+* counting, one tile late (as the @triton.jit kernel): a warpgroup waits until its previous tile's stores have
+  read the staging tile (``store_wait(0)``, before reusing it) and have written every row
+  (``cp.async.bulk.wait_group 0``), fences the async proxy, meets its warps at a barrier, and one thread adds
+  1 to ``tile_counters[row_block]`` (acq_rel, scope sys). The arrival completing ``2 * num_col_blocks`` (every
+  column tile, both warpgroups) zeroes the counter and writes the call's M into each covered owner's flag
+  ``[src_rank, row_block - (o * rows_per_rank) // 128]`` (release, scope sys). Nothing waits inside the kernel;
 * a split tail (kernels/gemm_gluon.py: the last partial wave's tiles cut by K, for a grid an sm_margin
   leaves short of whole waves): a split item stores and counts its fp32 partial; the last of a (tile,
   warpgroup)'s pieces sums them into the staging tile and scatters it as a whole tile's, so each tile is
@@ -44,8 +44,10 @@ def _publish(row_block, M, num_col_blocks, scatter_args):
     rows_per_rank, src_rank, flag_ptrs, tile_counters, flags_per_source, _ = scatter_args
     threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     lane = gl.arange(0, 128, layout=threads)
-    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    # the stores' writes complete (store_wait's `.read` form only waits for the staging tile to be read: the
+    # flag could be seen before the rows landed), then the async proxy's view is ordered before the release
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r",
+                              [lane], dtype=gl.int32, is_pure=False, pack=1)
     _barrier()  # every warp's view of the completed stores precedes the single-thread release
     first = lane == 0
     counter = tile_counters + row_block + lane * 0
