@@ -13,11 +13,14 @@ in boxes [1, 4], the aligned four groups holding g. TMA reads zeros past M, N an
 tails need no masks.
 
     fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
-                                           tile_row_offset, chunk_args, NUM_STAGES=..., num_warps=4)
+                                           tile_row_offset, num_whole_tiles, splits, workspace, counters,
+                                           chunk_args, NUM_STAGES=..., num_warps=4)
 
-``tile_row_offset`` rotates the row blocks as kernels/gemm_gluon.py does; ``chunk_args`` (kernels/gemm_gluon_wait.py,
-0 chunks per rank: no wait) makes it the fused AllGather consumer: a waiter warp (a fourth partition) polls a
-tile's gathered chunks (rows and their scales) and hands the tile to the producer warp before its loads.
+``tile_row_offset`` rotates the row blocks and ``num_whole_tiles`` / ``splits`` / ``workspace`` / ``counters`` cut
+the last partial wave by K, as in kernels/gemm_gluon.py ("Split tail": a piece's promoted partial is summed by
+the tile's last piece); ``chunk_args`` (kernels/gemm_gluon_wait.py, 0 chunks per rank: no wait) makes it the
+fused AllGather consumer: a waiter warp (a fourth partition) polls a work item's gathered chunks (rows and their
+scales) and hands the item to the producer warp before its loads.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
@@ -47,9 +50,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
+from .gemm_gluon import _count_partial, _staging_free, _store_staged, _sum_partials
 from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
-from .gemm_gluon_walk import tile_coordinates as _tile_coordinates  # GROUP_M swizzle, rows rotated
+from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
@@ -62,10 +66,10 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready,
-                    empty, M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free):
-    """The producer warp: TMA loads of every K group of this program's tiles into the ring (A and B tiles, the
-    tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer warpgroups
-    have released it."""
+                    empty, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free):
+    """The producer warp: TMA loads of every K group of this program's work items into the ring (A and B tiles,
+    the tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer
+    warpgroups have released it."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -75,16 +79,18 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     step = 0
     waits = chunk_args[1] > 0
     index = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         if waits:  # the rows and their scales come from the same gathered chunks: the waiter warp's
             take_chunk_rows(index, chunks_ok, chunks_free)
         index += 1
         col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
-        for k in range(num_k):
+        for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
@@ -148,9 +154,10 @@ def _promote(acc, product, scale):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, step, HALF: gl.constexpr):
-    """The tile's K loop, each group's MMA retired before its promotion: the other warpgroup's MMA keeps
-    the tensor cores busy meanwhile (128 registers of accumulator and product per thread for 64x128)."""
+def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF: gl.constexpr):
+    """The work item's K groups [first_k, end_k) (ring steps from `step`), each group's MMA retired before its
+    promotion: the other warpgroup's MMA keeps the tensor cores busy meanwhile (128 registers of accumulator
+    and product per thread for 64x128)."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -158,19 +165,20 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, ste
                                                          instr_shape=[16, BLOCK_N, 32])
     acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
-    for k in range(num_k):
-        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k, HALF, NUM_STAGES)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k) % NUM_STAGES, k, HALF,
+    for k in range(first_k, end_k):
+        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k - first_k) % NUM_STAGES, k, HALF,
                               gl.SliceLayout(1, mma_layout))
-        product = _retire(product, empty, step + k, NUM_STAGES, 0)
+        product = _retire(product, empty, step + k - first_k, NUM_STAGES, 0)
         acc = _promote(acc, product, scale)
     return acc
 
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K,
-                   tile_row_offset, HALF: gl.constexpr):
-    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
+                   tile_row_offset, split_args, HALF: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item. A split item's promoted
+    partial goes to the workspace; the last of a tile's pieces sums them (kernels/gemm_gluon.py, "Split tail")."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -178,37 +186,46 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
+    num_whole_tiles, splits, workspace, counters = split_args
+    num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_blocks, gl.num_programs(0)):
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, num_k, step, HALF)
-        step += num_k
-
-        tma.store_wait(pendings=0)  # this warpgroup's previous store has read its staging tile
-        _barrier()
-        out_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _barrier()  # every warp's rows are in the staging tile before the store is issued
-        tma.async_copy_shared_to_global(c_desc, [row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N], out_smem)
+        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF)
+        step += end_k - first_k
+        first_row = row_block * BLOCK_M + HALF * WG_M
+        if unit < 0:
+            _staging_free()
+            out_smem.store(acc.to(c_desc.dtype))
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, 2):
+            _staging_free()
+            _sum_partials(workspace, (unit - unit % splits) * 2 + HALF, splits, out_smem, WG_M, BLOCK_N, 2)
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+             split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   0)
+                   split_args, 0)
 
 
 @gluon.jit
-def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset):
+def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+              split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   1)
+                   split_args, 1)
 
 
-@gluon.jit(do_not_specialize=["M", "tile_row_offset"])  # rank-dependent: one compile for every rank and M
-def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset, chunk_args,
-                          NUM_STAGES: gl.constexpr, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+# rank- and shape-dependent: one compile for every rank, M and split plan
+@gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
+def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset,
+                          num_whole_tiles, splits, workspace, counters, chunk_args, NUM_STAGES: gl.constexpr,
+                          MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -245,12 +262,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
         a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M, B_SCALE_BOX],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
-    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset)
+    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                (num_whole_tiles, splits, workspace, counters))
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
-                 M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free)
-    # every tile whole (one split): the waiter walks the tiles as the producer does
-    wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), M * 0 + 1,
-                 chunk_args, chunks_ok, chunks_free)
+                 M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
+    wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
                         (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)

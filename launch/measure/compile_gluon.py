@@ -77,7 +77,8 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
                  b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
                  c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
                  a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
-                 M="i32", N="i32", K="i32", tile_row_offset="i32", chunk_args=_GLUON_CHUNK_ARGS)
+                 M="i32", N="i32", K="i32", tile_row_offset="i32", num_whole_tiles="i32", splits="i32",
+                 workspace="*fp32:16", counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
     return compile_gluon(fp8_gluon_gemm_kernel, types, dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40),
                          num_warps=blocks.num_warps, arch=arch)
 

@@ -35,12 +35,11 @@ import torch.distributed as dist
 from tp_overlap.config.schema import AgGemmConfig, GemmRsConfig
 from tp_overlap.gemm import (choose_blocks, gpu_name, num_sms, quantize_activation,
                              quantize_weight, release_workspaces, scaled_mm_reference, sm_carveout)
-from tp_overlap.gemm.fp8 import fp8_default_blocks
 from tp_overlap.launch.cli.common import run_dir
 from tp_overlap.launch.measure.timing import bench_interleaved, progress
 from tp_overlap.launch.output.report import device_slug, format_table, write_results
 from tp_overlap.ops.ag_gemm import AgGemm
-from tp_overlap.ops.ag_consumers import consumer_gluon_blocks
+from tp_overlap.ops.ag_consumers import consumer_fp8_blocks, consumer_gluon_blocks
 from tp_overlap.ops.gemm_rs import GemmRs
 from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
 from tp_overlap.symm_mem.pool import SymmetricPool
@@ -174,11 +173,11 @@ def _timed(op, a, b, cublas, dev: torch.device, args) -> tuple[dict, bool]:
 
 def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.device, programs: int | None):
     """The blocks the op's GEMM runs (as the ops choose them): on a GPU the Gluon kernel for the bf16 fused
-    AllGather consumer and the scatter GEMM (128-row tiles), the FP8 consumer's `fp8_gemm` choice with chunk
-    waits, the plain @triton.jit entry otherwise."""
+    AllGather consumer and the scatter GEMM (128-row tiles), the FP8 consumer's (`consumer_fp8_blocks`), the
+    plain @triton.jit entry otherwise."""
     gpu = gpu_name(dev)
     if variant == "ag_fused_fp8":
-        return fp8_default_blocks(m, n, k, chunk_wait=True, device_type=dev.type, gpu=gpu)
+        return consumer_fp8_blocks(m, n, k, device_type=dev.type, gpu=gpu)
     if dev.type == "cuda" and variant == "rs_fused":
         return scatter_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
     if dev.type == "cuda" and variant == "ag_fused":

@@ -196,8 +196,8 @@ def fp8_default_blocks(m: int, n: int, k: int, *, chunk_wait: bool, device_type:
 
 def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, num_programs: int | None = None,
-             blocks: GemmBlocks | None = None, tile_row_offset: int = 0,
-             chunk_wait: ChunkWait | None = None) -> torch.Tensor:
+             blocks: GemmBlocks | None = None, tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None,
+             split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T with fp32 accumulation (a8 [M, K] and w8 [N, K]
     float8_e4m3fn, scales as `quantize_activation` / `quantize_weight` make them, any strides), on the
     current stream with `num_programs` persistent programs (default: every SM); `out` (rows contiguous,
@@ -205,7 +205,9 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
     consumer mode (tiles wait for the chunks of a8 they read: the Gluon kernel's producer warp, or the
     @triton.jit kernel without warp specialisation).
     Gluon blocks (`gl`) read the operands with TMA (`gluon_operand_problems`): where they cannot, the
-    table's choice falls back to its plain blocks, and explicit `gl` blocks raise ValueError."""
+    table's choice falls back to its plain blocks, and explicit `gl` blocks raise ValueError. Gluon blocks with
+    `sk1` cut the last partial wave by K into `split_buffers` (gluon_launch.split_buffers: a caller's own, made
+    once), else into the current stream's (allocated at its first use: warm up before a CUDA-graph capture)."""
     m, n, k = _check_gemm_operands(a8, a_scales, w8, w_scales, out)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
@@ -217,10 +219,10 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
             if operand_problems:  # e.g. scale rows of M % 4 != 0: the table's plain blocks for this shape
                 blocks = choose_fp8_blocks(m, n, k, warp_specialize=False, device_type=a8.device.type, gpu=gpu)
-    if blocks.block_k != SCALE_GROUP or blocks.stream_k or (blocks.block_n > SCALE_GROUP and
-                                                            blocks.block_n % SCALE_GROUP):
+    if blocks.block_k != SCALE_GROUP or (blocks.stream_k and not blocks.gluon) or (
+            blocks.block_n > SCALE_GROUP and blocks.block_n % SCALE_GROUP):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: BLOCK_K must be {SCALE_GROUP}, BLOCK_N <= 128 or a "
-                         "multiple of 128, no stream-K")
+                         "multiple of 128, stream-K only as a Gluon split tail (sk1)")
     if a8.is_cuda and blocks.problems(operand_bytes=1):
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(blocks.problems(operand_bytes=1))}")
     if chunk_wait is not None and (blocks.warp_specialize or blocks.flatten):
@@ -229,7 +231,7 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
         if operand_problems is None:
             operand_problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
         _launch_gluon(a8, a_scales, w8, w_scales, out, blocks, num_programs, tile_row_offset, chunk_wait,
-                      operand_problems)
+                      operand_problems, split_buffers)
     elif m and n:
         launch_fp8_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
                         num_programs=num_programs, tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
@@ -237,19 +239,16 @@ def fp8_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_sc
 
 
 def _launch_gluon(a8, a_scales, w8, w_scales, out, blocks: GemmBlocks, num_programs, tile_row_offset, chunk_wait,
-                  operand_problems: list[str]) -> None:
-    problems = gluon_block_problems(block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
-                                    num_warps=blocks.num_warps, group_m=blocks.group_m,
-                                    num_stages=blocks.num_stages, programs_per_sm=blocks.programs_per_sm)
-    problems += operand_problems
+                  operand_problems: list[str], split_buffers) -> None:
+    problems = gluon_block_problems(blocks) + operand_problems
     if not a8.is_cuda:
         problems.append("needs a CUDA device (Gluon kernels do not run under the interpreter)")
     if problems:
         raise ValueError(f"fp8_gemm: blocks {blocks.name}: {'; '.join(problems)}")
     if out.shape[0] and out.shape[1]:
-        launch_fp8_gluon_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, block_n=blocks.block_n,
-                              num_stages=blocks.num_stages, num_programs=num_programs, checked=True,
-                              tile_row_offset=tile_row_offset, chunk_wait=chunk_wait)
+        launch_fp8_gluon_gemm(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out, blocks=blocks,
+                              num_programs=num_programs, checked=True, tile_row_offset=tile_row_offset,
+                              chunk_wait=chunk_wait, split_buffers=split_buffers)
 
 
 def _reference_groups(values: torch.Tensor, amax: torch.Tensor):

@@ -8,7 +8,8 @@ import torch
 
 from tp_overlap.kernels.constants import SCALE_GROUP
 
-from .gluon_launch import chunk_args
+from .blocks import GemmBlocks
+from .gluon_launch import chunk_args, split_tail
 from .launch import ChunkWait, tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
 
@@ -20,14 +21,13 @@ GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB 
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
 
 
-def gluon_block_problems(*, block_m: int, block_n: int, block_k: int, num_warps: int, group_m: int,
-                         num_stages: int, programs_per_sm: int) -> list[str]:
-    """Why the Gluon kernel cannot run these blocks (empty when it can)."""
+def gluon_block_problems(blocks: GemmBlocks) -> list[str]:
+    """Why the Gluon kernel cannot run these blocks (empty when it can); `sk1`: the last partial wave split by K."""
     out = []
-    for name, value, allowed in (("block_m", block_m, (GLUON_BLOCK_M,)), ("block_n", block_n, GLUON_BLOCK_NS),
-                                 ("block_k", block_k, (SCALE_GROUP,)), ("num_warps", num_warps, (GLUON_NUM_WARPS,)),
-                                 ("group_m", group_m, (GLUON_GROUP_M,)), ("programs_per_sm", programs_per_sm, (1,)),
-                                 ("num_stages", num_stages, tuple(range(2, GLUON_MAX_STAGES + 1)))):
+    for name, allowed in (("block_m", (GLUON_BLOCK_M,)), ("block_n", GLUON_BLOCK_NS), ("block_k", (SCALE_GROUP,)),
+                          ("num_warps", (GLUON_NUM_WARPS,)), ("group_m", (GLUON_GROUP_M,)), ("programs_per_sm", (1,)),
+                          ("num_stages", tuple(range(2, GLUON_MAX_STAGES + 1))), ("stream_k", (0, 1))):
+        value = getattr(blocks, name)
         if value not in allowed:
             out.append(f"gluon: {name} {value} not in {allowed}")
     return out
@@ -55,27 +55,27 @@ def _a_scale_descriptor(a_scales: torch.Tensor):
 
 
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
-                          out: torch.Tensor, block_n: int = 128, num_stages: int = 4,
-                          num_programs: int | None = None, checked: bool = False, tile_row_offset: int = 0,
-                          chunk_wait: ChunkWait | None = None) -> None:
+                          out: torch.Tensor, blocks: GemmBlocks, num_programs: int | None = None, checked: bool = False,
+                          tile_row_offset: int = 0, chunk_wait: ChunkWait | None = None,
+                          split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [M, N] = (a8 * a_scales) @ (w8 * w_scales).T on the current stream (layouts of overlap/gemm/fp8.py).
     `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path).
-    `chunk_wait`: the fused AllGather consumer (each tile's rows and scales read once their chunks are SET)."""
+    `chunk_wait`: the fused AllGather consumer (each tile's rows and scales read once their chunks are SET).
+    Blocks with `sk1` cut the last partial wave by K into `split_buffers` (gluon_launch.split_buffers), else into
+    the current stream's (as launch_gluon_gemm)."""
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     if not checked:
         problems = gluon_operand_problems(a8=a8, a_scales=a_scales, w8=w8, w_scales=w_scales, out=out)
-        problems += gluon_block_problems(block_m=GLUON_BLOCK_M, block_n=block_n, block_k=SCALE_GROUP,
-                                         num_warps=GLUON_NUM_WARPS, group_m=GLUON_GROUP_M, num_stages=num_stages,
-                                         programs_per_sm=1)
+        problems += gluon_block_problems(blocks)
         if problems:
             raise ValueError(f"fp8 gluon GEMM: {'; '.join(problems)}")
     m, k = a8.shape
-    n = w8.shape[0]
-    tiles = -(-m // GLUON_BLOCK_M) * -(-n // block_n)
-    programs = max(1, min(tiles, num_programs or num_sms(a8.device)))
+    n, block_n = w8.shape[0], blocks.block_n
+    programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs or num_sms(a8.device),
+                                                              a8.device, split_buffers, operand_bytes=1)
     fp8_gluon_gemm_kernel[(programs,)](
         tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
         tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
-        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, chunk_args(chunk_wait, a8.device),
-        NUM_STAGES=num_stages, num_warps=GLUON_NUM_WARPS)
+        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
+        chunk_args(chunk_wait, a8.device), NUM_STAGES=blocks.num_stages, num_warps=GLUON_NUM_WARPS)

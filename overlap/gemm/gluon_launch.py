@@ -26,7 +26,7 @@ SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
 __all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
-           "split_buffers", "scatter_descriptors", "launch_gluon_scatter"]
+           "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -86,17 +86,18 @@ def split_buffers(device: torch.device, programs: int) -> tuple[torch.Tensor, to
             torch.zeros(3 * programs, dtype=torch.int32, device=device))  # a counter per split tile and consumer
 
 
-def _split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
-                buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+def split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
+               buffers: tuple[torch.Tensor, torch.Tensor] | None, operand_bytes: int = 2) -> tuple:
     """(programs, whole tiles, splits, workspace, counters) of a launch (module `split_plan`): `buffers` given,
-    at most as many pieces as they hold; else the current stream's (`stream_buffers`)."""
+    at most as many pieces as they hold; else the current stream's (`stream_buffers`). `operand_bytes` 1: FP8,
+    whose tensor cores run at twice the bf16 rate the cost model assumes."""
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
     programs = max(1, min(tiles, num_programs))
     if not blocks.stream_k:
         return (programs, tiles, 1) + gluon_placeholders(device)
     max_items = buffers[0].numel() // (bm * bn) if buffers is not None else None
-    whole, splits = split_plan(tiles, num_programs, -(-k // bk), 2 * bm * bn * k, max_items)
+    whole, splits = split_plan(tiles, num_programs, -(-k // bk), bm * bn * k * operand_bytes, max_items)
     if splits == 1:
         return (programs, tiles, 1) + gluon_placeholders(device)
     split_tiles = tiles - whole
@@ -134,7 +135,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
         return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    programs, whole, splits, workspace, counters = _split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
+    programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     gluon_gemm_kernel[(programs,)](
         tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
         tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
@@ -181,7 +182,7 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     m, k = a.shape
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
-    programs, whole, splits, workspace, counters = _split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
+    programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
     owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
     gluon_scatter_gemm_kernel[(programs,)](

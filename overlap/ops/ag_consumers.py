@@ -6,25 +6,36 @@ configuration)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
 from ..gemm.blocks import fused_gluon_blocks
-from ..gemm.fp8 import fp8_default_blocks
+from ..gemm.fp8 import choose_fp8_blocks, fp8_default_blocks
+from ..gemm.fp8_gluon_launch import gluon_operand_problems as fp8_operand_problems, launch_fp8_gluon_gemm
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
 from .program import COMPUTE, Program
 
-__all__ = ["AgConsumers", "consumer_gluon_blocks"]
+__all__ = ["AgConsumers", "consumer_gluon_blocks", "consumer_fp8_blocks"]
 
 
 def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
     """The Gluon blocks of the bf16 `fused` consumer (and of its `compute_alone`): the table's entry, its split
     tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`)."""
     return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
+
+
+def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | None):
+    """The blocks of the FP8 `fused` consumer (and of its `compute_alone`) where TMA reads the operands: the FP8
+    table's choice (`fp8_default_blocks` with chunk waits), a Gluon one with a split tail (the op owns the
+    buffers; `split_plan` keeps whole tiles where cutting does not pay)."""
+    blocks = fp8_default_blocks(m, n, k, chunk_wait=True, device_type=device_type, gpu=gpu)
+    return dataclasses.replace(blocks, stream_k=1) if blocks.gluon else blocks
 
 
 class AgConsumers:
@@ -80,19 +91,34 @@ class AgConsumers:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]
         if self.fp8:
-            # fp8_gemm chooses per call (the Gluon kernel where the table names it and TMA reads the operands,
-            # else the plain entry); the tile order follows the blocks it runs when TMA can read them
-            blocks = fp8_default_blocks(m, key.n, self.k, chunk_wait=True, device_type=self.device.type, gpu=self.gpu)
-            offset, scales = ag_tile_row_offset(self.rank, rows, blocks.block_m), self.scales[:m]
-            chosen = None if self._cuda else blocks
-
-            def gemm(call) -> None:
-                w8, w_scales = call.w_fp8
-                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
-                         num_programs=programs, chunk_wait=wait, blocks=chosen, tile_row_offset=offset)
+            gemm = self._fused_fp8(key, gathered, programs, wait)
         else:
             gemm = self._fused_bf16(key, gathered, programs, wait)
         program.run(COMPUTE, gemm, local=True)  # reads the chunk flags, writes out only (the next call clears them)
+
+    def _fused_fp8(self, key, gathered: torch.Tensor, programs: int, wait: ChunkWait):
+        """The FP8 fused consumer: the Gluon FP8 GEMM (`consumer_fp8_blocks`, its waiter warp polling) where TMA
+        reads the call's operands (checked per call: the weight and out are the call's), else the table's plain
+        blocks (and on the interpreter)."""
+        m, rows = key.m, key.m // self.world_size
+        scales = self.scales[:m]
+        blocks = consumer_fp8_blocks(m, key.n, self.k, device_type=self.device.type, gpu=self.gpu)
+        plain = choose_fp8_blocks(m, key.n, self.k, warp_specialize=False, device_type=self.device.type, gpu=self.gpu)
+        offset = ag_tile_row_offset(self.rank, rows, blocks.block_m)
+        plain_offset = ag_tile_row_offset(self.rank, rows, plain.block_m)
+        buffers = self._alone_buffers() if key.consumer == "compute" and blocks.gluon else self._split_buffers
+
+        def gemm(call) -> None:
+            w8, w_scales = call.w_fp8
+            if blocks.gluon and not fp8_operand_problems(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales,
+                                                         out=call.out):
+                launch_fp8_gluon_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out,
+                                      blocks=blocks, num_programs=programs, checked=True, tile_row_offset=offset,
+                                      chunk_wait=wait, split_buffers=buffers)
+            else:
+                fp8_gemm(a8=gathered, a_scales=scales, w8=w8, w_scales=w_scales, out=call.out, num_programs=programs,
+                         chunk_wait=wait, blocks=plain, tile_row_offset=plain_offset)
+        return gemm
 
     def _fused_bf16(self, key, gathered: torch.Tensor, programs: int, wait: ChunkWait):
         """The bf16 / fp16 fused consumer: on a GPU, the Gluon GEMM whose waiter warp polls the chunks

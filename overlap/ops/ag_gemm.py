@@ -54,7 +54,7 @@ class AgGemm(AgConsumers, OpBase):
     Outputs are valid on the caller's current stream when the call returns (CUDA), or at once (CPU). The
     gathered `a` (`return_gathered=True`, `all_gather`) is a view into the pool, valid until the next call of
     this op (or its close); clone it to keep it longer. Any call may be captured in a CUDA graph and replayed.
-    A bf16 `fused` config on a GPU allocates its consumer's split-tail buffers when built
+    A `fused` config on a GPU allocates its consumer's split-tail buffers when built
     (gluon_launch.split_buffers: ~17 MB on 132 SMs; compute_alone another at its first call).
     """
 
@@ -88,9 +88,9 @@ class AgGemm(AgConsumers, OpBase):
         protocol.initialise(pool, self.flags)
         if self.device.type == "cuda":  # the fused GEMM's unused arguments: now, not inside a torch.compile warm-up
             gluon_placeholders(self.device)
-        # the bf16 Gluon consumer's split tail (the table's `sk1`): the calls' buffers, likewise (compute_alone's
-        # at its first use)
-        fused_gluon = self.device.type == "cuda" and not fp8 and any(c.method == "fused" for c in self.configs())
+        # the Gluon consumer's split tail (bf16: the table's `sk1`; FP8: its own): the calls' buffers, likewise
+        # (compute_alone's at its first use)
+        fused_gluon = self.device.type == "cuda" and any(c.method == "fused" for c in self.configs())
         self._split_buffers = split_buffers(self.device, self.num_sms) if fused_gluon else None
         self._alone_split_buffers = None
         # bumped by every call that stamps its gathered input (a column layer's forward): a backward that

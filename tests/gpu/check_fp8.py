@@ -9,7 +9,8 @@ FP8 GEMM matches the fp32 product of the dequantised operands (bf16 rounding onl
 <= 5e-3) and torch._scaled_mm with the same scale tensors, for K = 1280 and 1344, M/N tails, padding past K
 and past the last scale group poisoned with NaN, every FP8 candidate; the chunk-wait mode with ready
 flags, and a stale flag timing out by %globaltimer with its error code; stream-K bf16 GEMMs (both layouts)
-against cuBLAS with their flags back at zero, and a late contributor recomputed by its finisher.
+against cuBLAS with their flags back at zero, and a late contributor recomputed by its finisher; the Gluon FP8
+kernel's split tail (GPU only).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ SHAPES = {"act": ((1000, 1344), (4096, 1280), (37, 300)), "weight": ((1032, 1344
           "scaled_mm": ((1000, 1024, 1536), (256, 4096, 2048), (4096, 3072, 4096)), "unaligned": (333, 200, 1000),
           "wait": (4, 250, 1024, 1344), "stream_k": ((1024, 3072, 4096), (1000, 768, 4104), (4096, 1280, 8192)),
           "late": (1024, 3072, 4096)}
+# (blocks, (M, N, K)) that split_plan cuts on 132 SMs: a K tail (64.5 groups), 64-wide tiles, a 3.4-wave grid
+SPLIT_TAILS = (("128x128x128w4s4sk1gl", (1000, 776, 8256)), ("128x64x128w4s4sk1gl", (1000, 392, 8256)),
+               ("128x128x128w4s4sk1gl", (1024, 7168, 4096)))
 TINY = {"act": ((40, 1344), (37, 300)), "weight": ((136, 1344),), "gemm": ((40, 72, 1344),),
         "scaled_mm": ((40, 64, 1536),), "unaligned": (33, 40, 200), "wait": (3, 23, 64, 1344),
         "stream_k": ((200, 264, 320), (136, 520, 136)), "late": (136, 520, 320)}
@@ -126,6 +130,37 @@ def main(argv=None) -> int:
         out, ref, _ = gemm_case(*shapes["unaligned"], GemmBlocks.parse("128x128x128w8s4"))
         expect(rel(out, ref) <= FP8_TOLERANCE, f"{rel(out, ref):.3g}")
         return f"{rel(out, ref):.2e}"
+
+    @check("Gluon FP8 split tail (sk1): the last wave's pieces summed; vs the dequantised product and the whole "
+           "tiles, bitwise repeatable, counters back at zero")
+    def _():
+        if cpu:
+            return "skipped: Gluon kernels need a CUDA device"
+        import dataclasses
+
+        from tp_overlap.gemm.gluon_launch import split_buffers, split_tail
+
+        buffers, notes = split_buffers(dev, num_sms(dev)), []
+        for name, (m, n, k) in SPLIT_TAILS:
+            blocks = GemmBlocks.parse(name)
+            cut = split_tail(blocks, m, n, k, num_sms(dev), dev, buffers, operand_bytes=1)[2]
+            expect(cut > 1, f"{name} M={m} N={n} K={k}: not split on {num_sms(dev)} SMs")
+            x8, xs = fp8.quantize_activation(grouped(m, k, 1))
+            w8, ws = fp8.quantize_weight(grouped(n, k, 128) * 0.05)
+            pad = torch.full((m, k + 64), 0x7F, dtype=torch.uint8, device=dev).view(fp8.FP8_DTYPE)  # NaN past K
+            pad[:, :k] = x8
+            runs = [fp8.fp8_gemm(a8=pad[:, :k], a_scales=xs, w8=w8, w_scales=ws, blocks=blocks, split_buffers=buffers)
+                    for _ in range(2)]
+            whole = fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=dataclasses.replace(blocks, stream_k=0))
+            ref = fp8.dequantize_activation(x8, xs) @ fp8.dequantize_weight(w8, ws).T
+            synchronize()
+            expect(rel(runs[0], ref) <= FP8_TOLERANCE and rel(runs[0], whole) <= FP8_TOLERANCE,
+                   f"{name} M={m} N={n} K={k}: {rel(runs[0], ref):.3g} from the product, {rel(runs[0], whole):.3g} "
+                   "from whole tiles")
+            expect(torch.equal(runs[0], runs[1]), f"{name} M={m} N={n} K={k}: two runs differ")
+            expect(int(buffers[1].abs().sum()) == 0, f"{name}: counters left at {buffers[1].nonzero().tolist()}")
+            notes.append(f"{name} {m}x{n}x{k}: {cut} splits, {rel(runs[0], ref):.1e}")
+        return "; ".join(notes)
 
     @check("fp8_gemm chunk waits: ready flags, then a stale flag times out (%globaltimer) with its code")
     def _():

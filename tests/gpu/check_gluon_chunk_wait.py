@@ -6,9 +6,10 @@ kernel): one PASS/FAIL line per check, exit status 1 on any FAIL.
 The gathered A starts as NaN; another stream writes each chunk's rows late, in arrival order, and sets its
 flag after them, while the GEMM (SMs left free for that stream) runs: the output must equal the same GEMM on
 the final rows without waits, bitwise, for both layouts, odd rows per rank, an owner whose trailing
-chunk is empty (never signalled) and split tails (`sk1`: the pieces of a tile each wait for its rows). A flag never set: the kernel still ends, within a few bounds, with the
-chunk's error code in the control page; with the abort word set it ends at once. The FP8 Gluon kernel
-(kernels/gemm_fp8_gluon.py) likewise, its rows and scales written late.
+chunk is empty (never signalled) and split tails (`sk1`: the pieces of a tile each wait for its rows). A flag
+never set: the kernel still ends, within a few bounds, with the chunk's error code in the control page; with the
+abort word set it ends at once. The FP8 Gluon kernel (kernels/gemm_fp8_gluon.py) likewise, its rows and scales
+written late, with and without a split tail.
 """
 
 from __future__ import annotations
@@ -128,18 +129,25 @@ def main(argv=None) -> int:
             notes.append(f"{'abort word set' if abort else 'bound 0.5 s'}: ended after {elapsed:.2f} s, code ok")
         return "; ".join(notes)
 
-    @check("FP8 Gluon consumer: rows and scales written late, bitwise the same kernel without waits; a lost flag")
+    @check("FP8 Gluon consumer: rows and scales written late, bitwise the same kernel without waits (split tails "
+           "too); a lost flag")
     def _():
         from tp_overlap.gemm import fp8
+        from tp_overlap.gemm.gluon_launch import split_tail
 
-        blocks = GemmBlocks.parse("128x128x128w4s4gl")
         notes = []
-        for world, rows, chunks, k, n in ((4, 300, 3, 1024, 1536), (8, 64, 2, 512, 640)):
-            m = world * rows
+        for name, world, rows, chunks, k, n in (("128x128x128w4s4gl", 4, 300, 3, 1024, 1536),
+                                                ("128x128x128w4s4gl", 8, 64, 2, 512, 640),
+                                                ("128x128x128w4s4sk1gl", 4, 300, 3, 8192, 1536)):
+            blocks, m = GemmBlocks.parse(name), world * rows
+            cut = split_tail(blocks, m, n, k, programs, dev, splits, operand_bytes=1)[2]
+            expect(cut > 1 or not blocks.stream_k, f"{name} M={m} N={n} K={k}: no split on {programs} programs")
             x8, xs = fp8.quantize_activation(torch.randn(m, k, generator=gen, device=dev))
             w8, ws = fp8.quantize_weight(torch.randn(n, k, generator=gen, device=dev) / k ** 0.5)
-            ref = fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs)
             for rank in (0, world - 1):
+                # the same row rotation without waits: the same tiles are split (bitwise)
+                ref = fp8.fp8_gemm(a8=x8, a_scales=xs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs,
+                                   tile_row_offset=ag_tile_row_offset(rank, rows, 128), split_buffers=splits)
                 g8, gs = torch.zeros_like(x8), torch.full_like(xs, float("nan"))
                 flags = torch.zeros(world * chunks, dtype=torch.int32, device=dev)
                 errors = torch.zeros(8, dtype=torch.int32, device=dev)
@@ -157,17 +165,20 @@ def main(argv=None) -> int:
                 wait = ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=chunks, error_words=errors,
                                  error_code_base=1000, timeout_s=10)
                 out = fp8.fp8_gemm(a8=g8, a_scales=gs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs,
-                                   chunk_wait=wait, tile_row_offset=ag_tile_row_offset(rank, rows, 128))
+                                   chunk_wait=wait, tile_row_offset=ag_tile_row_offset(rank, rows, 128),
+                                   split_buffers=splits)
                 torch.cuda.synchronize(dev)
-                expect(errors[0].item() == 0, f"W={world} rank {rank}: error code {errors[0].item()}")
-                expect(torch.equal(out, ref), f"W={world} rank {rank}: {(out != ref).sum().item()} values differ")
-            notes.append(f"W={world} rows/rank={rows} chunks={chunks}")
+                expect(errors[0].item() == 0, f"{name} W={world} rank {rank}: error code {errors[0].item()}")
+                expect(torch.equal(out, ref), f"{name} W={world} rank {rank}: {(out != ref).sum().item()} values "
+                       "differ")
+                expect(int(splits[1].abs().sum()) == 0, f"{name}: split counters left at {splits[1].tolist()}")
+            notes.append(f"{name} W={world} rows/rank={rows} chunks={chunks}" + (f", {cut} splits" if cut > 1 else ""))
         flags[:] = 1
         flags[1] = 0
         errors.zero_()
         fp8.fp8_gemm(a8=g8, a_scales=gs, w8=w8, w_scales=ws, blocks=blocks, num_programs=programs,
                      chunk_wait=ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=chunks, error_words=errors,
-                                          error_code_base=1000, timeout_s=0.2))
+                                          error_code_base=1000, timeout_s=0.2), split_buffers=splits)
         torch.cuda.synchronize(dev)
         expect(errors[0].item() == 1001, f"a lost flag: control page {errors.tolist()}")
         return "; ".join(notes) + "; a lost flag recorded"

@@ -119,19 +119,24 @@ def test_every_gluon_choice_of_the_fp8_table_and_the_candidates_is_runnable():
     gluon = [GemmBlocks.parse(name) for name in sorted(names) if GemmBlocks.parse(name).gluon]
     assert gluon, "the table names no Gluon blocks"
     for b in gluon:
-        assert gluon_block_problems(block_m=b.block_m, block_n=b.block_n, block_k=b.block_k, num_warps=b.num_warps,
-                                    group_m=b.group_m, num_stages=b.num_stages,
-                                    programs_per_sm=b.programs_per_sm) == [], b.name
+        assert gluon_block_problems(b) == [], b.name
+    assert gluon_block_problems(GemmBlocks.parse("128x128x128w4s4sk1gl")) == []
+    assert any("stream_k 2" in p for p in gluon_block_problems(GemmBlocks.parse("128x128x128w4s4sk2gl")))
 
 
-def test_the_fp8_consumer_keeps_the_tables_gluon_entry_and_the_ops_bench_records_it():
-    """With chunk waits the H200 table's Gluon entry stays chosen (its producer warp waits); the ops bench
-    records the blocks through the same function."""
+def test_the_fp8_consumer_keeps_the_tables_gluon_entry_with_a_split_tail_and_the_ops_bench_records_it():
+    """With chunk waits the H200 table's Gluon entry stays chosen (its waiter warp waits), with a split tail
+    (the op owns the buffers); a plain entry stays plain; the ops bench records the blocks through the same
+    function."""
     from tp_overlap.launch.measure import gemm_bench_ops
+    from tp_overlap.ops.ag_consumers import consumer_fp8_blocks
 
     chosen = fp8.fp8_default_blocks(4096, 768, 4096, chunk_wait=True, device_type="cuda", gpu="h200")
     assert chosen.name == "128x128x128w4s4gl" and chosen == fp8.choose_fp8_blocks(4096, 768, 4096, gpu="h200")
-    assert gemm_bench_ops.fp8_default_blocks is fp8.fp8_default_blocks
+    assert consumer_fp8_blocks(4096, 768, 4096, device_type="cuda", gpu="h200").name == "128x128x128w4s4sk1gl"
+    assert consumer_fp8_blocks(4096, 768, 4096, device_type="cpu", gpu=None) == \
+        fp8.choose_fp8_blocks(4096, 768, 4096, device_type="cpu", warp_specialize=False)
+    assert gemm_bench_ops.consumer_fp8_blocks is consumer_fp8_blocks
 
 
 def test_plain_fp8_blocks_run_one_program_per_sm_where_the_table_measured_o2():

@@ -138,21 +138,21 @@ def test_split_buffers_bound_every_plan_they_serve():
 
 
 def test_a_launch_splits_into_the_buffers_it_is_given_and_within_them():
-    from tp_overlap.gemm.gluon_launch import _split_tail, split_buffers, split_plan
+    from tp_overlap.gemm.gluon_launch import split_tail, split_buffers, split_plan
 
     cpu = torch.device("cpu")
     blocks = GemmBlocks.parse("128x128x64w4s6sk1gl")
     mine = split_buffers(cpu, 116)
-    programs, whole, splits, workspace, counters = _split_tail(blocks, 1024, 4096, 7168, 116, cpu, mine)
+    programs, whole, splits, workspace, counters = split_tail(blocks, 1024, 4096, 7168, 116, cpu, mine)
     assert (whole, workspace, counters) == (232, mine[0], mine[1]) and splits > 1 and programs == 116
     assert (256 - whole) * splits * 128 * 128 <= mine[0].numel()
     small = (mine[0][:24 * 128 * 128], mine[1])  # room for one piece a tile: whole tiles, nothing borrowed
-    assert _split_tail(blocks, 1024, 4096, 7168, 116, cpu, small)[1:3] == (256, 1)
+    assert split_tail(blocks, 1024, 4096, 7168, 116, cpu, small)[1:3] == (256, 1)
     wide = GemmBlocks.parse("128x256x64w4s3sk1gl")  # room for 116 such pieces (232 of 128 x 128)
     tail = 2 * 128 * 256 * 14336  # the model alone would cut 44 tail tiles into more pieces than that
     assert 44 * split_plan(160, 116, 224, tail)[1] > 116
-    assert 1 < _split_tail(wide, 1280, 4096, 14336, 116, cpu, mine)[2] <= 116 // 44
-    assert _split_tail(GemmBlocks.parse("128x128x64w4s6gl"), 1024, 4096, 7168, 116, cpu, mine)[1:3] == (256, 1)
+    assert 1 < split_tail(wide, 1280, 4096, 14336, 116, cpu, mine)[2] <= 116 // 44
+    assert split_tail(GemmBlocks.parse("128x128x64w4s6gl"), 1024, 4096, 7168, 116, cpu, mine)[1:3] == (256, 1)
 
 
 def test_sk1_is_the_only_stream_k_the_gluon_kernel_takes():
