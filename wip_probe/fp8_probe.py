@@ -67,7 +67,12 @@ def main():
         ref = scaled_mm_reference(a8=a8, a_scales=gm, w8=w8, w_scales=ws).float()
         vs = {"scaled_mm": lambda: scaled_mm_reference(a8=a8, a_scales=gm, w8=w8, w_scales=ws)}
         for name, mod in MODULES.items():
-            run(mod.fp8_gluon_gemm_kernel, a8, gm, w8, ws, out)
+            try:
+                run(mod.fp8_gluon_gemm_kernel, a8, gm, w8, ws, out)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported, the others run
+                print("failed", name, type(exc).__name__, str(exc)[-300:], flush=True)
+                continue
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print("err", m, n, k, name, round(err, 5), flush=True)
             vs[name] = lambda mod=mod: run(mod.fp8_gluon_gemm_kernel, a8, gm, w8, ws, out)

@@ -85,3 +85,53 @@ def _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
 
 VARIANTS["group4"] = _group(4)
 VARIANTS["group16"] = _group(16)
+
+# each warpgroup's product in two 64-column halves: the first half's promotion overlaps the second half's MMA
+# (the same 128 registers of accumulators and products); whole tiles only (the split path is dropped)
+SPLIT_N = [(
+    '''    acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    for k in range(first_k, end_k):
+        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k - first_k) % NUM_STAGES, k, HALF,
+                              gl.SliceLayout(1, mma_layout))
+        product = _retire(product, empty, step + k - first_k, NUM_STAGES, 0)
+        acc = _promote(acc, product, scale)
+    return acc''',
+    '''    HN: gl.constexpr = BLOCK_N // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HN, 32])
+    acc0 = gl.zeros([WG_M, HN], gl.float32, half_layout)
+    acc1 = gl.zeros([WG_M, HN], gl.float32, half_layout)
+    p0 = gl.zeros([WG_M, HN], gl.float32, half_layout)
+    p1 = gl.zeros([WG_M, HN], gl.float32, half_layout)
+    for k in range(first_k, end_k):
+        s = step + k - first_k
+        slot = s % NUM_STAGES
+        mbarrier.wait(ready.index(slot), (s // NUM_STAGES) & 1)
+        a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
+        b_tile = b_bufs.index(slot)
+        p0 = warpgroup_mma(a_half, b_tile.slice(0, HN, dim=0).permute((1, 0)), p0, use_acc=False, is_async=True)
+        p1 = warpgroup_mma(a_half, b_tile.slice(HN, HN, dim=0).permute((1, 0)), p1, use_acc=False, is_async=True)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, half_layout))
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0, ))
+        acc0 = _promote(acc0, p0, scale)
+        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1, ))
+        _barrier()
+        mbarrier.arrive(empty.index(slot))
+        acc1 = _promote(acc1, p1, scale)
+    return acc0, acc1'''), (
+    '''        if unit < 0:
+            _staging_free()
+            out_smem.store(acc.to(c_desc.dtype))
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, 2):
+            _staging_free()
+            _sum_partials(workspace, (unit - unit % splits) * 2 + HALF, splits, out_smem, WG_M, BLOCK_N, 2)
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)''',
+    '''        acc0, acc1 = acc
+        _staging_free()
+        out_smem.slice(0, BLOCK_N // 2, dim=1).store(acc0.to(c_desc.dtype))
+        out_smem.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1).store(acc1.to(c_desc.dtype))
+        _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)''')]
+VARIANTS["split_n"] = SPLIT_N
