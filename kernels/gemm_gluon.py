@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
-from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
+from .gemm_gluon_walk import owner_last_coordinates, tile_coordinates as _tile_coordinates, work_item as _work_item
 
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes), module constants (GROUP_M in
@@ -65,10 +65,12 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 @gluon.jit
 def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_row_offset, num_whole_tiles, splits,
-                    chunk_args, chunks_ok, chunks_free, B_TRANSPOSED: gl.constexpr):
+                    chunk_args, chunks_ok, chunks_free, B_TRANSPOSED: gl.constexpr, OWNER_LAST: gl.constexpr = False):
     """The producer warp: TMA loads of every K step of this program's work items into the ring, each slot once
     every consumer warpgroup has released it; with chunk waits, each item's A rows only once the waiter warp
-    has seen their chunks arrive (kernels/gemm_gluon_wait.py)."""
+    has seen their chunks arrive (kernels/gemm_gluon_wait.py). OWNER_LAST: whole tiles in the walk of
+    kernels/gemm_gluon_reduce.py, this rank's rows (`tile_row_offset` its first row block, chunk_args' rows per
+    rank its count) last."""
     A_BOX: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
@@ -85,7 +87,11 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
     index = 0
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
-        row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
+        if OWNER_LAST:
+            row_block, col_block = owner_last_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset,
+                                                          chunk_args[2] // BLOCK_M)
+        else:
+            row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         if waits:
             take_chunk_rows(index, chunks_ok, chunks_free)
         index += 1

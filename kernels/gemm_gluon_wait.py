@@ -44,7 +44,7 @@ POLL_NS = gl.constexpr(250)  # as kernels/flags.py: the bound in polls is timeou
 ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip)
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 
-__all__ = ["wait_chunk_rows", "chunk_wait_partition", "take_chunk_rows", "init_chunk_barriers",
+__all__ = ["await_flag", "wait_chunk_rows", "chunk_wait_partition", "take_chunk_rows", "init_chunk_barriers",
            "invalidate_chunk_barriers", "TILE_SLOTS"]
 
 
@@ -67,9 +67,11 @@ def _warp_load(ptr, lane):
 
 
 @gluon.jit
-def _await_chunk(flag_ptr, code, error_ptr, timeout_ns, lane):
-    """Poll one chunk flag until it is nonzero (bounded); record an expired or disagreeing wait. True when it
-    holds SET."""
+def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane):
+    """Poll one flag until it is nonzero (bounded: about `timeout_ns`, or until the abort word is set); record an
+    expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT, both
+    values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it holds
+    `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
     seen = _lane0_atomic_read(flag_ptr, lane)
     polls = seen * 0
     abort = seen * 0
@@ -84,12 +86,12 @@ def _await_chunk(flag_ptr, code, error_ptr, timeout_ns, lane):
         if _warp_load(error_ptr, lane) == 0:
             gl.store(error_ptr + 1 + lane * 0, lane * 0 + 1, mask=first)
             gl.store(error_ptr + lane * 0, lane * 0 + code, mask=first)
-    elif seen != SET_FLAG:
+    elif seen != expected:
         if _warp_load(error_ptr, lane) == 0:
             gl.store(error_ptr + 3 + lane * 0, lane * 0 + seen, mask=first)
-            gl.store(error_ptr + 1 + lane * 0, lane * 0 + SET_FLAG, mask=first)
+            gl.store(error_ptr + 1 + lane * 0, lane * 0 + expected, mask=first)
             gl.store(error_ptr + lane * 0, lane * 0 + (code | MISMATCH_FLAG_BIT), mask=first)
-    return seen == SET_FLAG
+    return seen == expected
 
 
 @gluon.jit
@@ -106,7 +108,7 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready):
         for chunk in range(first_chunk, last_chunk + 1):
             # an owner's trailing chunks can be empty (9 rows in 4 chunks of 3): nobody signals those
             if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank):
-                ready = _await_chunk(flags + chunk, error_code_base + chunk, error_ptr, timeout_ns, lane)
+                ready = await_flag(flags + chunk, SET_FLAG, error_code_base + chunk, error_ptr, timeout_ns, lane)
                 if ready:  # every lane acquires once itself (see Ordering)
                     gl.atomic_add(flags + chunk + lane * 0, lane * 0, sem="acquire", scope="sys")
     gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,

@@ -7,7 +7,7 @@ from triton.experimental.gluon import language as gl
 # A module constant: partitions of warp_specialize take no compile-time arguments (kernels/gemm_gluon.py)
 GROUP_M = gl.constexpr(8)
 
-__all__ = ["GROUP_M", "tile_coordinates", "work_item"]
+__all__ = ["GROUP_M", "tile_coordinates", "owner_last_coordinates", "work_item"]
 
 
 @gluon.jit
@@ -21,6 +21,23 @@ def tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset):
     index_in_group = tile_id % tiles_per_group
     row_block = (first_row_block + index_in_group % rows_in_group + tile_row_offset) % num_row_blocks
     return row_block, index_in_group // rows_in_group
+
+
+@gluon.jit
+def owner_last_coordinates(tile_id, num_row_blocks, num_col_blocks, own_first_row_block, own_row_blocks):
+    """(row block, column block) of the `tile_id`-th tile of the walk that takes the other owners' row blocks first
+    (from the next owner's on, wrapping) and this rank's `own_row_blocks` from `own_first_row_block` last, each
+    segment GROUP_M-swizzled on its own, so that no tile of the own rows comes before another owner's
+    (kernels/gemm_gluon_reduce.py: every tile it scatters is published before its first wait)."""
+    other_row_blocks = num_row_blocks - own_row_blocks
+    other_tiles = other_row_blocks * num_col_blocks
+    if tile_id < other_tiles:
+        row, col_block = tile_coordinates(tile_id, other_row_blocks, num_col_blocks, 0)
+        row_block = (own_first_row_block + own_row_blocks + row) % num_row_blocks
+    else:
+        row, col_block = tile_coordinates(tile_id - other_tiles, own_row_blocks, num_col_blocks, 0)
+        row_block = own_first_row_block + row
+    return row_block, col_block
 
 
 @gluon.jit

@@ -132,3 +132,22 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: 
                  flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
+
+
+def compile_gluon_reduce_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90):
+    """kernels/gemm_gluon_reduce.py as overlap/gemm/gluon_launch.py launches it: the scatter GEMM's descriptors,
+    the own partials and the output shard in [64, BLOCK_N] boxes."""
+    from tp_overlap.kernels.gemm_gluon_reduce import gluon_scatter_reduce_gemm_kernel
+    from tp_overlap.gemm.launch import tma_shared_layout
+
+    bn, bk = blocks.block_n, blocks.block_k
+    desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
+    types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]),
+                 **{f"dst{owner}": desc([64, bn]) for owner in range(8)}, own_desc=desc([64, bn]),
+                 out_desc=desc([64, bn]),
+                 **{name: "i32" for name in ("M", "N", "K", "own_first_row_block", "rows_per_rank", "src_rank",
+                                             "flags_per_source", "error_code_base")},
+                 flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", error_ptr="*i32:16",
+                 timeout_ns="i64", chunk_args=("*i32:16", "i32", "i32:16", "*i32:16", "i32", "i64"))
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
+    return compile_gluon(gluon_scatter_reduce_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)

@@ -41,7 +41,7 @@ from tp_overlap.launch.output.report import device_slug, format_table, write_res
 from tp_overlap.ops.ag_gemm import AgGemm
 from tp_overlap.ops.ag_consumers import consumer_fp8_blocks, consumer_gluon_blocks
 from tp_overlap.ops.gemm_rs import GemmRs
-from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
+from tp_overlap.ops.rs_scatter import reduce_gluon_blocks, scatter_gluon_blocks
 from tp_overlap.symm_mem.pool import SymmetricPool
 
 from .canary import operands
@@ -173,13 +173,15 @@ def _timed(op, a, b, cublas, dev: torch.device, args) -> tuple[dict, bool]:
 
 def _op_blocks(variant: str, m: int, n: int, k: int, layout: str, dev: torch.device, programs: int | None):
     """The blocks the op's GEMM runs (as the ops choose them): on a GPU the Gluon kernel for the bf16 fused
-    AllGather consumer and the scatter GEMM (128-row tiles), the FP8 consumer's (`consumer_fp8_blocks`), the
+    AllGather consumer and the scatter and scatter-reduce GEMMs (128-row tiles), the FP8 consumer's (`consumer_fp8_blocks`), the
     plain @triton.jit entry otherwise."""
     gpu = gpu_name(dev)
     if variant == "ag_fused_fp8":
         return consumer_fp8_blocks(m, n, k, device_type=dev.type, gpu=gpu)
     if dev.type == "cuda" and variant == "rs_fused":
         return scatter_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
+    if dev.type == "cuda" and variant == "rs_epilogue_reduce":
+        return reduce_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
     if dev.type == "cuda" and variant == "ag_fused":
         return consumer_gluon_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, programs=programs)
     return choose_blocks(m, n, k, b_transposed=layout == "nk", gpu=gpu, device_type=dev.type, warp_specialize=False,

@@ -26,7 +26,8 @@ SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
 __all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
-           "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter"]
+           "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter", "reduce_descriptors",
+           "launch_gluon_scatter_reduce"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -190,3 +191,36 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
         workspace, counters, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters,
         scatter.flags_per_source, scatter.dst_ptrs, chunk_args(None, a.device), NUM_STAGES=blocks.num_stages,
         B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+
+
+def reduce_descriptors(own_slots: torch.Tensor, blocks: GemmBlocks):
+    """The host TMA descriptor of this rank's partials buffer, its slots [W, rows_per_rank, N] read as
+    [W * rows_per_rank, N] in [64, BLOCK_N] boxes (kernels/gemm_gluon_reduce.py); None when TMA cannot read it.
+    Built once per plan: the slots are pool memory."""
+    rows = own_slots.reshape(-1, own_slots.shape[-1])
+    return None if tma_row_problems((("own slots", rows),)) else tma_descriptor(rows, (64, blocks.block_n))
+
+
+def launch_gluon_scatter_reduce(*, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, descriptors: tuple,
+                                own_descriptor, scatter: Scatter, blocks: GemmBlocks, num_programs: int) -> None:
+    """out [M/W, N] = this rank's rows of the sum over every rank of a [M, K] @ w [K, N], by
+    kernels/gemm_gluon_reduce.py on the current stream: the other owners' rows scattered into their slabs
+    (`scatter_descriptors`) and published, the own rows summed from the own slots (`reduce_descriptors`) once
+    every other source's flags hold M. `blocks`: one-box Gluon, BLOCK_M 128, whole tiles (no `sk1`); needs
+    M/W % 128 == 0, K > 0 and `out` readable by TMA (the caller checks). The grid is at most `num_programs`
+    (all resident: the SMs the caller leaves free)."""
+    from tp_overlap.kernels.gemm_gluon_reduce import gluon_scatter_reduce_gemm_kernel
+
+    m, k = a.shape
+    b, _, b_transposed = b_operand(w)
+    n, bk, rows = w.shape[1], blocks.block_k, scatter.rows_per_rank
+    tiles = -(-m // 128) * -(-n // blocks.block_n)
+    placeholder = gluon_placeholders(a.device)[1]
+    b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
+    owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
+    gluon_scatter_reduce_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+        tma_descriptor(a, (128, bk)), tma_descriptor(b, b_box), *owners, own_descriptor,
+        tma_descriptor(out, (64, blocks.block_n)), m, n, k, scatter.src_rank * rows // 128, rows, scatter.src_rank,
+        scatter.flag_ptrs, scatter.tile_counters, scatter.flags_per_source, scatter.dst_ptrs, scatter.error_words,
+        scatter.error_code_base, int(scatter.timeout_s * 1e9), (placeholder, 0, rows, placeholder, 0, 1 << 40),
+        NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)

@@ -32,10 +32,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tp_overlap.kernels.constants import EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
+from tp_overlap.kernels.constants import ROW_BLOCK_M
 from tp_overlap.symm_mem.regions import RegionSpec
 
-from ..gemm import Fp8WeightCache, fp8_gemm, launch_gemm, launch_reduce, num_sms, quantize_activation, sm_carveout
+from ..gemm import Fp8WeightCache, fp8_gemm, launch_reduce, num_sms, quantize_activation, sm_carveout
 from . import protocol
 from .protocol import ring_order
 from .base import OpBase
@@ -253,10 +253,8 @@ class GemmRs(RsScatterGemms, OpBase):
 
     def _epilogue_reduce(self, program: Program, key: RsPlanKey, config) -> None:
         programs = self.num_sms - config.sm_margin
-        blocks, scatter = self._gemm_blocks(key, programs), self._scatter(key.m)
         self._take_free(program, COMPUTE)
-        program.run(COMPUTE, lambda call: launch_gemm(a=call.a, w=call.w, out=call.out, num_programs=programs,
-                                                     blocks=blocks, epilogue=EPILOGUE_SCATTER_REDUCE, scatter=scatter))
+        program.run(COMPUTE, self._reduce_gemm(key, programs))
         program.clear(COMPUTE, self.row_flags)
         self._give_free(program, COMPUTE)
 

@@ -9,7 +9,7 @@
 set -uo pipefail
 source tests/gpu/env.sh
 OUT=${OUT:-$PWD/out}; LOGS=${LOGS:-/tmp/one_gpu_logs}; mkdir -p "$OUT" "$LOGS"
-ONLY=${ONLY:-zero_sm,gluon,gluon_wait,gluon_scatter,fp8,swiglu,offload,host_cost,smoke,model}
+ONLY=${ONLY:-zero_sm,gluon,gluon_wait,gluon_scatter,gluon_reduce,fp8,swiglu,offload,host_cost,smoke,model}
 SUMMARY=$OUT/summary.txt
 status=0
 echo "commit=${OVERLAP_GIT_COMMIT:-?} only=$ONLY $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)" \
@@ -31,6 +31,7 @@ step zero_sm 45 python3 -m tests.gpu.check_zero_sm_wait --json "$OUT/zero_sm_wai
 step gluon 240 python3 -m tests.gpu.check_gluon_gemm
 step gluon_wait 120 python3 -m tests.gpu.check_gluon_chunk_wait
 step gluon_scatter 120 python3 -m tests.gpu.check_gluon_scatter
+step gluon_reduce 120 python3 -m tests.gpu.check_gluon_reduce
 step fp8 120 python3 -m tests.gpu.check_fp8
 step swiglu 90 python3 -m tests.gpu.check_swiglu
 step offload 90 python3 -m tests.gpu.check_offload

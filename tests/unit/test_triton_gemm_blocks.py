@@ -231,3 +231,19 @@ def test_a_cuda_device_finds_its_table_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     assert triton_gemm._cuda_gpu_name.__wrapped__(0) == "h200"
     assert load_block_table(triton_gemm._cuda_gpu_name.__wrapped__(0)) is not None
+
+
+def test_the_scatter_reduce_gemm_runs_whole_one_box_128_row_tiles():
+    """Its own rows wait for the other sources: no split tail; the row-block flags need 128-row tiles; the ops
+    bench records what the op runs."""
+    from tp_overlap.launch.measure import gemm_bench_ops
+    from tp_overlap.ops.rs_scatter import reduce_gluon_blocks
+
+    for gpu in ("h100", "h200"):
+        for entry in load_block_table(gpu).entries:
+            for programs in (132, 116):
+                got = reduce_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu=gpu,
+                                          programs=programs)
+                assert got.gluon and got.block_m == 128 and not got.stream_k and not got.gluon_boxes, (entry, got)
+                assert not got.problems(), (entry, got)
+    assert gemm_bench_ops.reduce_gluon_blocks is reduce_gluon_blocks
