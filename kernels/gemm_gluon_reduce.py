@@ -70,7 +70,7 @@ def _reduce_own(acc, out_smem, loaded, loads, local_row_block, col_block, M, sca
         for src in range(M // rows_per_rank):
             if src != src_rank:
                 fence_async_shared()  # the warps' reads of the staging tile precede its overwrite by TMA
-                mbarrier.expect(loaded, out_desc.block_type.nbytes)
+                mbarrier.expect(loaded, own_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(own_desc, [src * rows_per_rank + local_row, col_block * BLOCK_N],
                                                 loaded, out_smem)
                 mbarrier.wait(loaded, loads & 1)
