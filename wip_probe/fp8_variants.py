@@ -135,3 +135,31 @@ SPLIT_N = [(
         out_smem.slice(BLOCK_N // 2, BLOCK_N // 2, dim=1).store(acc1.to(c_desc.dtype))
         _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)''')]
 VARIANTS["split_n"] = SPLIT_N
+
+# the two consumer warpgroups issue their MMAs in strict alternation (an mbarrier pair `turn`): the tensor cores
+# take one warpgroup's group while the other promotes, instead of both finishing together and promoting at once
+PINGPONG = [(
+    '''    acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    for k in range(first_k, end_k):
+        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
+''', '''    ready, turn = ready
+    acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
+    for k in range(first_k, end_k):
+        s = step + k - first_k
+        mbarrier.wait(turn.index(HALF), (s & 1) ^ (1 - HALF))  # warpgroup 0 first
+        product = _issue_mma(a_bufs, b_bufs, ready, product, s, HALF, NUM_STAGES)
+        _barrier()  # every warp of this warpgroup has issued
+        mbarrier.arrive(turn.index(1 - HALF))
+'''), (
+    '''    ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
+''', '''    ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+'''), (
+    '''    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,''',
+    '''    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, (ready, turn), empty, c_desc, c_smem, M, N, K,
+                tile_row_offset,''')]
+VARIANTS["pingpong"] = PINGPONG
