@@ -18,7 +18,9 @@ dev = torch.device("cuda")
 WHOLE = GemmBlocks.parse("128x128x128w4s4gl")
 SPLIT = GemmBlocks.parse("128x128x128w4s4sk1gl")
 MODULES = {"base": base}
-MODULES.update({name: fp8_variants.variant_module(name) for name in fp8_variants.VARIANTS})
+FOCUS = ["noscale", "scale_tma_only", "scale_lds_only", "scale_first"]
+ONLY = FOCUS if "focus" in sys.argv else list(fp8_variants.VARIANTS)
+MODULES.update({name: fp8_variants.variant_module(name) for name in ONLY})
 
 
 def run(kernel, a8, gm, w8, ws, out, programs=None, blocks=WHOLE, buffers=None):
@@ -57,8 +59,14 @@ def split():
         show(f"fp8 split {m}x{n}x{k}", st, "scaled_mm")
 
 
-def main():
-    for (m, n, k) in [(16384, 14336, 4096), (16384, 7168, 8192), (4096, 28672, 8192), (4096, 3584, 4096)]:
+def focus():
+    """Only FOCUS's variants (which half of the scales costs), without the 66-program comparison."""
+    main(shapes=[(16384, 14336, 4096), (4096, 28672, 8192), (4096, 3584, 4096)], half_sms=False)
+
+
+def main(shapes=((16384, 14336, 4096), (16384, 7168, 8192), (4096, 28672, 8192), (4096, 3584, 4096)),
+         half_sms=True):
+    for (m, n, k) in shapes:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         a8, gm = quantize_activation(a)
@@ -78,6 +86,8 @@ def main():
             vs[name] = lambda mod=mod: run(mod.fp8_gluon_gemm_kernel, a8, gm, w8, ws, out)
         st = bench_interleaved(vs, group=None, device=dev, reps=20, hold_device_us=1500)
         show(f"fp8 {m}x{n}x{k}", st, "scaled_mm")
+        if not half_sms:
+            continue
 
         def sm66():
             with sm_carveout(66):

@@ -163,3 +163,19 @@ PINGPONG = [(
     '''    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, (ready, turn), empty, c_desc, c_smem, M, N, K,
                 tile_row_offset,''')]
 VARIANTS["pingpong"] = PINGPONG
+
+# which half of "noscale" pays: the consumer's scale reads (scale_tma_only keeps the producer's scale loads,
+# the consumer multiplies by 1) or the producer's scale loads (scale_lds_only: no scale TMA, the consumer
+# still reads the slot's scales)
+VARIANTS["scale_tma_only"] = [NOSCALE[2]]
+VARIANTS["scale_lds_only"] = NOSCALE[:2]
+# the scales read before the MMA is issued (the slot waited for first), so no shared load sits between the
+# group's four wgmma instructions
+VARIANTS["scale_first"] = [(
+    """        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k - first_k) % NUM_STAGES, k, HALF,
+                              gl.SliceLayout(1, mma_layout))""",
+    """        s = step + k - first_k
+        mbarrier.wait(ready.index(s % NUM_STAGES), (s // NUM_STAGES) & 1)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, s % NUM_STAGES, k, HALF, gl.SliceLayout(1, mma_layout))
+        product = _issue_mma(a_bufs, b_bufs, ready, product, s, HALF, NUM_STAGES)""")]
