@@ -109,12 +109,10 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
 
 
 @gluon.jit
-def _issue_mma(a_bufs, b_bufs, ready, product, step, HALF: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Wait for step `step`'s operands, start this warpgroup's MMA (its 64-row half of A) into `product`'s
-    registers: a fresh sum, the group's partial product is scaled on its own."""
+def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr):
+    """Start this warpgroup's MMA (its 64-row half of A) on ring slot `slot` into `product`'s registers: a fresh
+    sum, the group's partial product is scaled on its own."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
-    slot = step % NUM_STAGES
-    mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
     a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
     return warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), product, use_acc=False, is_async=True)
 
@@ -166,9 +164,12 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
     acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     for k in range(first_k, end_k):
-        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k - first_k) % NUM_STAGES, k, HALF,
-                              gl.SliceLayout(1, mma_layout))
+        slot = (step + k - first_k) % NUM_STAGES
+        mbarrier.wait(ready.index(slot), ((step + k - first_k) // NUM_STAGES) & 1)
+        # the scales are read before the MMA is issued: issued after it, ptxas puts their shared loads and
+        # arithmetic between the group's wgmma instructions, which then wait for the loads
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
         product = _retire(product, empty, step + k - first_k, NUM_STAGES, 0)
         acc = _promote(acc, product, scale)
     return acc

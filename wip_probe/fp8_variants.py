@@ -164,18 +164,30 @@ PINGPONG = [(
                 tile_row_offset,''')]
 VARIANTS["pingpong"] = PINGPONG
 
+# Since the kernel reads the scales before issuing the MMA ("scale_first" above, now the kernel's order),
+# the variants below are edits of that order.
+NEW_SCALE = """        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))"""
+CONST_SCALE = """        scale = gl.full([WG_M], 1.0, gl.float32, gl.SliceLayout(1, mma_layout))"""
+VARIANTS["noscale"] = NOSCALE[:2] + [(NEW_SCALE, CONST_SCALE)]
 # which half of "noscale" pays: the consumer's scale reads (scale_tma_only keeps the producer's scale loads,
 # the consumer multiplies by 1) or the producer's scale loads (scale_lds_only: no scale TMA, the consumer
 # still reads the slot's scales)
-VARIANTS["scale_tma_only"] = [NOSCALE[2]]
+VARIANTS["scale_tma_only"] = [(NEW_SCALE, CONST_SCALE)]
 VARIANTS["scale_lds_only"] = NOSCALE[:2]
-# the scales read before the MMA is issued (the slot waited for first), so no shared load sits between the
-# group's four wgmma instructions
-VARIANTS["scale_first"] = [(
-    """        product = _issue_mma(a_bufs, b_bufs, ready, product, step + k - first_k, HALF, NUM_STAGES)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, (step + k - first_k) % NUM_STAGES, k, HALF,
-                              gl.SliceLayout(1, mma_layout))""",
-    """        s = step + k - first_k
-        mbarrier.wait(ready.index(s % NUM_STAGES), (s // NUM_STAGES) & 1)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, s % NUM_STAGES, k, HALF, gl.SliceLayout(1, mma_layout))
-        product = _issue_mma(a_bufs, b_bufs, ready, product, s, HALF, NUM_STAGES)""")]
+# the previous order: the MMA issued, then the scales read (ptxas puts their loads between the wgmma instructions)
+VARIANTS["scale_after"] = [(
+    """        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)""",
+    """        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))""")]
+# the scales read after the group's MMA retired, just before the promotion (their shared loads never meet this
+# warpgroup's wgmma operand reads)
+VARIANTS["scale_late"] = [(
+    """        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
+        product = _retire(product, empty, step + k - first_k, NUM_STAGES, 0)""",
+    """        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        _barrier()
+        mbarrier.arrive(empty.index(slot))""")]
