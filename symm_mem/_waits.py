@@ -112,14 +112,14 @@ class WaitState:
         if abort:
             rank, reason, lost = decode_abort(abort)
             if reason == MISMATCH_REASON:
-                raise self._mismatch()
+                raise self._mismatch(rank)
             if lost is not None:
                 pid = self.pool.peer_pids[lost] if 0 <= lost < len(self.pool.peer_pids) else None
                 raise PeerLostError(lost, pid, reported_by=rank)
             raise PeerAbortError(rank, reason)
 
-    def _mismatch(self) -> PeerMismatchError:
-        mine, seen, who, flag_code = self.pool._control.mismatch()
+    def _mismatch(self, reporter: int) -> PeerMismatchError:
+        mine, seen, who, flag_code = self.pool._control.mismatch(reporter)
         rank, peer = (who & 0xFF) - 1, ((who >> 8) & 0xFF) - 1
         return PeerMismatchError(op=self.op_of(flag_code), mine=mine, seen=seen, rank=rank,
                                  peer=peer if peer >= 0 else None)

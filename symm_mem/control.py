@@ -7,6 +7,8 @@ can store its error code into it; the host reads and writes the same words with 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -30,6 +32,8 @@ class _CudaArray:
 
 
 class ControlPages:
+    _record_lock = threading.Lock()
+
     def __init__(self, num_control_words: int, rendezvous: Rendezvous, device: torch.device):
         self.num_control_words = num_control_words
         self.num_words = control_page_words(num_control_words)
@@ -92,20 +96,25 @@ class ControlPages:
             own[ERROR_CODE_WORD] = code
 
     def write_abort(self, word: int, alive: list[bool], mismatch: tuple[int, int, int, int] | None = None) -> None:
-        """Store `word` into the abort word of every rank still alive whose word is still 0; with `mismatch`
-        (mine, seen, who, flag code), those words first, so a reader of the abort word finds them."""
+        """Store `word` (which names this rank) into the abort word of every rank still alive whose word is still
+        0; with `mismatch` (mine, seen, who, flag code), those words first, into this rank's own page and only
+        at its first report: a reader takes them from the page of the rank its abort word names. (Written into
+        every page, two ranks reporting at once tore the record: one rank's M beside the other's.)"""
+        own = self.own
+        with self._record_lock:  # the watchdog thread and a call's wait may both report
+            if mismatch is not None and own[MISMATCH_WHO_WORD] == 0:  # `who` is never 0 once written
+                own[MISMATCH_MINE_WORD], own[MISMATCH_SEEN_WORD], own[MISMATCH_FLAG_WORD] = (mismatch[0], mismatch[1],
+                                                                                             mismatch[3])
+                own[MISMATCH_WHO_WORD] = mismatch[2]
         for rank, page in enumerate(self.words):
             if alive[rank] and page[ABORT_WORD] == 0:
-                if mismatch is not None:
-                    (page[MISMATCH_MINE_WORD], page[MISMATCH_SEEN_WORD], page[MISMATCH_WHO_WORD],
-                     page[MISMATCH_FLAG_WORD]) = mismatch
                 page[ABORT_WORD] = word
 
-    def mismatch(self) -> tuple[int, int, int, int]:
-        """(mine, seen, who, flag code) of a recorded disagreement on M."""
-        own = self.own
-        return (int(own[MISMATCH_MINE_WORD]), int(own[MISMATCH_SEEN_WORD]), int(own[MISMATCH_WHO_WORD]),
-                int(own[MISMATCH_FLAG_WORD]))
+    def mismatch(self, reporter: int) -> tuple[int, int, int, int]:
+        """(mine, seen, who, flag code) of the disagreement on M that rank `reporter` recorded."""
+        page = self.words[reporter]
+        return (int(page[MISMATCH_MINE_WORD]), int(page[MISMATCH_SEEN_WORD]), int(page[MISMATCH_WHO_WORD]),
+                int(page[MISMATCH_FLAG_WORD]))
 
     def close(self) -> None:
         if self.cuda and self.device_addresses:

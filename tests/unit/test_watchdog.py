@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tp_overlap.symm_mem.layout import ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD
+from tp_overlap.symm_mem.layout import (ABORT_WORD, BOARD_GEQ, ERROR_CODE_WORD, ERROR_OBSERVED_WORD, ERROR_VALUE_WORD,
+                                        FIRST_FLAG_WORD, MISMATCH_REASON, decode_abort, encode_abort)
 from tp_overlap.symm_mem.control import ControlPages
 from tp_overlap.symm_mem.watchdog import TIMEOUT_REASON, Watchdog
 
@@ -141,3 +142,41 @@ def test_one_reading_of_another_value_is_not_a_disagreement():
     assert pool.mismatches == []
     assert not reading(8, 24) and reading(8, 24)   # the same other value twice in a row: a disagreement
     assert pool.mismatches == [(control.flag_index(5), 8, 24, 1)]
+
+
+class _HookedPage:
+    """A control page that runs `hook` once, after the first store into it."""
+
+    def __init__(self, words, hook=None):
+        self.words, self.hook = words, hook
+
+    def __getitem__(self, index):
+        return self.words[index]
+
+    def __setitem__(self, index, value):
+        self.words[index] = value
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+def _pages_of(rank, pages):
+    control = object.__new__(ControlPages)   # the words only: no shared segments, no device
+    control.words, control.rank = pages, rank
+    return control
+
+
+def test_two_ranks_reporting_a_disagreement_at_once_each_raise_one_whole_record():
+    """Rank 0 (M 12, saw 16) and rank 1 (M 16, saw 12) report at once: rank 1's whole report runs between rank
+    0's first store into rank 1's page and the rest of rank 0's report. Every rank must then read one rank's
+    record whole (its M and the M it saw), never one rank's M beside the other's."""
+    words = [np.zeros(FIRST_FLAG_WORD + 2 * NUM_FLAGS, dtype=np.int32) for _ in range(2)]
+    reports = {0: (12, 16, 1 | 2 << 8, 40), 1: (16, 12, 2 | 1 << 8, 40)}
+    rank1 = _pages_of(1, [_HookedPage(w) for w in words])
+    pages0 = [_HookedPage(words[0]), _HookedPage(words[1], hook=lambda: rank1.write_abort(
+        encode_abort(1, MISMATCH_REASON), [True, True], reports[1]))]
+    _pages_of(0, pages0).write_abort(encode_abort(0, MISMATCH_REASON), [True, True], reports[0])
+    for rank in (0, 1):
+        reporter, reason, _ = decode_abort(int(words[rank][ABORT_WORD]))
+        assert reason == MISMATCH_REASON
+        assert _pages_of(rank, words).mismatch(reporter) == reports[reporter], rank
