@@ -53,8 +53,8 @@ class PoolFailures:
 
     def report_mismatch(self, flag_code: int, mine: int, seen: int, peer: int | None) -> None:
         """This rank awaited `mine` on the flag of `flag_code` (a control word's error code, or a device
-        word's) and found the peer's `seen`: the ranks disagree on a call's M. Recorded in every rank's page
-        with the abort, so that every rank raises PeerMismatchError naming both values."""
+        word's) and found the peer's `seen`: the ranks disagree on a call's M. Recorded in this rank's page, and
+        the abort naming this rank in every page, so that every rank raises PeerMismatchError naming both values."""
         who = (self.rank + 1) | ((peer + 1 if peer is not None else 0) << 8)
         self.abort(MISMATCH_REASON, mismatch=(mine, seen, who, flag_code))
 
