@@ -18,7 +18,7 @@ Control page of one rank (int32 words):
     [2] ABORT        set by the rank that gives up, in every rank's page:
                      (aborting rank + 1) | reason << 8 | (lost rank + 1) << 16
     [3] ERROR_OBSERVED the flag's value when a host-side wait expired (before any release)
-    [4..7]           a disagreement on M (written, like the abort word, into every rank's page before it):
+    [4..7]           a disagreement on M (the reporting rank's, in its own page, before its abort word):
                      [4] the M of the rank that saw it, [5] the M it saw, [6] (that rank + 1) | (peer + 1) << 8,
                      [7] the flag it was seen on (an error code: the control word, or a device word code)
     [8..15]          reserved

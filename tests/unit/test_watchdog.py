@@ -169,7 +169,8 @@ def _pages_of(rank, pages):
 def test_two_ranks_reporting_a_disagreement_at_once_each_raise_one_whole_record():
     """Rank 0 (M 12, saw 16) and rank 1 (M 16, saw 12) report at once: rank 1's whole report runs between rank
     0's first store into rank 1's page and the rest of rank 0's report. Every rank must then read one rank's
-    record whole (its M and the M it saw), never one rank's M beside the other's."""
+    record whole (its M and the M it saw), never one rank's M beside the other's. (With every record written into
+    every page, as before, page 1 ended as rank 1's M beside rank 0's seen value: [16, 16, rank 0, code].)"""
     words = [np.zeros(FIRST_FLAG_WORD + 2 * NUM_FLAGS, dtype=np.int32) for _ in range(2)]
     reports = {0: (12, 16, 1 | 2 << 8, 40), 1: (16, 12, 2 | 1 << 8, 40)}
     rank1 = _pages_of(1, [_HookedPage(w) for w in words])
