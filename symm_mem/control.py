@@ -3,6 +3,8 @@
 See `_layout` for the words. On CUDA every rank's page is also registered with the driver (page-locked and
 mapped), so a stream can wait on a word and write one with stream memory operations (`memops`), and a kernel
 can store its error code into it; the host reads and writes the same words with plain loads and stores.
+Those rely on x86-64's store order (a record written before the abort word that points at it is seen before
+it); a host with a weaker memory model (aarch64) would need fences between them.
 """
 
 from __future__ import annotations
