@@ -1,6 +1,6 @@
 """The pool's control pages: every rank's error, abort and control-flag words in shared host memory.
 
-See `_layout` for the words. On CUDA every rank's page is also registered with the driver (page-locked and
+See symm_mem/layout.py for the words. On CUDA every rank's page is also registered with the driver (page-locked and
 mapped), so a stream can wait on a word and write one with stream memory operations (`memops`), and a kernel
 can store its error code into it; the host reads and writes the same words with plain loads and stores.
 Those rely on x86-64's store order (a record written before the abort word that points at it is seen before
