@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
-from .gemm_gluon import _count_partial, _staging_free, _store_staged, _sum_partials
+from .gemm_gluon import store_item
 from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
@@ -188,7 +188,7 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
-    num_whole_tiles, splits, workspace, counters = split_args
+    num_whole_tiles, splits = split_args[0], split_args[1]
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
@@ -198,14 +198,7 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
         acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF)
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
-        if unit < 0:
-            _staging_free()
-            out_smem.store(acc.to(c_desc.dtype))
-            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
-        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, 2):
-            _staging_free()
-            _sum_partials(workspace, (unit - unit % splits) * 2 + HALF, splits, out_smem, WG_M, BLOCK_N, 2)
-            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2)
     tma.store_wait(pendings=0)
 
 

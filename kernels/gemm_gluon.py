@@ -222,6 +222,24 @@ def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, B
 
 
 @gluon.jit
+def store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF: gl.constexpr,
+               CONSUMERS: gl.constexpr):
+    """Store a work item's accumulator (this consumer's 64-row half) through the staging tile: a whole tile
+    (`unit` < 0) at once; a split piece as a partial, the tile's last piece summing them all first."""
+    WG_M: gl.constexpr = out_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = out_smem.type.shape[1]
+    num_whole_tiles, splits, workspace, counters = split_args
+    if unit < 0:
+        _staging_free()
+        out_smem.store(acc.to(c_desc.dtype))
+        _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+    elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
+        _staging_free()
+        _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N, CONSUMERS)
+        _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset, split_args,
                    HALF: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every tile."""
@@ -235,7 +253,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
-    num_whole_tiles, splits, workspace, counters = split_args
+    num_whole_tiles, splits = split_args[0], split_args[1]
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits
     out_smem = c_smem.index(HALF)
     step = 0
@@ -246,15 +264,7 @@ def _mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_r
         acc = _k_loop(a_bufs, b_bufs, ready, empty, acc, end_k - first_k, step, HALF, B_TRANSPOSED)
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
-        if unit < 0:
-            _staging_free()
-            out_smem.store(acc.to(c_desc.dtype))
-            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
-        elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
-            _staging_free()
-            _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N,
-                          CONSUMERS)
-            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+        store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, CONSUMERS)
     tma.store_wait(pendings=0)
 
 
@@ -324,10 +334,7 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, tile_row_offset, num_whol
                          "B [K, N]: blocks [BLOCK_K, BLOCK_N]")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * (BLOCK_M // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
-    if B_TRANSPOSED:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    else:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, 64, BLOCK_N], c_desc.layout)
     ready, empty = init_ring(NUM_STAGES, CONSUMERS)  # one `empty` arrival per consumer warpgroup
     chunks_ok, chunks_free = init_chunk_barriers()

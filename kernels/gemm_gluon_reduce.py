@@ -186,10 +186,7 @@ def gluon_scatter_reduce_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst
                      "the own partials and the output shard in the staging tile's [64, BLOCK_N] boxes")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
-    if B_TRANSPOSED:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    else:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dst_descs[0].dtype, [2, WG_M, BLOCK_N], dst_descs[0].layout)
     ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a partial's TMA load, per

@@ -195,10 +195,7 @@ def gluon_scatter_gemm_kernel(a_desc, b_desc, dst0, dst1, dst2, dst3, dst4, dst5
     gl.static_assert(dst_descs[0].block_type.shape[0] == WG_M, "the partials in 64-row boxes, one per consumer")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
-    if B_TRANSPOSED:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    else:
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dst_descs[0].dtype, [2, WG_M, BLOCK_N], dst_descs[0].layout)
     ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     chunks_ok, chunks_free = init_chunk_barriers()  # the producer's arguments; no waits (0 chunks per rank)
