@@ -118,13 +118,10 @@ def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _retire(product, empty, step, NUM_STAGES: gl.constexpr, OUTSTANDING: gl.constexpr):
-    """Wait until at most OUTSTANDING MMAs of this warpgroup are in flight (the one of `step` done), then
-    release step `step`'s ring slot to the producer."""
-    done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(product, ))
-    _barrier()  # every warp of this warpgroup is past the wait before the slot is released
-    mbarrier.arrive(empty.index(step % NUM_STAGES))
-    return done
+def _release(empty, slot):
+    """Release ring slot `slot` to the producer (this warpgroup's MMA on it done, its scales read)."""
+    _barrier()  # every warp of this warpgroup is done with the slot before it is released
+    mbarrier.arrive(empty.index(slot))
 
 
 @gluon.jit
@@ -166,12 +163,12 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
     for k in range(first_k, end_k):
         slot = (step + k - first_k) % NUM_STAGES
         mbarrier.wait(ready.index(slot), ((step + k - first_k) // NUM_STAGES) & 1)
-        # the scales are read before the MMA is issued: issued after it, ptxas puts their shared loads and
-        # arithmetic between the group's wgmma instructions (within noise on an H100, results/logs/one_gpu_184dd85:
-        # the scales' reads and loads cost ~17 % and ~8 % of the time at 16384 x 14336 x 4096 in any order)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
         product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
-        product = _retire(product, empty, step + k - first_k, NUM_STAGES, 0)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+        # the scales are read once the MMA is done (measured: reading them before or while it is issued was
+        # slower; ptxas puts their shared loads between the group's wgmma instructions, which then wait)
+        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        _release(empty, slot)
         acc = _promote(acc, product, scale)
     return acc
 
