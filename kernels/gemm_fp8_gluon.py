@@ -132,8 +132,12 @@ def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layou
     WG_M: gl.constexpr = a_scale_bufs.type.shape[1] // 2
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
         a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
-    else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column, moved into the rows' layout
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [4, 1], [1, 0])
+    else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
+        # each thread loads the boxes of its own accumulator rows (r and r + 8 of its warp's 16, the wgmma
+        # layout), so the column needs no move through shared memory (`convert_layout` is between equal layouts)
+        rows_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[8, 0], [0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_M, B_SCALE_BOX])
         boxes = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(rows_layout)
         column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, rows_layout)) == k % B_SCALE_BOX
         a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), layout)
