@@ -34,8 +34,9 @@ lockstep, so the tensor cores idle meanwhile. Here three warp-specialised partit
 
 The scales are read from shared memory because a global load in the K loop stalls the promotion: ptxas
 multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA
-(loading one step ahead does not help for the same reason). Row-major A scales cost one more partition
-barrier per step (their column moves into the rows' layout through shared memory).
+(loading one step ahead does not help for the same reason). Row-major A scales are read four to a row
+(their 16-byte box) by the threads that hold those accumulator rows, and the group's column picked in
+registers.
 
 Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, so ptxas allocates at most 168 per thread even
 where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
