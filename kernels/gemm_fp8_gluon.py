@@ -136,6 +136,7 @@ def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layou
     else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
         # each thread loads the boxes of its own accumulator rows (r and r + 8 of its warp's 16, the wgmma
         # layout), so the column needs no move through shared memory (`convert_layout` is between equal layouts)
+        gl.static_assert((WG_M == 64) and (B_SCALE_BOX == 4), "the bases below: 4 warps x 16 rows, 4 columns")
         rows_layout: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[8, 0], [0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_M, B_SCALE_BOX])
