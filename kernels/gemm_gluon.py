@@ -165,10 +165,8 @@ def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, count
     item whose count completes the (tile, warpgroup)'s `splits` arrivals, which also zeroes the counter again."""
     WG_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    # stored from a copy (x + 0.0 is not folded: -0.0): 64-bit stores of `acc` itself would pin each of its column
-    # pairs to an aligned register pair, which in the FP8 kernel puts accumulator and product in one register bank
     gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0),
-             acc + 0.0)
+             acc)
     _barrier()  # every thread's partial stores before the release
     # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
     # over the warpgroup hands its result to every thread (a uniform branch) after a partition barrier, which
