@@ -38,10 +38,11 @@ multiplies the two scales right after the load, before the MMA wait, and an L2 r
 (their 16-byte box) by the threads that hold those accumulator rows, and the group's column picked in
 registers.
 
-Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, so ptxas allocates at most 168 per thread even
-where setmaxnreg raises the limit; accumulator + product are 128 of them at 64x128. Keeping two products in
-flight per warpgroup (192) spills there, and a single 8-warp partition (255 registers) needed CTA-wide
-barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
+Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, 168 registers a thread at launch; setmaxnreg
+lowers the producer's and the waiter's to 40 and raises the consumers' to 232, whose code uses up to 157 of them
+(Triton 3.7.1; 178 with Triton 3.6, for the split tail's partial sums); accumulator + product are 128 at 64x128.
+Keeping two products in flight per warpgroup (192) spilled, and a single 8-warp partition (255 registers) needed
+CTA-wide barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
 Tiles are walked persistently in GROUP_M = 8 swizzled order, rotated by ``tile_row_offset``.
 """
 
