@@ -39,8 +39,9 @@ multiplies the two scales right after the load, before the MMA wait, and an L2 r
 registers.
 
 Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, 168 registers a thread at launch; setmaxnreg
-lowers the producer's and the waiter's to 40 and raises the consumers' to 232, whose code uses up to 157 of them
-(Triton 3.7.1; 178 with Triton 3.6, for the split tail's partial sums); accumulator + product are 128 at 64x128.
+lowers the producer's and the waiter's to 40 and raises the consumers' to 232, whose code uses up to 155 of them
+(Triton 3.6 and 3.7.1; with 3.6, 178 while the split tail's partial offsets were hoisted out of the persistent
+loop); accumulator + product are 128 at 64x128.
 Keeping two products in flight per warpgroup (192) spilled, and a single 8-warp partition (255 registers) needed
 CTA-wide barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
 Tiles are walked persistently in GROUP_M = 8 swizzled order, rotated by ``tile_row_offset``.
@@ -202,7 +203,8 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
         acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF)
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
-        store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2)
+        # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155 registers to 178
+        store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
     tma.store_wait(pendings=0)
 
 

@@ -160,12 +160,12 @@ def _store_staged(out_smem, c_desc, first_row, first_col):
 
 @gluon.jit
 def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF: gl.constexpr,
-                   CONSUMERS: gl.constexpr):
+                   CONSUMERS: gl.constexpr, LEAN: gl.constexpr = False):
     """Store this warpgroup's partial of a split item and count it; True (uniform over the warpgroup) for the
     item whose count completes the (tile, warpgroup)'s `splits` arrivals, which also zeroes the counter again."""
     WG_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0),
+    gl.store(workspace + (unit * CONSUMERS + HALF).to(gl.int64) * (WG_M * BLOCK_N) + _fragment_offsets(acc, 0, LEAN),
              acc)
     _barrier()  # every thread's partial stores before the release
     # one thread counts (acq_rel: release cumulative over the stores the barrier ordered before it); the max
@@ -183,13 +183,17 @@ def _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, count
 
 
 @gluon.jit
-def _fragment_offsets(like, FIRST_COL: gl.constexpr):
+def _fragment_offsets(like, FIRST_COL: gl.constexpr, LEAN: gl.constexpr = False):
     """Workspace offsets of a [64, N] fp32 partial held in the wgmma accumulator layout of `like` (columns from
     FIRST_COL): thread t's column pair p (8 bytes) at (p * 128 + t) * 2, so that one warp's access covers 256
     contiguous bytes (two whole lines) where row-major offsets would touch eight lines for 32 bytes each.
-    In that layout warp w holds rows 16w + lane // 4 (+ 8), lane % 4 picks the column pair of each 8 columns."""
+    In that layout warp w holds rows 16w + lane // 4 (+ 8), lane % 4 picks the column pair of each 8 columns.
+    LEAN: the offsets are computed where they are used; otherwise the compiler may hoist them out of the
+    persistent loop, where they hold registers across every K loop."""
     layout: gl.constexpr = like.type.layout
     rows = gl.arange(0, like.type.shape[0], layout=gl.SliceLayout(1, layout))
+    if LEAN:  # an opaque copy (not pure, so never hoisted) that everything below depends on
+        rows = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows], dtype=gl.int32, is_pure=False, pack=1)
     cols = FIRST_COL + gl.arange(0, like.type.shape[1], layout=gl.SliceLayout(0, layout))
     row_part = ((rows % 16) // 8) * 256 + (rows // 16) * 64 + (rows % 8) * 8
     return gl.expand_dims(row_part, 1) + gl.expand_dims((cols // 8) * 512 + cols % 8, 0)
@@ -197,18 +201,18 @@ def _fragment_offsets(like, FIRST_COL: gl.constexpr):
 
 @gluon.jit
 def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, LEAN: gl.constexpr = False):
     """out_smem = the sum of the (tile, warpgroup)'s `splits` partials (slots first_slot, first_slot +
     CONSUMERS, ...) in split order, bitwise the same whichever item arrives last; N in sub-tiles of 64
     columns, each partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
     SUB_N: gl.constexpr = 64  # two partials and the running sum in registers at once
     # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
-    PAIRS: gl.constexpr = CONSUMERS == 2  # 232 registers a thread; three consumers get 152
+    PAIRS: gl.constexpr = (CONSUMERS == 2) and not LEAN  # 232 registers a thread; three consumers get 152
     slot_elements: gl.constexpr = WG_M * BLOCK_N
     for sub in gl.static_range(BLOCK_N // SUB_N):
         total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
-        parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N)
+        parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N, LEAN)
         if PAIRS:
             for s in range(0, splits, 2):
                 first = gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")  # L2: other SMs'
@@ -223,9 +227,10 @@ def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, B
 
 @gluon.jit
 def store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF: gl.constexpr,
-               CONSUMERS: gl.constexpr):
+               CONSUMERS: gl.constexpr, LEAN: gl.constexpr = False):
     """Store a work item's accumulator (this consumer's 64-row half) through the staging tile: a whole tile
-    (`unit` < 0) at once; a split piece as a partial, the tile's last piece summing them all first."""
+    (`unit` < 0) at once; a split piece as a partial, the tile's last piece summing them all first. LEAN: the
+    partials' offsets computed where used and one partial per round trip, for a K loop short of registers."""
     WG_M: gl.constexpr = out_smem.type.shape[0]
     BLOCK_N: gl.constexpr = out_smem.type.shape[1]
     num_whole_tiles, splits, workspace, counters = split_args
@@ -233,9 +238,10 @@ def store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_
         _staging_free()
         out_smem.store(acc.to(c_desc.dtype))
         _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
-    elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS):
+    elif _count_partial(acc, unit, tile_id, num_whole_tiles, splits, workspace, counters, HALF, CONSUMERS, LEAN):
         _staging_free()
-        _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N, CONSUMERS)
+        _sum_partials(workspace, (unit - unit % splits) * CONSUMERS + HALF, splits, out_smem, WG_M, BLOCK_N, CONSUMERS,
+                      LEAN)
         _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
 
 
