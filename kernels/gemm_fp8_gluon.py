@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from . import constants
-from .gemm_gluon import store_item
+from .gemm_gluon import _staging_free, _store_staged, store_item
 from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
@@ -157,10 +157,13 @@ def _promote(acc, product, scale):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF: gl.constexpr):
+def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF: gl.constexpr,
+            SCALES_DURING_MMA: gl.constexpr):
     """The work item's K groups [first_k, end_k) (ring steps from `step`), each group's MMA retired before its
     promotion: the other warpgroup's MMA keeps the tensor cores busy meanwhile (128 registers of accumulator
-    and product per thread for 64x128)."""
+    and product per thread for 64x128). The group's scales are read while its MMA runs (SCALES_DURING_MMA)
+    or once it is done: measured on an H100, the first is faster by 3-4 % in the whole-tile kernel and slower
+    by 3-4 % in the split-tail one (same registers, ptxas schedules both as intended; not understood)."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -172,10 +175,11 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
         slot = (step + k - first_k) % NUM_STAGES
         mbarrier.wait(ready.index(slot), ((step + k - first_k) // NUM_STAGES) & 1)
         product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
+        if SCALES_DURING_MMA:
+            scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
-        # the scales are read once the MMA is done (measured: reading them before or while it is issued was
-        # slower; ptxas puts their shared loads between the group's wgmma instructions, which then wait)
-        scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+        if not SCALES_DURING_MMA:
+            scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
         _release(empty, slot)
         acc = _promote(acc, product, scale)
     return acc
@@ -183,9 +187,10 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
 
 @gluon.jit
 def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K,
-                   tile_row_offset, split_args, HALF: gl.constexpr):
+                   tile_row_offset, split_args, HALF: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item. A split item's promoted
-    partial goes to the workspace; the last of a tile's pieces sums them (kernels/gemm_gluon.py, "Split tail")."""
+    partial goes to the workspace; the last of a tile's pieces sums them (kernels/gemm_gluon.py, "Split tail").
+    Without SPLIT_TAIL (a launch of whole tiles only) the split path is not compiled."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -200,11 +205,18 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF)
+        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF,
+                      not SPLIT_TAIL)
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
-        # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155 registers to 178
-        store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
+        if SPLIT_TAIL:
+            # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155 registers
+            # to 178
+            store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
+        else:
+            _staging_free()
+            out_smem.store(acc.to(c_desc.dtype))
+            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
     tma.store_wait(pendings=0)
 
 
@@ -212,21 +224,35 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
 def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
              split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   split_args, 0)
+                   split_args, 0, True)
+
+
+@gluon.jit
+def _mma_low_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   split_args):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   split_args, 0, False)
 
 
 @gluon.jit
 def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-              split_args):
+             split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   split_args, 1)
+                   split_args, 1, True)
+
+
+@gluon.jit
+def _mma_high_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   split_args):
+    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+                   split_args, 1, False)
 
 
 # rank- and shape-dependent: one compile for every rank, M and split plan
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
 def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset,
                           num_whole_tiles, splits, workspace, counters, chunk_args, NUM_STAGES: gl.constexpr,
-                          MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
+                          SPLIT_TAIL: gl.constexpr = True, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -268,7 +294,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
-    gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
-                        (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+    if SPLIT_TAIL:  # partitions are chosen here: their constexpr arguments would arrive as runtime values
+        gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
+                            (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_load_partition, load_args),
+                            (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)
     invalidate_chunk_barriers(chunks_ok, chunks_free)

@@ -61,10 +61,11 @@ def _gluon_descriptor(layout_of, dtype: str, block: list[int]) -> str:
     return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout_of(tuple(block), torch_dtype)!r}>"
 
 
-def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group_major: bool = True):
+def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group_major: bool = True,
+                           split_tail: bool = True):
     """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
-    (group-major) or [128, 4] (row-major), B [1, 4]."""
+    (group-major) or [128, 4] (row-major), B [1, 4]; `split_tail` False: the build of whole-tile launches."""
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
     from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX
     from tp_overlap.gemm.launch import tma_shared_layout
@@ -79,8 +80,8 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
                  a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
                  M="i32", N="i32", K="i32", tile_row_offset="i32", num_whole_tiles="i32", splits="i32",
                  workspace="*fp32:16", counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
-    return compile_gluon(fp8_gluon_gemm_kernel, types, dict(NUM_STAGES=blocks.num_stages, MMA_REGS=232, LOAD_REGS=40),
-                         num_warps=blocks.num_warps, arch=arch)
+    constexprs = dict(NUM_STAGES=blocks.num_stages, SPLIT_TAIL=split_tail, MMA_REGS=232, LOAD_REGS=40)
+    return compile_gluon(fp8_gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
 def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):

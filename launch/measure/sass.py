@@ -40,9 +40,10 @@ def builds():
                         lambda n=name, t=nk: compile_gluon_reduce_gemm(GemmBlocks.parse(n), b_transposed=t)))
     for name in FP8_BUILDS:
         for group_major in (True, False):
-            out.append((f"fp8_{name}_{'group_major' if group_major else 'row_major'}",
-                        lambda n=name, g=group_major: compile_fp8_gluon_gemm(GemmBlocks.parse(n),
-                                                                            a_scales_group_major=g)))
+            for split in (True, False):
+                out.append((f"fp8_{name}_{'group_major' if group_major else 'row_major'}{'' if split else '_whole'}",
+                            lambda n=name, g=group_major, t=split: compile_fp8_gluon_gemm(
+                                GemmBlocks.parse(n), a_scales_group_major=g, split_tail=t)))
     return out
 
 

@@ -62,7 +62,8 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     `checked`: the caller has validated the operands and blocks (fp8_gemm: once per call, on the hot path).
     `chunk_wait`: the fused AllGather consumer (each tile's rows and scales read once their chunks are SET).
     Blocks with `sk1` cut the last partial wave by K into `split_buffers` (gluon_launch.split_buffers), else into
-    the current stream's (as launch_gluon_gemm)."""
+    the current stream's (as launch_gluon_gemm); a launch of whole tiles only runs the kernel's build without the
+    split path (`SPLIT_TAIL`)."""
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
 
     if not checked:
@@ -78,4 +79,5 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
         tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
         tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
         tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
-        chunk_args(chunk_wait, a8.device), NUM_STAGES=blocks.num_stages, num_warps=GLUON_NUM_WARPS)
+        chunk_args(chunk_wait, a8.device), NUM_STAGES=blocks.num_stages, SPLIT_TAIL=splits > 1,
+        num_warps=GLUON_NUM_WARPS)

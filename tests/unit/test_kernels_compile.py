@@ -32,6 +32,8 @@ out["fp8 default (ws)"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x
 out["fp8 gluon"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w4s5gl")))
 out["fp8 gluon, row-major A scales"] = resource_usage(compile_fp8_gluon_gemm(GemmBlocks.parse("128x128x128w4s5gl"),
                                                                              a_scales_group_major=False))
+out["fp8 gluon, whole tiles"] = resource_usage(compile_fp8_gluon_gemm(GemmBlocks.parse("128x128x128w4s4gl"),
+                                                                     split_tail=False))
 out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
 out["bf16 gluon kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x256x64w4s3gl"), b_transposed=False))
@@ -72,7 +74,7 @@ def test_new_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     usage = json.loads(lines[-1][len("RESULT "):])
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
-                          "fp8 gluon, row-major A scales", "fp8 chunk wait",
+                          "fp8 gluon, row-major A scales", "fp8 gluon, whole tiles", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
                           "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn",
                           "bf16 gluon scatter nk", "bf16 gluon reduce kn", "bf16 gluon reduce nk",
@@ -97,12 +99,12 @@ def test_sass_snapshots_name_each_build_and_hold_its_machine_code(tmp_path):
     env["PYTHONPATH"] = child_pythonpath()
     out = tmp_path / "sass"
     proc = subprocess.run([sys.executable, "-m", "tp_overlap.launch.compile_check", "--sass", str(out), "--only",
-                           "fp8_128x64x128w4s4gl_group"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "fp8_128x64x128w4s4gl_group_major_whole"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.iterdir()
     text = path.read_text()
-    assert path.name == "fp8_128x64x128w4s4gl_group_major.sass" and "Function : fp8_gluon_gemm_kernel" in text
+    assert path.name == "fp8_128x64x128w4s4gl_group_major_whole.sass" and "Function : fp8_gluon_gemm_kernel" in text
     assert "QGMMA.64x64x32.F32.E4M3.E4M3" in text and "/*" not in text, text[:400]
     bad = subprocess.run([sys.executable, "-m", "tp_overlap.launch.compile_check", "--only", "fp8"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
