@@ -14,13 +14,15 @@ tails need no masks.
 
     fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
                                            tile_row_offset, num_whole_tiles, splits, workspace, counters,
-                                           chunk_args, NUM_STAGES=..., num_warps=4)
+                                           chunk_args, NUM_STAGES=..., SPLIT_TAIL=..., num_warps=4)
 
 ``tile_row_offset`` rotates the row blocks and ``num_whole_tiles`` / ``splits`` / ``workspace`` / ``counters`` cut
 the last partial wave by K, as in kernels/gemm_gluon.py ("Split tail": a piece's promoted partial is summed by
 the tile's last piece); ``chunk_args`` (kernels/gemm_gluon_wait.py, 0 chunks per rank: no wait) makes it the
 fused AllGather consumer: a waiter warp (a fourth partition) polls a work item's gathered chunks (rows and their
-scales) and hands the item to the producer warp before its loads.
+scales) and hands the item to the producer warp before its loads. ``SPLIT_TAIL=False`` (a launch of whole tiles
+only) compiles a build without the split path: its whole tiles ran 4-5 % faster on an H100 than the same tiles in
+the build with it.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
@@ -162,8 +164,9 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
     """The work item's K groups [first_k, end_k) (ring steps from `step`), each group's MMA retired before its
     promotion: the other warpgroup's MMA keeps the tensor cores busy meanwhile (128 registers of accumulator
     and product per thread for 64x128). The group's scales are read while its MMA runs (SCALES_DURING_MMA)
-    or once it is done: measured on an H100, the first is faster by 3-4 % in the whole-tile kernel and slower
-    by 3-4 % in the split-tail one (same registers, ptxas schedules both as intended; not understood)."""
+    or once it is done: measured on an H100, the first is faster by 3-4 % in the whole-tile build and slower
+    by 3-4 % in the split-tail one, though ptxas hides the loads behind the first wgmma in both (why is not
+    known; results/logs/one_gpu_184dd85/at_55686a9_fp8_ab.txt)."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]

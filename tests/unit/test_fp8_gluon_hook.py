@@ -148,3 +148,36 @@ def test_plain_fp8_blocks_run_one_program_per_sm_where_the_table_measured_o2():
         got = fp8.choose_fp8_blocks(e.m, e.n, e.k, warp_specialize=False, gpu="h100")
         assert got.programs_per_sm == 1 and got.block_m == 128 and got.plain
         assert fp8.choose_fp8_blocks(e.m, e.n, e.k, gpu="h100") == e.blocks
+
+
+class _LaunchRecorder:
+    """Stands in for the Gluon kernel: records each launch's (grid, arguments, keyword arguments)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("m, n, blocks, whole_tiles, splits", [
+    (1024, 7168, "128x128x128w4s4sk1gl", 396, 2),    # 448 tiles on 132 programs: the last 52 cut in two
+    (1024, 7168, "128x128x128w4s4gl", 448, 1),       # no split tail asked for
+    (1024, 3584, "128x128x128w4s4sk1gl", 224, 1),    # one partial wave that a split would not shorten
+])
+def test_only_a_launch_that_cuts_a_split_tail_runs_the_build_with_the_split_path(monkeypatch, m, n, blocks,
+                                                                                 whole_tiles, splits):
+    import tp_overlap.kernels.gemm_fp8_gluon as kernel_module
+    from tp_overlap.gemm.fp8_gluon_launch import launch_fp8_gluon_gemm
+    from tp_overlap.gemm.gluon_launch import split_buffers
+
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(kernel_module, "fp8_gluon_gemm_kernel", recorder)
+    k = 4096
+    launch_fp8_gluon_gemm(a8=torch.zeros(m, k, dtype=torch.float8_e4m3fn), a_scales=torch.ones(k // 128, m),
+                          w8=torch.zeros(n, k, dtype=torch.float8_e4m3fn), w_scales=torch.ones(n // 128, k // 128),
+                          out=torch.empty(m, n, dtype=torch.bfloat16), blocks=GemmBlocks.parse(blocks),
+                          num_programs=132, checked=True, split_buffers=split_buffers(torch.device("cpu"), 132))
+    ((grid, args, kwargs),) = recorder.launches
+    assert (args[9], args[10]) == (whole_tiles, splits) and grid == (min(132, -(-m // 128) * (n // 128)),)
+    assert kwargs["SPLIT_TAIL"] is (splits > 1)
