@@ -239,14 +239,14 @@ def _mma_low_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
 
 @gluon.jit
 def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-             split_args):
+              split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 1, True)
 
 
 @gluon.jit
 def _mma_high_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   split_args):
+                    split_args):
     _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 1, False)
 
