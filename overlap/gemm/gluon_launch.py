@@ -40,22 +40,25 @@ def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) 
 
 
 @functools.lru_cache(maxsize=1024)
-def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int,
-               max_items: int | None = None) -> tuple[int, int]:
+def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int, max_items: int | None = None,
+               split_build_slowdown: float = 0.0) -> tuple[int, int]:
     """(whole tiles, splits) for `tiles` output tiles on `programs` programs: the tiles of the last, partial
     wave (all of them when there are fewer than programs) are cut into `splits` K ranges when the cost model
-    says that finishes sooner than whole tiles (splits 1: no split), into at most `max_items` pieces in all
-    (a caller's fixed workspace)."""
+    says the launch finishes sooner than with whole tiles (splits 1: no split), into at most `max_items` pieces
+    in all (a caller's fixed workspace). `split_build_slowdown`: how much slower every tile runs in a launch
+    that cuts a tail, for a kernel whose whole-tile launches run a build without the split path (FP8)."""
     tail = tiles % programs
     if tail == 0 or k_steps < 2:
         return tiles, 1
     tile_s = tile_flops / SM_FLOPS
-    best_s, best = tile_s, 1
+    full_waves_s = tiles // programs * tile_s
+    best_s, best = full_waves_s + tile_s, 1
     for splits in range(2, min(GLUON_MAX_SPLITS, k_steps) + 1):
         if max_items is not None and tail * splits > max_items:
             break
         waves = -(-tail * splits // programs)
-        seconds = waves * (tile_s / splits + SPLIT_ITEM_S) + splits * SPLIT_READ_S
+        tail_s = waves * (tile_s / splits + SPLIT_ITEM_S) + splits * SPLIT_READ_S
+        seconds = (full_waves_s + tail_s) * (1 + split_build_slowdown)
         if seconds < best_s:
             best_s, best = seconds, splits
     return (tiles - tail, best) if best > 1 else (tiles, 1)
@@ -88,17 +91,19 @@ def split_buffers(device: torch.device, programs: int) -> tuple[torch.Tensor, to
 
 
 def split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
-               buffers: tuple[torch.Tensor, torch.Tensor] | None, operand_bytes: int = 2) -> tuple:
+               buffers: tuple[torch.Tensor, torch.Tensor] | None, operand_bytes: int = 2,
+               split_build_slowdown: float = 0.0) -> tuple:
     """(programs, whole tiles, splits, workspace, counters) of a launch (module `split_plan`): `buffers` given,
     at most as many pieces as they hold; else the current stream's (`stream_buffers`). `operand_bytes` 1: FP8,
-    whose tensor cores run at twice the bf16 rate the cost model assumes."""
+    whose tensor cores run at twice the bf16 rate the cost model assumes; `split_build_slowdown`: `split_plan`'s."""
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tiles = -(-m // bm) * -(-n // bn)
     programs = max(1, min(tiles, num_programs))
     if not blocks.stream_k:
         return (programs, tiles, 1) + gluon_placeholders(device)
     max_items = buffers[0].numel() // (bm * bn) if buffers is not None else None
-    whole, splits = split_plan(tiles, num_programs, -(-k // bk), bm * bn * k * operand_bytes, max_items)
+    whole, splits = split_plan(tiles, num_programs, -(-k // bk), bm * bn * k * operand_bytes, max_items,
+                               split_build_slowdown)
     if splits == 1:
         return (programs, tiles, 1) + gluon_placeholders(device)
     split_tiles = tiles - whole

@@ -160,12 +160,13 @@ class _LaunchRecorder:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
-@pytest.mark.parametrize("m, n, blocks, whole_tiles, splits", [
-    (1024, 7168, "128x128x128w4s4sk1gl", 396, 2),    # 448 tiles on 132 programs: the last 52 cut in two
-    (1024, 7168, "128x128x128w4s4gl", 448, 1),       # no split tail asked for
-    (1024, 3584, "128x128x128w4s4sk1gl", 224, 1),    # one partial wave that a split would not shorten
+@pytest.mark.parametrize("m, n, k, blocks, whole_tiles, splits", [
+    (1024, 7168, 8192, "128x128x128w4s4sk1gl", 396, 2),   # 448 tiles on 132 programs: the last 52 cut in two
+    (1024, 7168, 8192, "128x128x128w4s4gl", 448, 1),      # no split tail asked for
+    (1024, 3584, 4096, "128x128x128w4s4sk1gl", 224, 1),   # one partial wave that a split would not shorten
+    (8192, 7168, 4096, "128x128x128w4s4sk1gl", 3584, 1),  # 27 waves: the split build's slowdown costs more
 ])
-def test_only_a_launch_that_cuts_a_split_tail_runs_the_build_with_the_split_path(monkeypatch, m, n, blocks,
+def test_only_a_launch_that_cuts_a_split_tail_runs_the_build_with_the_split_path(monkeypatch, m, n, k, blocks,
                                                                                  whole_tiles, splits):
     import tp_overlap.kernels.gemm_fp8_gluon as kernel_module
     from tp_overlap.gemm.fp8_gluon_launch import launch_fp8_gluon_gemm
@@ -173,7 +174,6 @@ def test_only_a_launch_that_cuts_a_split_tail_runs_the_build_with_the_split_path
 
     recorder = _LaunchRecorder()
     monkeypatch.setattr(kernel_module, "fp8_gluon_gemm_kernel", recorder)
-    k = 4096
     launch_fp8_gluon_gemm(a8=torch.zeros(m, k, dtype=torch.float8_e4m3fn), a_scales=torch.ones(k // 128, m),
                           w8=torch.zeros(n, k, dtype=torch.float8_e4m3fn), w_scales=torch.ones(n // 128, k // 128),
                           out=torch.empty(m, n, dtype=torch.bfloat16), blocks=GemmBlocks.parse(blocks),
