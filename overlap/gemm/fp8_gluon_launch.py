@@ -19,10 +19,12 @@ GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_gluon_walk.py GROUP_M)
 GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB of C staging > 227 KiB
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
-# Every tile of a launch that cuts a split tail runs the kernel's build with the split path, ~5 % slower than the
-# whole-tile build (H100: whole tiles at 0.88-0.90 of torch._scaled_mm in it, 0.93-0.94 without it): a tail is
-# cut only where that gains more than the slowdown costs (few waves).
-SPLIT_BUILD_SLOWDOWN = 0.05
+# Every tile of a launch that cuts a split tail runs the kernel's build with the split path, 4-5 % slower than the
+# whole-tile build (H100), so a tail is cut only where that gains more than it costs (few waves). 0.02 is fitted
+# to the fused consumer on an H100 (results/logs/one_gpu_184dd85/at_ed3d448_ops_probe.txt): a cut tail gained at
+# 3.4 waves of 128x128x4096 tiles and lost 1-4 % at 27 to 217 waves; 0.02 chooses both, the build's own
+# slowdown would not (split_plan's tail cost, fitted to bf16 tiles, is too high for FP8 ones).
+SPLIT_BUILD_SLOWDOWN = 0.02
 
 
 def gluon_block_problems(blocks: GemmBlocks) -> list[str]:

@@ -162,6 +162,7 @@ class _LaunchRecorder:
 
 @pytest.mark.parametrize("m, n, k, blocks, whole_tiles, splits", [
     (1024, 7168, 8192, "128x128x128w4s4sk1gl", 396, 2),   # 448 tiles on 132 programs: the last 52 cut in two
+    (1024, 7168, 4096, "128x128x128w4s4sk1gl", 396, 2),   # the same with K 4096 (measured: the cut pays)
     (1024, 7168, 8192, "128x128x128w4s4gl", 448, 1),      # no split tail asked for
     (1024, 3584, 4096, "128x128x128w4s4sk1gl", 224, 1),   # one partial wave that a split would not shorten
     (8192, 7168, 4096, "128x128x128w4s4sk1gl", 3584, 1),  # 27 waves: the split build's slowdown costs more
