@@ -204,25 +204,37 @@ def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, B
                   CONSUMERS: gl.constexpr, LEAN: gl.constexpr = False):
     """out_smem = the sum of the (tile, warpgroup)'s `splits` partials (slots first_slot, first_slot +
     CONSUMERS, ...) in split order, bitwise the same whichever item arrives last; N in sub-tiles of 64
-    columns, each partial's sub-tile one L2 round trip (two partials at once where the registers allow)."""
-    SUB_N: gl.constexpr = 64  # two partials and the running sum in registers at once
+    columns. The loads are L2 round trips while the tensor cores idle, so as many as the registers allow are
+    in flight at once: with two consumers two partials (of both sub-tiles where BLOCK_N is 128), else one."""
+    SUB_N: gl.constexpr = 64
     # the wgmma accumulator layout of a SUB_N-wide tile maps columns to threads as the BLOCK_N-wide one does
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 16])
     PAIRS: gl.constexpr = (CONSUMERS == 2) and not LEAN  # 232 registers a thread; three consumers get 152
+    # sub-tiles summed at once: two where the registers allow (with 256 columns, Triton 3.6's ptxas spills)
+    SUBS: gl.constexpr = 2 if PAIRS and BLOCK_N == 2 * SUB_N else 1
     slot_elements: gl.constexpr = WG_M * BLOCK_N
-    for sub in gl.static_range(BLOCK_N // SUB_N):
+    NEXT_SUB: gl.constexpr = SUB_N // 8 * 512  # _fragment_offsets: every 8 columns take 512 elements
+    for sub in gl.static_range(0, BLOCK_N // SUB_N, SUBS):
         total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
+        other = gl.zeros([WG_M, SUB_N], gl.float32, layout)
         parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N, LEAN)
         if PAIRS:
             for s in range(0, splits, 2):
                 first = gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")  # L2: other SMs'
                 second = gl.load(parts + (CONSUMERS * (s + 1)) * slot_elements, mask=s + 1 < splits, other=0.0,
                                  cache_modifier=".cg")
+                if SUBS == 2:  # the next sub-tile's columns of the same two partials
+                    first_next = gl.load(parts + (CONSUMERS * s) * slot_elements + NEXT_SUB, cache_modifier=".cg")
+                    second_next = gl.load(parts + (CONSUMERS * (s + 1)) * slot_elements + NEXT_SUB,
+                                          mask=s + 1 < splits, other=0.0, cache_modifier=".cg")
+                    other = (other + first_next) + second_next
                 total = (total + first) + second
         else:
             for s in range(splits):
                 total = total + gl.load(parts + (CONSUMERS * s) * slot_elements, cache_modifier=".cg")
         out_smem.slice(sub * SUB_N, SUB_N, dim=1).store(total.to(out_smem.dtype))
+        if SUBS == 2:
+            out_smem.slice((sub + 1) * SUB_N, SUB_N, dim=1).store(other.to(out_smem.dtype))
 
 
 @gluon.jit
