@@ -37,9 +37,9 @@ program p takes items p, p + num_programs, ... in that order. A split item's war
 partial (its 64 rows: ``workspace[unit * CONSUMERS + warpgroup]``, unit = the item's index among the split
 items; each thread its own accumulator fragments, in an order that gives every warp 256 contiguous bytes:
 ``_fragment_offsets``), then counts on the (tile, warpgroup) counter (acq_rel, GPU scope); the warpgroup
-whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (64 columns
-and two partials per L2 round trip), sums them in split order (bitwise the same whichever item arrives last)
-and stores C through its staging tile like a whole tile.
+whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (two partials
+of 64 columns, or of 128 where BLOCK_N is 128, per L2 round trip), sums them in split order (bitwise the same
+whichever item arrives last) and stores C through its staging tile like a whole tile.
 Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items *
 CONSUMERS, 64 * BLOCK_N], ``counters`` int32 [CONSUMERS * split tiles], zero before the launch and left at zero.
 With ``splits == 1`` every tile is whole and the split arguments are never read. Preconditions (the
