@@ -37,9 +37,10 @@ program p takes items p, p + num_programs, ... in that order. A split item's war
 partial (its 64 rows: ``workspace[unit * CONSUMERS + warpgroup]``, unit = the item's index among the split
 items; each thread its own accumulator fragments, in an order that gives every warp 256 contiguous bytes:
 ``_fragment_offsets``), then counts on the (tile, warpgroup) counter (acq_rel, GPU scope); the warpgroup
-whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (two partials
-of 64 columns, or of 128 where BLOCK_N is 128, per L2 round trip), sums them in split order (bitwise the same
-whichever item arrives last) and stores C through its staging tile like a whole tile.
+whose count completes ``splits`` arrivals zeroes the counter, reads all ``splits`` partials back (per L2 round
+trip two partials of 64 columns, or of 128 where BLOCK_N is 128; one with three consumers or in the FP8 kernel),
+sums them in split order (bitwise the same whichever item arrives last) and stores C through its staging tile
+like a whole tile.
 Nobody waits for anybody: no residency assumption, no timeout. ``workspace`` is fp32 [split items *
 CONSUMERS, 64 * BLOCK_N], ``counters`` int32 [CONSUMERS * split tiles], zero before the launch and left at zero.
 With ``splits == 1`` every tile is whole and the split arguments are never read. Preconditions (the
@@ -216,7 +217,8 @@ def _sum_partials(workspace, first_slot, splits, out_smem, WG_M: gl.constexpr, B
     NEXT_SUB: gl.constexpr = SUB_N // 8 * 512  # _fragment_offsets: every 8 columns take 512 elements
     for sub in gl.static_range(0, BLOCK_N // SUB_N, SUBS):
         total = gl.zeros([WG_M, SUB_N], gl.float32, layout)
-        other = gl.zeros([WG_M, SUB_N], gl.float32, layout)
+        if SUBS == 2:
+            other = gl.zeros([WG_M, SUB_N], gl.float32, layout)
         parts = workspace + first_slot.to(gl.int64) * slot_elements + _fragment_offsets(total, sub * SUB_N, LEAN)
         if PAIRS:
             for s in range(0, splits, 2):

@@ -22,8 +22,8 @@ B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py
 # Every tile of a launch that cuts a split tail runs the kernel's build with the split path, 4-5 % slower than the
 # whole-tile build (H100), so a tail is cut only where that gains more than it costs (few waves). 0.02 is fitted
 # to the fused consumer on an H100 (results/logs/one_gpu_184dd85/at_ed3d448_ops_probe.txt): a cut tail gained at
-# 3.4 waves of 128x128x4096 tiles and lost 1-4 % at 27 to 217 waves; 0.02 chooses both, the build's own
-# slowdown would not (split_plan's tail cost, fitted to bf16 tiles, is too high for FP8 ones).
+# 3.4 waves of 128x128x4096 tiles and lost 1-4 % at 27 to 217 waves; the model chooses both only for values from
+# 0.008 to 0.021, not the build's own slowdown (split_plan's tail cost, fitted to bf16 tiles, is high for FP8).
 SPLIT_BUILD_SLOWDOWN = 0.02
 
 

@@ -138,12 +138,14 @@ def main(argv=None) -> int:
             return "skipped: Gluon kernels need a CUDA device"
         import dataclasses
 
+        from tp_overlap.gemm.fp8_gluon_launch import SPLIT_BUILD_SLOWDOWN
         from tp_overlap.gemm.gluon_launch import split_buffers, split_tail
 
         buffers, notes = split_buffers(dev, num_sms(dev)), []
         for name, (m, n, k) in SPLIT_TAILS:
             blocks = GemmBlocks.parse(name)
-            cut = split_tail(blocks, m, n, k, num_sms(dev), dev, buffers, operand_bytes=1)[2]
+            cut = split_tail(blocks, m, n, k, num_sms(dev), dev, buffers, operand_bytes=1,
+                             split_build_slowdown=SPLIT_BUILD_SLOWDOWN)[2]  # as the launcher plans it
             expect(cut > 1, f"{name} M={m} N={n} K={k}: not split on {num_sms(dev)} SMs")
             x8, xs = fp8.quantize_activation(grouped(m, k, 1))
             w8, ws = fp8.quantize_weight(grouped(n, k, 128) * 0.05)

@@ -117,8 +117,6 @@ def test_a_split_build_slowdown_keeps_whole_tiles_where_many_waves_would_pay_it(
     from tp_overlap.gemm.gluon_launch import split_plan
 
     tile = 128 * 128 * 4096  # an FP8 tile (twice the bf16 rate)
-    for tiles in range(1, 4000, 37):
-        assert split_plan(tiles, 132, 32, tile, None, 0.0) == split_plan(tiles, 132, 32, tile)
     assert split_plan(3584, 132, 32, tile)[1] > 1, "27 waves: without a slowdown the tail is cut"
     assert split_plan(3584, 132, 32, tile, None, 0.05) == (3584, 1), "5 % of 27 waves outweighs the tail's gain"
     assert split_plan(448, 132, 64, 2 * tile, None, 0.05) == (396, 2), "3.4 waves of long tiles: still cut"
