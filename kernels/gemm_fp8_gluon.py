@@ -19,31 +19,37 @@ tails need no masks.
 ``tile_row_offset`` rotates the row blocks and ``num_whole_tiles`` / ``splits`` / ``workspace`` / ``counters`` cut
 the last partial wave by K, as in kernels/gemm_gluon.py ("Split tail": a piece's promoted partial is summed by
 the tile's last piece); ``chunk_args`` (kernels/gemm_gluon_wait.py, 0 chunks per rank: no wait) makes it the
-fused AllGather consumer: a waiter warp (a fourth partition) polls a work item's gathered chunks (rows and their
+fused AllGather consumer: a waiter warp (a partition of its own) polls a work item's gathered chunks (rows and their
 scales) and hands the item to the producer warp before its loads. ``SPLIT_TAIL=False`` (a launch of whole tiles
 only) compiles a build without the split path: its whole tiles ran 4-5 % faster on an H100 than the same tiles in
 the build with it.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in
-lockstep, so the tensor cores idle meanwhile. Here three warp-specialised partitions share the SM:
+lockstep, so the tensor cores idle meanwhile. Here warp-specialised partitions share the SM:
 
 * a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted);
   it refills a slot once both consumers released it (``empty``, two arrivals);
+* a scaler warp: once a slot has landed, each tile row's scale of the group (a_scale * b_scale) into a
+  small shared array per slot, then ``scaled`` (one arrival);
 * two consumer warpgroups, each owning 64 rows of the 128-row tile: wait for the slot, MMA its 64 x BLOCK_N
-  x 128 product into fresh registers, release the slot, promote. Nothing synchronises the two consumers,
-  so one promotes while the other's MMA runs (DeepGEMM's arrangement); each stores its half of C.
+  x 128 product into fresh registers, load its rows' scales from the scaler's array, release the slot,
+  promote. Nothing synchronises the two consumers, so one promotes while the other's MMA runs (DeepGEMM's
+  arrangement); each stores its half of C.
 
-The scales are read from shared memory because a global load in the K loop stalls the promotion: ptxas
-multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA
-(loading one step ahead does not help for the same reason). Row-major A scales are read four to a row
-(their 16-byte box) by the threads that hold those accumulator rows, and the group's column picked in
-registers.
+Where the scales are combined is what the promotion costs. A global load in the K loop stalls it (ptxas
+multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA),
+so the scales come through the ring. Picked and multiplied in the consumers' K loop, ptxas placed that
+arithmetic between a group's four wgmma instructions, whose issue then waited on the shared loads: a build
+reading only the A scales ran 4-6 % faster on an H100, and the scaler warp recovered 1-3 % of it (the rest:
+its products are ready later after a slot lands; a scaler computing nothing ran 2-3 % faster still;
+the scaler probes in results/logs/one_gpu_184dd85). Row-major A scales are read four to a row (their 16-byte box) and
+the group's column picked in registers.
 
-Registers: a kernel of 4 + 4 + 1 (+ 1 waiter) warps runs 384 threads, 168 registers a thread at launch; setmaxnreg
-lowers the producer's and the waiter's to 40 and raises the consumers' to 232, whose code uses up to 155 of them
-(Triton 3.6 and 3.7.1; with 3.6, 178 while the split tail's partial offsets were hoisted out of the persistent
-loop); accumulator + product are 128 at 64x128.
+Registers: a kernel of 4 + 4 + 1 + 1 + 1 warps (producer, waiter, scaler) runs 384 threads, 168 registers a
+thread at launch; setmaxnreg lowers the three single warps' to 40 and raises the consumers' to 232 (their code
+used up to 155 before the scaler took the scale arithmetic; with Triton 3.6, 178 while the split tail's partial
+offsets were hoisted out of the persistent loop); accumulator + product are 128 at 64x128.
 Keeping two products in flight per warpgroup (192) spilled, and a single 8-warp partition (255 registers) needed
 CTA-wide barriers around every TMA issue and still spilled (ptxas C7515: serialised wgmma).
 Tiles are walked persistently in GROUP_M = 8 swizzled order, rotated by ``tile_row_offset``.
@@ -130,27 +136,47 @@ def _release(empty, slot):
 
 
 @gluon.jit
-def _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF: gl.constexpr, layout: gl.constexpr):
-    """The group's scale of each of this warpgroup's rows (a_scale * b_scale), read from the ring slot: shared
-    memory, so the promotion never waits for a global load (rows past M read 0: their products are never
-    stored)."""
-    WG_M: gl.constexpr = a_scale_bufs.type.shape[1] // 2
+def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
+    """The group's scale of each of the tile's rows (a_scale * b_scale), from ring slot `slot` (rows past M read
+    0: their products are never stored): 4 rows a lane of the scaler warp."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 rows
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
-        a_scale = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(layout)
+        a_scale = a_scale_bufs.index(slot).load(rows_layout)
     else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
-        # each thread loads the boxes of its own accumulator rows (r and r + 8 of its warp's 16, the wgmma
-        # layout), so the column needs no move through shared memory (`convert_layout` is between equal layouts)
-        gl.static_assert((WG_M == 64) and (B_SCALE_BOX == 4), "the bases below: 4 warps x 16 rows, 4 columns")
-        rows_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[8, 0], [0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_M, B_SCALE_BOX])
-        boxes = a_scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(rows_layout)
-        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, rows_layout)) == k % B_SCALE_BOX
-        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), layout)
-    box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [4], [0])
+        boxes_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [1, 1], [1, 0])
+        boxes = a_scale_bufs.index(slot).load(boxes_layout)
+        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, boxes_layout)) == k % B_SCALE_BOX
+        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), rows_layout)
+    box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [1], [0])
     b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
     return a_scale * gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
+
+
+@gluon.jit
+def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scaled, M, N, K, num_whole_tiles,
+                     splits):
+    """The scaler warp: once a ring slot's loads have landed, the group's scale of each tile row (a_scale *
+    b_scale) into `scale_bufs` (one fp32 per row and slot), then `scaled` (one arrival). The consumers read
+    that product with a plain shared load: computed in their K loop, ptxas placed the select and multiply
+    between a group's wgmma instructions, whose issue then stalled on the scale loads (5-6 % of the kernel's
+    time on an H100). A slot's products are rewritten only after its next loads landed, which needed both
+    consumers to release it, after their reads."""
+    BLOCK_M: gl.constexpr = scale_bufs.type.shape[1]
+    NUM_STAGES: gl.constexpr = scale_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    num_k = gl.cdiv(K, SCALE_GROUP)
+    step = 0
+    for item in range(gl.program_id(0), num_whole_tiles + (num_tiles - num_whole_tiles) * splits, gl.num_programs(0)):
+        _, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
+        for k in range(first_k, end_k):
+            slot = step % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+            scale_bufs.index(slot).store(_tile_scales(a_scale_bufs, b_scale_bufs, slot, k))
+            _barrier()  # every lane's products are stored before the single-thread arrival
+            mbarrier.arrive(scaled.index(slot))
+            step += 1
 
 
 @gluon.jit
@@ -159,14 +185,15 @@ def _promote(acc, product, scale):
 
 
 @gluon.jit
-def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF: gl.constexpr,
+def _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF: gl.constexpr,
             SCALES_DURING_MMA: gl.constexpr):
     """The work item's K groups [first_k, end_k) (ring steps from `step`), each group's MMA retired before its
     promotion: the other warpgroup's MMA keeps the tensor cores busy meanwhile (128 registers of accumulator
-    and product per thread for 64x128). The group's scales are read while its MMA runs (SCALES_DURING_MMA)
-    or once it is done: measured on an H100, the first is faster by 3-4 % in the whole-tile build and slower
-    by 3-4 % in the split-tail one, though ptxas hides the loads behind the first wgmma in both (why is not
-    known; results/logs/one_gpu_184dd85/at_55686a9_fp8_ab.txt)."""
+    and product per thread for 64x128). The rows' scales (the scaler warp's) are read while the MMA runs
+    (SCALES_DURING_MMA) or once it is done: when the consumers combined the scales themselves, the first was
+    faster by 3-4 % in the whole-tile build and slower by 3-4 % in the split-tail one
+    (results/logs/one_gpu_184dd85/at_55686a9_fp8_ab.txt). Waiting for the scaler before the MMA is issued
+    instead of after cost 2-3 %, reading the scales after the MMA wait in the whole-tile build 5 %."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -176,20 +203,22 @@ def _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, e
     product = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
     for k in range(first_k, end_k):
         slot = (step + k - first_k) % NUM_STAGES
-        mbarrier.wait(ready.index(slot), ((step + k - first_k) // NUM_STAGES) & 1)
+        phase = ((step + k - first_k) // NUM_STAGES) & 1
+        mbarrier.wait(ready.index(slot), phase)
         product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
+        mbarrier.wait(scaled.index(slot), phase)  # the scaler warp's products of this group
         if SCALES_DURING_MMA:
-            scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+            scale = scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(gl.SliceLayout(1, mma_layout))
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
         if not SCALES_DURING_MMA:
-            scale = _group_scales(a_scale_bufs, b_scale_bufs, slot, k, HALF, gl.SliceLayout(1, mma_layout))
+            scale = scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(gl.SliceLayout(1, mma_layout))
         _release(empty, slot)
         acc = _promote(acc, product, scale)
     return acc
 
 
 @gluon.jit
-def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K,
+def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K,
                    tile_row_offset, split_args, HALF: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item. A split item's promoted
     partial goes to the workspace; the last of a tile's pieces sums them (kernels/gemm_gluon.py, "Split tail").
@@ -208,7 +237,7 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        acc = _k_loop(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, first_k, end_k, step, HALF,
+        acc = _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF,
                       not SPLIT_TAIL)
         step += end_k - first_k
         first_row = row_block * BLOCK_M + HALF * WG_M
@@ -224,30 +253,30 @@ def _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_d
 
 
 @gluon.jit
-def _mma_low(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+def _mma_low(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
              split_args):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 0, True)
 
 
 @gluon.jit
-def _mma_low_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+def _mma_low_whole(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 0, False)
 
 
 @gluon.jit
-def _mma_high(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+def _mma_high(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
               split_args):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 1, True)
 
 
 @gluon.jit
-def _mma_high_whole(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+def _mma_high_whole(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                     split_args):
-    _mma_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                    split_args, 1, False)
 
 
@@ -280,11 +309,16 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS // B_SCALE_BOX, B_SCALE_BOX],
                                              b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+    # per slot and tile row, the group's scale product of the scaler warp (a plain array: read as it was written)
+    scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
+    scaled = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(scaled.index(i), count=1)  # the scaler warp's arrival
     chunks_ok, chunks_free = init_chunk_barriers()
     fence_async_shared()
 
-    # the consumers read the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
+    # the scaler reads the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of one row; a slot per row
     if A_SCALE_BOX[0] == 1:
         a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -292,16 +326,21 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
         a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M, B_SCALE_BOX],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
-    mma_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
+    mma_args = (a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                 (num_whole_tiles, splits, workspace, counters))
+    scale_args = (b_bufs, a_scale_rows, b_scale_rows, scale_bufs, ready, scaled, M, N, K, num_whole_tiles, splits)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     if SPLIT_TAIL:  # partitions are chosen here: their constexpr arguments would arrive as runtime values
         gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
-                            (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                            (chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                           [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_load_partition, load_args),
-                            (chunk_wait_partition, wait_args)], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                            (chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                           [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(scaled.index(i))
     invalidate_chunk_barriers(chunks_ok, chunks_free)
