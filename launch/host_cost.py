@@ -147,17 +147,22 @@ def _block_steps(ctx, m, nccl_self):
 
 
 def _measure(rows, op, method, graphs, call, ref_name, ref, ctx, args):
+    label, start = f"{op} {method} graphs={graphs}", time.perf_counter()
+    progress(f"{label}: warm-up ({args.warmup} calls of each; the first compiles and records)", rank=ctx.rank)
     for _ in range(args.warmup):
         call()
         ref()
+    torch.cuda.synchronize()
+    progress(f"{label}: warm-up took {time.perf_counter() - start:.1f} s; timing {args.reps} calls of each",
+             rank=ctx.rank)
     ours = _max_median(_host_us(call, ctx.group, args.reps), ctx.group)
     base = _max_median(_host_us(ref, ctx.group, args.reps), ctx.group)
     py = _py_calls(call, ctx.group, args.reps)
     rows.append({"op": op, "method": method, "eager_graphs": graphs, "host_us": ours[0], "ref": ref_name,
                  "ref_host_us": base[0], "ratio": ours[0] / base[0], "py_calls": py, "host_min_us": ours[1],
                  "host_max_us": ours[2]})
-    progress(f"{op} {method} graphs={graphs}: {ours[0]:.0f} us = {ours[0] / base[0]:.2f} x {ref_name} "
-             f"({base[0]:.0f} us), {py:.0f} Python calls", rank=ctx.rank)
+    progress(f"{label}: {ours[0]:.0f} us = {ours[0] / base[0]:.2f} x {ref_name} ({base[0]:.0f} us), {py:.0f} Python "
+             f"calls ({time.perf_counter() - start:.1f} s in all)", rank=ctx.rank)
 
 
 def make_parser() -> ArgumentParser:
