@@ -41,10 +41,10 @@ Where the scales are combined is what the promotion costs. A global load in the 
 multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA),
 so the scales come through the ring. Picked and multiplied in the consumers' K loop, ptxas placed that
 arithmetic between a group's four wgmma instructions, whose issue then waited on the shared loads: a build
-reading only the A scales ran 4-6 % faster on an H100, and the scaler warp recovered 1-3 % of it (the rest:
-its products are ready later after a slot lands; a scaler computing nothing ran 2-3 % faster still;
-the scaler probes in results/logs/one_gpu_184dd85). Row-major A scales are read four to a row (their 16-byte box) and
-the group's column picked in registers.
+reading only the A scales ran 4-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
+not explained: a scaler computing nothing ran 2-3 % faster still, and starting the scaler before the operands
+land (the scale loads on a barrier of their own) did not help (the scaler probes in results/logs/one_gpu_184dd85).
+Row-major A scales are read four to a row (their 16-byte box) and the group's column picked in registers.
 
 Registers: a kernel of 4 + 4 + 1 + 1 + 1 warps (producer, waiter, scaler) runs 384 threads, 168 registers a
 thread at launch; setmaxnreg lowers the three single warps' to 40 and raises the consumers' to 232 (their code
