@@ -41,8 +41,8 @@ Where the scales are combined is what the promotion costs. A global load in the 
 multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA),
 so the scales come through the ring. Picked and multiplied in the consumers' K loop, ptxas placed that
 arithmetic between a group's four wgmma instructions, whose issue then waited on the shared loads: a build
-reading only the A scales ran 4-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
-not explained: a scaler computing nothing ran 2-3 % faster still, and starting the scaler before the operands
+reading only the A scales ran 5-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
+not explained: a scaler computing nothing ran 2-4 % faster still, and starting the scaler before the operands
 land (the scale loads on a barrier of their own) did not help (the scaler probes in results/logs/one_gpu_184dd85).
 Row-major A scales are read four to a row (their 16-byte box) and the group's column picked in registers.
 
@@ -193,7 +193,7 @@ def _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, st
     (SCALES_DURING_MMA) or once it is done: when the consumers combined the scales themselves, the first was
     faster by 3-4 % in the whole-tile build and slower by 3-4 % in the split-tail one
     (results/logs/one_gpu_184dd85/at_55686a9_fp8_ab.txt). Waiting for the scaler before the MMA is issued
-    instead of after cost 2-3 %, reading the scales after the MMA wait in the whole-tile build 5 %."""
+    instead of after cost 3 %, reading the scales after the MMA wait in the whole-tile build 5-6 %."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]

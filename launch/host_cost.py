@@ -148,7 +148,7 @@ def _block_steps(ctx, m, nccl_self):
 
 def _measure(rows, op, method, graphs, call, ref_name, ref, ctx, args):
     label, start = f"{op} {method} graphs={graphs}", time.perf_counter()
-    progress(f"{label}: warm-up ({args.warmup} calls of each; the first compiles and records)", rank=ctx.rank)
+    progress(f"{label}: warm-up ({args.warmup} calls of each: compiles, and with eager graphs records)", rank=ctx.rank)
     for _ in range(args.warmup):
         call()
         ref()

@@ -8,6 +8,7 @@ recorded, less its `--out`: without it a launcher writes a run folder).
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -49,13 +50,18 @@ def _fp8(doc: dict) -> str:
             f"median {statistics.median(big):.2f}x bf16 cuBLAS at M >= 4096")
 
 
+def _floor(value: float) -> str:
+    """A minimum to two decimals, rounded down: "at least 0.94" must not stand for 0.9378."""
+    return f"{math.floor(value * 100) / 100:.2f}"
+
+
 def _fused(doc: dict) -> str:
     s = doc["summary"]
     bf16 = [s[v] for v in ("ag_fused", "rs_fused", "rs_epilogue_reduce")]
     text = (f"AllGather consumer median {bf16[0]['median']:.3f} of cuBLAS, ReduceScatter scatter GEMM "
             f"{bf16[1]['median']:.3f} (cuBLAS under the same SM carve-out), epilogue_reduce {bf16[2]['median']:.3f}: "
-            f"at least {min(v['min_at_m_4096'] for v in bf16):.2f} at M >= 4096, {min(v['min'] for v in bf16):.2f} "
-            "everywhere")
+            f"at least {_floor(min(v['min_at_m_4096'] for v in bf16))} at M >= 4096, "
+            f"{_floor(min(v['min'] for v in bf16))} everywhere")
     if "ag_fused_fp8" in s:
         text += f"; FP8 consumer {s['ag_fused_fp8']['median']:.3f} of `torch._scaled_mm`"
     return text

@@ -15,7 +15,7 @@ from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
-GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 worker warps)
+GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 + 1 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_gluon_walk.py GROUP_M)
 GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB of C staging > 227 KiB
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
