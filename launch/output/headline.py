@@ -52,7 +52,7 @@ def _fp8(doc: dict) -> str:
 
 def _floor(value: float) -> str:
     """A minimum to two decimals, rounded down: "at least 0.94" must not stand for 0.9378."""
-    return f"{math.floor(value * 100) / 100:.2f}"
+    return f"{math.floor(round(value * 100, 6)) / 100:.2f}"  # round first: 0.57 * 100 is 56.99999999999999
 
 
 def _fused(doc: dict) -> str:

@@ -134,3 +134,10 @@ def test_the_readme_headline_table_is_the_rendering_of_the_results():
     table = headline(ROOT / "results")
     assert table.count("\n") >= 6
     assert table in README, "the README's table is stale: python -m tp_overlap.launch.results_md --headline"
+
+
+def test_the_headline_rounds_a_minimum_down_never_up():
+    from tp_overlap.launch.output.headline import _floor
+
+    assert _floor(0.9378) == "0.93" and _floor(0.7789) == "0.77"   # "at least 0.94" would overstate 0.9378
+    assert _floor(0.57) == "0.57" and _floor(0.29) == "0.29"       # exact values stay (0.57 * 100 < 57 in floats)
