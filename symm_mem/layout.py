@@ -42,9 +42,9 @@ from .errors import PoolError
 __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
            "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
            "MISMATCH_BIT", "BOARD_GEQ", "DEFAULT_TIMEOUT_S", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
-           "CALL_FAILED_REASON",
-           "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words", "resolve_backend",
-           "encode_abort", "decode_abort", "check_spec", "check_timeout", "check_word", "check_same_shape", "layout_difference"]
+           "CALL_FAILED_REASON", "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words",
+           "gpu_identity", "resolve_backend", "encode_abort", "decode_abort", "check_spec", "check_timeout",
+           "check_word", "check_same_shape", "layout_difference"]
 
 ALIGN_BYTES = 256
 ERROR_CODE_WORD = 0
@@ -137,6 +137,11 @@ def check_timeout(timeout_s) -> float:
             or timeout_s <= 0:
         raise PoolError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
     return float(timeout_s)
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """What tells one GPU from another across processes (its UUID); None off CUDA."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
 
 
 def check_same_shape(shapes: list) -> None:

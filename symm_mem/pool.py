@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import _waits
 from .layout import (ABORT_WORD, DEFAULT_TIMEOUT_S, ERROR_CODE_WORD, FIRST_FLAG_WORD, PoolStats, Region, align,
-                      check_same_shape, check_spec, check_timeout, check_word, resolve_backend)
+                      check_same_shape, check_spec, check_timeout, check_word, gpu_identity, resolve_backend)
 from .control import ControlPages
 from .failures import PoolFailures
 from .errors import PeerLostError, PoolCapacityError, PoolClosedError, PoolError
@@ -46,8 +46,8 @@ class SymmetricPool(PoolFailures):
     Creation, barriers and waits are bounded by `timeout_s` (DEFAULT_TIMEOUT_S unless given; the pools tp_overlap
     builds pass OVERLAP_TIMEOUT_S, docs/CONFIGURATION.md); `reserve` and the views are local and must be
     called with the same arguments in the same order on every rank, so that offsets agree. Views handed
-    out (`reserve`, `peer`, `signals`) are valid until `close()`.
-    """
+    out (`reserve`, `peer`, `signals`) are valid until `close()`. `shares_gpu`: another rank's memory is on this
+    GPU (tests, one-GPU machines), where copies between ranks run on SMs, not copy engines."""
 
     def __init__(self, size_bytes: int, *, group: dist.ProcessGroup, backend: str = "auto",
                  device: torch.device | str | None = None, num_signal_words: int = 1024,
@@ -78,10 +78,11 @@ class SymmetricPool(PoolFailures):
         self._rendezvous = Rendezvous(group, timeout_s=self.timeout_s)
         try:
             shape = (self.arena_bytes, num_signal_words, num_device_words, self.backend_name)
-            created = self._rendezvous.exchange((os.getpid(), shape), what="pool creation")
-            self.peer_pids = tuple(pid for pid, _ in created)
+            created = self._rendezvous.exchange((os.getpid(), shape, gpu_identity(self.device)), what="pool creation")
+            self.peer_pids = tuple(pid for pid, _, _ in created)
             self._rendezvous.peer_pids = self.peer_pids
-            check_same_shape([theirs for _, theirs in created])
+            check_same_shape([theirs for _, theirs, _ in created])
+            self.shares_gpu = self.device.type == "cuda" and [g for *_, g in created].count(created[self.rank][2]) > 1
             self._control = ControlPages(num_signal_words, self._rendezvous, self.device)
             self._allocations += 1
             self._backend = self._make_backend(self.arena_bytes + 4 * num_device_words)
@@ -174,8 +175,7 @@ class SymmetricPool(PoolFailures):
         self._regions[name] = Region(name, offset, shape, dtype, nbytes, self._next_control, num_signals,
                                      self._next_device, num_device_flags)
         self._arena_used = offset + nbytes
-        self._next_control += num_signals
-        self._next_device += num_device_flags
+        self._next_control, self._next_device = self._next_control + num_signals, self._next_device + num_device_flags
         return self.peer(name, self.rank)
 
     def release(self, name: str) -> None:

@@ -62,7 +62,8 @@ class AgGemmConfig:
     """AllGather+GEMM. method: `decomposed` (cuBLAS consumer: one GEMM per arriving chunk, or with
     lead_fraction f > 0 a lead GEMM over f of the local rows and one GEMM over the rest) or `fused` (one
     persistent Triton GEMM whose tiles wait for their chunk's flag). sm_margin: SMs the consumer leaves
-    free (cuBLAS carveout / fewer Triton programs); chunks_per_rank: pieces each rank's shard is pulled in;
+    free (cuBLAS carveout / fewer Triton programs; `fused` leaves at least 1 where ranks share a GPU, whose
+    same-device pulls run on SMs); chunks_per_rank: pieces each rank's shard is pulled in;
     comm_stream_priority: priority of the side streams (lower is higher)."""
     method: str = "decomposed"
     sm_margin: int = 0

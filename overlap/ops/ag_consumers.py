@@ -77,9 +77,12 @@ class AgConsumers:
         return mm
 
     def _fused_consumer(self, program: Program, key, chunks, config, *, lead: bool) -> None:
+        """Ranks sharing one GPU pull each other's rows by same-device copies, which run on SMs: a consumer
+        holding every SM (a Gluon program takes a whole one) would poll for rows whose copy cannot start, so
+        there it leaves at least one SM free."""
         m = key.m
         rows = m // self.world_size
-        programs = self.num_sms - config.sm_margin
+        programs = self.num_sms - max(config.sm_margin, int(self.pool.shares_gpu))
         wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
                          error_words=self.pool.error_words(),
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)

@@ -519,6 +519,8 @@ def _checks(rank, world, full):
             for rows in (100, 256):
                 c.run(f"ag_gemm {method} lead={lead} chunks={chunks} M/W={rows}",
                       lambda m=method, l=lead, ch=chunks, r=rows: _ag_case(c, pool, m, l, ch, r, 264, 136))
+        # more tiles than SMs: ranks sharing the GPU pull by same-device copies, which need an SM the consumer left
+        c.run("ag_gemm fused filling every SM", lambda: _ag_case(c, pool, "fused", 0.0, 2, 2048 // world, 264, 4096))
         c.run("ag_gemm decomposed without eager graphs",
               lambda: _ag_case(c, pool, "decomposed", 0.5, 1, 100, 264, 136, eager_graphs=False))
         rs_cases = [("fused", 100, dict(margin=16, comm=8)), ("epilogue_reduce", 256, dict(comm=0)),
