@@ -77,6 +77,8 @@ SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignmen
 PAIRED_ROWS = gl.constexpr(gl.SharedLinearLayout([[8], [1], [2], [4], [16], [32], [64]]))  # a slot: 128 rows
 PAIRED_HALF = gl.constexpr(gl.SharedLinearLayout([[8], [1], [2], [4], [16], [32]]))  # a consumer's 64 of them
 SCALER_ROWS = gl.constexpr(gl.DistributedLinearLayout([[8], [1]], [[2], [4], [16], [32], [64]], [], [], [128]))
+SCALER_BOXES = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [1, 0]],
+                                                       [[2, 0], [4, 0], [16, 0], [32, 0], [64, 0]], [], [], [128, 4]))
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -145,15 +147,12 @@ def _release(empty, slot):
 def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
     """The group's scale of each of the tile's rows (a_scale * b_scale), from ring slot `slot` (rows past M read
     0: their products are never stored): 4 rows a lane of the scaler warp."""
-    # loaded in row order (conflict-free 16-byte loads), then into PAIRED_ROWS order by warp shuffles
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
-        a_scale = a_scale_bufs.index(slot).load(gl.BlockedLayout([4], [32], [1], [0]))
+        a_scale = a_scale_bufs.index(slot).load(SCALER_ROWS)
     else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
-        boxes_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [1, 1], [1, 0])
-        boxes = a_scale_bufs.index(slot).load(boxes_layout)
-        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, boxes_layout)) == k % B_SCALE_BOX
-        a_scale = gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1)
-    a_scale = gl.convert_layout(a_scale, SCALER_ROWS)
+        boxes = a_scale_bufs.index(slot).load(SCALER_BOXES)
+        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, SCALER_BOXES)) == k % B_SCALE_BOX
+        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), SCALER_ROWS)
     box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [1], [0])
     b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
