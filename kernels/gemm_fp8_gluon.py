@@ -71,14 +71,6 @@ SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale gr
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
 B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
 SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignment of TMA's shared-memory writes
-# The scaler's row scales are stored in the order the consumers read them: a wgmma accumulator thread holds rows r
-# and r + 8, which sit side by side (one 8-byte load); offset bit k of a slot holds row bit PAIRED_ROWS[k], and
-# each lane of the scaler holds 4 neighbouring offsets (one 16-byte store).
-PAIRED_ROWS = gl.constexpr(gl.SharedLinearLayout([[8], [1], [2], [4], [16], [32], [64]]))  # a slot: 128 rows
-PAIRED_HALF = gl.constexpr(gl.SharedLinearLayout([[8], [1], [2], [4], [16], [32]]))  # a consumer's 64 of them
-SCALER_ROWS = gl.constexpr(gl.DistributedLinearLayout([[8], [1]], [[2], [4], [16], [32], [64]], [], [], [128]))
-SCALER_BOXES = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [8, 0], [1, 0]],
-                                                       [[2, 0], [4, 0], [16, 0], [32, 0], [64, 0]], [], [], [128, 4]))
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -147,12 +139,14 @@ def _release(empty, slot):
 def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
     """The group's scale of each of the tile's rows (a_scale * b_scale), from ring slot `slot` (rows past M read
     0: their products are never stored): 4 rows a lane of the scaler warp."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 rows
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
-        a_scale = a_scale_bufs.index(slot).load(SCALER_ROWS)
+        a_scale = a_scale_bufs.index(slot).load(rows_layout)
     else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
-        boxes = a_scale_bufs.index(slot).load(SCALER_BOXES)
-        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, SCALER_BOXES)) == k % B_SCALE_BOX
-        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), SCALER_ROWS)
+        boxes_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [1, 1], [1, 0])
+        boxes = a_scale_bufs.index(slot).load(boxes_layout)
+        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, boxes_layout)) == k % B_SCALE_BOX
+        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), rows_layout)
     box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [1], [0])
     b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
@@ -179,19 +173,10 @@ def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scal
         for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            scale_bufs.index(slot)._reinterpret(gl.float32, [BLOCK_M], PAIRED_ROWS).store(
-                _tile_scales(a_scale_bufs, b_scale_bufs, slot, k))
+            scale_bufs.index(slot).store(_tile_scales(a_scale_bufs, b_scale_bufs, slot, k))
             _barrier()  # every lane's products are stored before the single-thread arrival
             mbarrier.arrive(scaled.index(slot))
             step += 1
-
-
-@gluon.jit
-def _half_scales(scale_bufs, slot, HALF: gl.constexpr, mma_layout: gl.constexpr):
-    """This warpgroup's 64 row scales of ring slot `slot`, one per accumulator row (PAIRED_ROWS order)."""
-    WG_M: gl.constexpr = scale_bufs.type.shape[1] // 2
-    half = scale_bufs.index(slot).slice(HALF * WG_M, WG_M)._reinterpret(gl.float32, [WG_M], PAIRED_HALF)
-    return half.load(gl.SliceLayout(1, mma_layout))
 
 
 @gluon.jit
@@ -223,10 +208,10 @@ def _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, st
         product = _issue_mma(a_bufs, b_bufs, slot, product, HALF)
         mbarrier.wait(scaled.index(slot), phase)  # the scaler warp's products of this group
         if SCALES_DURING_MMA:
-            scale = _half_scales(scale_bufs, slot, HALF, mma_layout)
+            scale = scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(gl.SliceLayout(1, mma_layout))
         product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
         if not SCALES_DURING_MMA:
-            scale = _half_scales(scale_bufs, slot, HALF, mma_layout)
+            scale = scale_bufs.index(slot).slice(HALF * WG_M, WG_M).load(gl.SliceLayout(1, mma_layout))
         _release(empty, slot)
         acc = _promote(acc, product, scale)
     return acc
