@@ -44,6 +44,9 @@ arithmetic between a group's four wgmma instructions, whose issue then waited on
 reading only the A scales ran 5-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
 not explained: a scaler computing nothing ran 2-4 % faster still, and starting the scaler before the operands
 land (the scale loads on a barrier of their own) did not help (the scaler probes in results/logs/one_gpu_184dd85).
+The kernel runs near the L2's throughput (ncu: 82 %) and feels shared-memory traffic: consumers reading their
+scales twice ran 1.3-2 % slower, yet storing them in the consumers' pair order (one 8-byte read instead of two)
+ran 1-4 % slower.
 Row-major A scales are read four to a row (their 16-byte box) and the group's column picked in registers.
 
 Registers: a kernel of 4 + 4 + 1 + 1 + 1 warps (producer, waiter, scaler) runs 384 threads, 168 registers a
