@@ -226,7 +226,21 @@ def _wait_for_sibling_ranks(timeout_s: float = SIBLING_WAIT_S) -> None:
 
 
 def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> int:
-    """Parse, run `body(args)`, and turn any error into one line and an exit status (module docstring)."""
+    """Parse, run `body(args)`, and turn any error into one line and an exit status (module docstring).
+
+    A torchrun rank run as a program (`argv` None) leaves here by `os._exit` once its output is flushed, its
+    work, files and process group all closed: C++ threads of torch.distributed torn down during interpreter
+    exit have aborted a finished rank now and then ("terminate called without an active exception", SIGABRT),
+    which fails the whole job after a good run."""
+    status = _run_launcher(prog, parse_args, body, argv)
+    if argv is None and under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(status or 0))
+    return status
+
+
+def _run_launcher(prog: str, parse_args: Callable, body: Callable, argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     rank = env_rank()

@@ -108,6 +108,32 @@ def test_run_launcher_prints_one_line_and_picks_the_exit_status(capsys, monkeypa
     assert "Traceback" in err and err.splitlines()[-1] == "prog: ZeroDivisionError: division by zero"
 
 
+def test_a_torchrun_rank_run_as_a_program_exits_by_os_exit_after_flushing(capsys, monkeypatch):
+    exits = []
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(status):
+        exits.append((status, capsys.readouterr().out))
+        raise Exited
+
+    monkeypatch.setattr(_cli.os, "_exit", fake_exit)
+    monkeypatch.setattr(_cli.sys, "argv", ["prog"])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(Exited):
+        _cli.run_launcher("prog", lambda argv: argv, lambda args: print("done") or 0)
+    with pytest.raises(Exited):
+        _cli.run_launcher("prog", lambda argv: argv, lambda args: 1 / 0)
+    assert exits == [(0, "done\n"), (1, "")]
+    # in-process calls (argv given) and runs outside torchrun return their status
+    assert _cli.run_launcher("prog", lambda argv: argv, lambda args: 0, []) == 0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert _cli.run_launcher("prog", lambda argv: argv, lambda args: 3) == 3
+    assert len(exits) == 2
+
+
 def test_run_dir_is_new_per_call_and_under_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first, second = _cli.run_dir("tp_mlp"), _cli.run_dir("tp_mlp")
