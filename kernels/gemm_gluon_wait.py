@@ -65,9 +65,11 @@ def _lane0_atomic_read(ptr, lane):
 
 @gluon.jit
 def _lanes_acquire(ptr, lane):
-    """Every lane loads *ptr with acquire semantics (scope sys): one coalesced request for the warp."""
-    gl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr + lane * 0], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    """Every lane loads *ptr with acquire semantics (scope sys): one coalesced request for the warp; the value
+    (the same in every lane)."""
+    seen = gl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr + lane * 0],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+    return gl.max(seen, axis=0)
 
 
 @gluon.jit
@@ -121,10 +123,13 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready, known):
             bit = (1 << (chunk % KNOWN_CHUNKS)) * (chunk < KNOWN_CHUNKS)
             # an owner's trailing chunks can be empty (9 rows in 4 chunks of 3): nobody signals those
             if ready & ((chunk % chunks_per_rank) * rows_per_chunk < rows_per_rank) & ((known & bit) == 0):
-                ready = await_flag(flags + chunk, SET_FLAG, error_code_base + chunk, error_ptr, timeout_ns, lane)
                 fresh = True
-                if ready:  # every lane acquires once itself (see Ordering): one load for the warp, not 32 atomics
-                    _lanes_acquire(flags + chunk, lane)
+                # every lane acquires once itself (see Ordering): set already, that load was it
+                if _lanes_acquire(flags + chunk, lane) != SET_FLAG:
+                    ready = await_flag(flags + chunk, SET_FLAG, error_code_base + chunk, error_ptr, timeout_ns, lane)
+                    if ready:
+                        _lanes_acquire(flags + chunk, lane)
+                if ready:
                     known = known | bit
     if fresh:  # the async proxy sees what was acquired (once per acquisition: later tiles are ordered after it)
         gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [lane], dtype=gl.int32,
