@@ -20,8 +20,10 @@ for the warp), then ``fence.proxy.async.global`` orders the generic-proxy view b
 loads; the hand-over (mbarrier arrive: release at CTA scope; the producer's wait: acquire) carries that order to
 the producer warp, whose TMA loads follow it. A flag stays set for the whole launch, so a program acquires each
 chunk once: the waiter keeps a bit per chunk it has acquired (the first KNOWN_CHUNKS) and neither polls nor
-fences again for later tiles of those rows. Polling every tile's chunks, each lane acquiring by an atomic, ran
-0-0.9 % slower on an H100 with every flag set (results/logs/one_gpu_184dd85/at_0828271_wait_ab.txt).
+fences again for later tiles of those rows, and a chunk's first check is that acquire load, the atomic poll
+only for a flag not yet set. Polling every tile's chunks, each lane acquiring by an atomic, ran 0-0.9 % slower
+on an H100 with every flag set, and the atomic first check 0-0.6 % (results/logs/one_gpu_184dd85,
+at_0828271_wait_ab.txt, at_327cde7_wait_ab.txt).
 
 Failure: an expired wait records ``error_code_base + chunk`` (a flag holding another nonzero value records a
 mismatch) in the pool's control page and returns False. The producer cannot skip the tile (the consumers
