@@ -78,13 +78,20 @@ def _store_owners(out_smem, dst_descs, first_row, first_col, M, rows_per_rank):
 def _store_later_owners(acc, out_smem, first_row, first_col, M, N, scatter_args):
     """The rows of a straddling slab past its first owner's: masked stores from the registers into each later
     owner's slab of this source (rare: at most one slab per owner boundary and column block)."""
+    _store_rows(acc, out_smem, first_row, first_col, first_row // scatter_args[0] + 1, M, N, scatter_args)
+
+
+@gluon.jit
+def _store_rows(acc, out_smem, first_row, first_col, first_owner, M, N, scatter_args):
+    """Masked stores of a 64-row slab `acc` (registers, stored in `out_smem`'s dtype) at (first_row, first_col)
+    into the owners' slabs of this source, from owner `first_owner` to the owner of the slab's last row."""
     rows_per_rank, src_rank, _, _, _, dst_ptrs = scatter_args
     layout: gl.constexpr = acc.type.layout
     last_row = gl.minimum(first_row + WG_M, M) - 1
     rows = first_row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
     cols = first_col + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, layout))
     values = acc.to(out_smem.dtype)
-    for owner in range(first_row // rows_per_rank + 1, last_row // rows_per_rank + 1):
+    for owner in range(first_owner, last_row // rows_per_rank + 1):
         lo = owner * rows_per_rank
         base = gl.load(dst_ptrs + owner).to(gl.pointer_type(out_smem.dtype))
         slot_rows = (src_rank * rows_per_rank + rows - lo).to(gl.int64)

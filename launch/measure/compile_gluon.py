@@ -125,6 +125,8 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: 
 
     bn, bk = blocks.block_n, blocks.block_k
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
+    if blocks.gluon_boxes:
+        return _compile_gluon_scatter_boxes_gemm(blocks, b_transposed=b_transposed, arch=arch)
     types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]),
                  **{f"dst{owner}": desc([64, bn]) for owner in range(8)},
                  **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "num_whole_tiles", "splits",
@@ -133,6 +135,24 @@ def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: 
                  flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
     return compile_gluon(gluon_scatter_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
+
+
+def _compile_gluon_scatter_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int):
+    """kernels/gemm_gluon_scatter_boxes.py as overlap/gemm/gluon_launch.py launches it: A [128, BLOCK_K], B in
+    boxes of BN0 and BN1 columns, one [64, BN0] descriptor per owner's slab."""
+    from tp_overlap.kernels.gemm_gluon_scatter_boxes import gluon_scatter_boxes_gemm_kernel
+    from tp_overlap.gemm.launch import tma_shared_layout
+
+    bk, (bn0, bn1) = blocks.block_k, blocks.gluon_boxes
+    desc = functools.partial(_gluon_descriptor, tma_shared_layout, "bf16")
+    types = dict(a_desc=desc([128, bk]), **{f"b{i}_desc": desc([bn, bk] if b_transposed else [bk, bn])
+                                            for i, bn in enumerate((bn0, bn1))},
+                 **{f"dst{owner}": desc([64, bn0]) for owner in range(8)},
+                 **{name: "i32" for name in ("M", "N", "K", "tile_row_offset", "rows_per_rank", "src_rank",
+                                             "flags_per_source")},
+                 flag_ptrs="*i64:16", tile_counters="*i32:16", dst_ptrs="*i64:16")
+    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40)
+    return compile_gluon(gluon_scatter_boxes_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
 def compile_gluon_reduce_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90):

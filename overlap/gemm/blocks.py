@@ -27,7 +27,6 @@ FP8: kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -39,9 +38,9 @@ from tp_overlap.ipc.errors import OverlapError
 from tp_overlap.kernels.constants import ROW_BLOCK_M
 
 __all__ = ["GemmBlocks", "BlockTable", "BlockTableEntry", "BlockTableError", "choose_blocks", "heuristic_blocks",
-           "fused_gluon_blocks", "gluon_heuristic_blocks", "load_block_table", "block_table_path", "block_table_name",
+           "gluon_heuristic_blocks", "wave_efficiency", "load_block_table", "block_table_path", "block_table_name",
            "gpu_slug", "stream_k_tiles", "shared_memory_bytes", "LAYOUTS", "DEFAULT_GPU", "SHARED_MEMORY_LIMIT",
-           "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M"]
+           "SHARED_MEMORY_PER_SM", "PLAIN_BLOCK_M", "cdiv"]
 
 LAYOUTS = ("kn", "nk")          # B row-major [K, N] | B = w.t() of a row-major [N, K]
 DEFAULT_GPU = "h200"            # the table callers get when they do not name a GPU
@@ -202,19 +201,19 @@ def stream_k_tiles(num_tiles: int, num_programs: int, waves: int) -> int:
     return min(num_tiles, num_tiles % num_programs + (waves - 1) * num_programs)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _wave_efficiency(tiles: int, sm_count: int) -> float:
+def wave_efficiency(tiles: int, sm_count: int) -> float:
     """Busy fraction of the programs over all waves of a persistent grid of `sm_count` programs."""
-    return tiles / (_cdiv(tiles, sm_count) * sm_count)
+    return tiles / (cdiv(tiles, sm_count) * sm_count)
 
 
 def _narrow_fills_better(m: int, n: int, sm_count: int) -> bool:
     """The heuristics' rule: 128x128 tiles fill the last wave of `sm_count` programs clearly better than 128x256."""
-    wide = _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 256), sm_count)
-    return _wave_efficiency(_cdiv(m, 128) * _cdiv(n, 128), sm_count) > wide + WAVE_MARGIN
+    wide = wave_efficiency(cdiv(m, 128) * cdiv(n, 256), sm_count)
+    return wave_efficiency(cdiv(m, 128) * cdiv(n, 128), sm_count) > wide + WAVE_MARGIN
 
 
 # The Gluon heuristic of a GPU without a table (the table's most frequent Gluon entries on an H200)
@@ -225,33 +224,8 @@ def gluon_heuristic_blocks(m: int, n: int, *, sm_count: int = 132, split_tail: b
     """`heuristic_blocks`' rule on the Gluon kernel: 128x256 tiles unless 128x128 fill the last wave of `sm_count`
     programs clearly better; with a split tail (the last wave cut by K), 128x256 where they fill two waves."""
     if split_tail:
-        return GemmBlocks.parse(GLUON_WIDE if _cdiv(m, 128) * _cdiv(n, 256) >= 2 * sm_count else GLUON_NARROW)
+        return GemmBlocks.parse(GLUON_WIDE if cdiv(m, 128) * cdiv(n, 256) >= 2 * sm_count else GLUON_NARROW)
     return GemmBlocks.parse(GLUON_NARROW if _narrow_fills_better(m, n, sm_count) else GLUON_WIDE)
-
-
-def fused_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, sm_count: int,
-                       block_m: int | None = None, table: BlockTable | None = None,
-                       split_tail: bool = False) -> GemmBlocks:
-    """Blocks of the fused ops' Gluon GEMMs on a GPU (the AllGather consumer, whose waiter warp polls the
-    chunks; the scatter epilogue, `block_m` 128: one row-block flag per tile). The table's entry where it
-    names a one-box Gluon configuration (of `block_m` rows if given), unless `sm_count` is below the SMs the
-    table measured and the heuristic's tiles fill the last wave of those programs clearly better; else
-    `gluon_heuristic_blocks`. The entry's split tail (`sk1`) is dropped unless `split_tail` (a caller with a
-    workspace of its own: gluon_launch.split_buffers), which also adds one where the table did not measure this
-    grid (fewer programs, e.g. an sm_margin, or no entry): split_plan decides per launch whether it pays."""
-    table = table if table is not None else load_block_table(gpu) if gpu else None
-    entry = table.lookup(m, n, k, "nk" if b_transposed else "kn") if table is not None else None
-    if entry is None or not entry.blocks.gluon or entry.blocks.gluon_boxes or \
-            block_m not in (None, entry.blocks.block_m):
-        chosen = gluon_heuristic_blocks(m, n, sm_count=sm_count, split_tail=split_tail)
-    elif sm_count >= table.num_sms:  # as the table measured it
-        return entry.blocks if split_tail else dataclasses.replace(entry.blocks, stream_k=0)
-    else:  # the table measured every SM; on fewer programs (an sm_margin) its last wave may leave many idle
-        chosen, other = entry.blocks, gluon_heuristic_blocks(m, n, sm_count=sm_count)
-        fill = _wave_efficiency(_cdiv(m, chosen.block_m) * _cdiv(n, chosen.block_n), sm_count)
-        if _wave_efficiency(_cdiv(m, 128) * _cdiv(n, other.block_n), sm_count) > fill + WAVE_MARGIN:
-            chosen = other
-    return dataclasses.replace(chosen, stream_k=1 if split_tail else 0)
 
 
 def heuristic_blocks(m: int, n: int, k: int, *, warp_specialize: bool = True, sm_count: int = 132) -> GemmBlocks:

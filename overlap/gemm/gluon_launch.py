@@ -26,8 +26,8 @@ SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
 
 __all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
-           "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter", "reduce_descriptors",
-           "launch_gluon_scatter_reduce"]
+           "modelled_seconds", "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter",
+           "reduce_descriptors", "launch_gluon_scatter_reduce"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -48,11 +48,19 @@ def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int, max_ite
     in all (a caller's fixed workspace). `split_build_slowdown`: how much slower every tile runs in a launch
     that cuts a tail, for a kernel whose whole-tile launches run a build without the split path (FP8)."""
     tail = tiles % programs
-    if tail == 0 or k_steps < 2:
-        return tiles, 1
+    _, splits = _planned(tiles, programs, k_steps, tile_flops, max_items, split_build_slowdown)
+    return (tiles - tail, splits) if splits > 1 else (tiles, 1)
+
+
+def _planned(tiles: int, programs: int, k_steps: int, tile_flops: int, max_items: int | None = None,
+             split_build_slowdown: float = 0.0) -> tuple[float, int]:
+    """(modelled seconds, splits) of `split_plan`'s best plan."""
+    tail = tiles % programs
     tile_s = tile_flops / SM_FLOPS
     full_waves_s = tiles // programs * tile_s
-    best_s, best = full_waves_s + tile_s, 1
+    best_s, best = full_waves_s + (tile_s if tail else 0.0), 1
+    if tail == 0 or k_steps < 2:
+        return best_s, best
     for splits in range(2, min(GLUON_MAX_SPLITS, k_steps) + 1):
         if max_items is not None and tail * splits > max_items:
             break
@@ -61,7 +69,18 @@ def split_plan(tiles: int, programs: int, k_steps: int, tile_flops: int, max_ite
         seconds = (full_waves_s + tail_s) * (1 + split_build_slowdown)
         if seconds < best_s:
             best_s, best = seconds, splits
-    return (tiles - tail, best) if best > 1 else (tiles, 1)
+    return best_s, best
+
+
+def modelled_seconds(blocks: GemmBlocks, m: int, n: int, k: int, programs: int) -> float:
+    """`split_plan`'s cost model of a whole bf16 launch on `programs` programs: whole rounds of tiles, the last
+    partial one cut by K where `blocks` has `sk1` and cutting pays (what the fused ops' block choice compares
+    tile widths by: gemm/fused_blocks.py `fused_gluon_blocks`)."""
+    tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
+    tile_flops = 2 * blocks.block_m * blocks.block_n * k
+    if blocks.stream_k:
+        return _planned(tiles, programs, -(-k // blocks.block_k), tile_flops)[0]
+    return -(-tiles // programs) * tile_flops / SM_FLOPS
 
 
 @functools.cache
@@ -168,12 +187,14 @@ def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int
 def scatter_descriptors(slabs: list[torch.Tensor], blocks: GemmBlocks) -> tuple | None:
     """The host TMA descriptors of this source's slab [rows_per_rank, N] in every owner's partials buffer (in
     owner order), in [64, BLOCK_N] boxes; None when TMA cannot write one of them, or for more than
-    MAX_SCATTER_OWNERS owners (the caller runs the @triton.jit scatter). Built once per plan: the slabs are
-    pool memory."""
+    MAX_SCATTER_OWNERS owners (the caller runs the @triton.jit scatter); with two B boxes (`gluon_boxes`) in
+    [64, BN0] boxes (the first box's columns: kernels/gemm_gluon_scatter_boxes.py). Built once per plan: the
+    slabs are pool memory."""
     if len(slabs) > MAX_SCATTER_OWNERS or \
             tma_row_problems(tuple((f"slab {owner}", slab) for owner, slab in enumerate(slabs))):
         return None
-    return tuple(tma_descriptor(slab, (64, blocks.block_n)) for slab in slabs)
+    width = blocks.gluon_boxes[0] if blocks.gluon_boxes else blocks.block_n
+    return tuple(tma_descriptor(slab, (64, width)) for slab in slabs)
 
 
 def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple, scatter: Scatter, blocks: GemmBlocks,
@@ -181,13 +202,17 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
                          split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """a [M, K] @ w [K, N] (row-major, or the transpose view of a row-major [N, K]) scattered by
     kernels/gemm_gluon_scatter.py into the owners' slabs (`scatter_descriptors`), each finished 128-row block
-    published on the owners' flags (`scatter`), on the current stream. `blocks`: one-box Gluon, BLOCK_M 128;
-    with `sk1`, the last partial wave cut by K as `launch_gluon_gemm` cuts it (`split_buffers` likewise)."""
+    published on the owners' flags (`scatter`), on the current stream. `blocks`: Gluon, BLOCK_M 128; with
+    `sk1`, the last partial wave cut by K as `launch_gluon_gemm` cuts it (`split_buffers` likewise); with two B
+    boxes (`gluon_boxes`: a width that is not a power of two), kernels/gemm_gluon_scatter_boxes.py, whole tiles."""
     from tp_overlap.kernels.gemm_gluon_scatter import gluon_scatter_gemm_kernel
 
     m, k = a.shape
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
+    if blocks.gluon_boxes:
+        _launch_scatter_boxes(a, b, b_transposed, descriptors, scatter, blocks, num_programs, tile_row_offset)
+        return
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     b_box = (blocks.block_n, bk) if b_transposed else (bk, blocks.block_n)
     owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
@@ -196,6 +221,24 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
         workspace, counters, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters,
         scatter.flags_per_source, scatter.dst_ptrs, chunk_args(None, a.device), NUM_STAGES=blocks.num_stages,
         B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
+
+
+def _launch_scatter_boxes(a, b, b_transposed, descriptors: tuple, scatter: Scatter, blocks: GemmBlocks,
+                          num_programs: int, tile_row_offset: int) -> None:
+    """kernels/gemm_gluon_scatter_boxes.py: `launch_gluon_scatter` for blocks whose tile is two B boxes wide."""
+    from tp_overlap.kernels.gemm_gluon_scatter_boxes import gluon_scatter_boxes_gemm_kernel
+
+    m, k = a.shape
+    n, bk = b.shape[0] if b_transposed else b.shape[1], blocks.block_k
+    bn0, bn1 = blocks.gluon_boxes
+    boxes = ((bn0, bk), (bn1, bk)) if b_transposed else ((bk, bn0), (bk, bn1))
+    tiles = -(-m // 128) * -(-n // blocks.block_n)
+    owners = (*descriptors, *descriptors[:1] * (MAX_SCATTER_OWNERS - len(descriptors)))  # past W: never used
+    gluon_scatter_boxes_gemm_kernel[(max(1, min(tiles, num_programs)),)](
+        tma_descriptor(a, (128, bk)), tma_descriptor(b, boxes[0]), tma_descriptor(b, boxes[1]), *owners, m, n, k,
+        tile_row_offset, scatter.rows_per_rank, scatter.src_rank, scatter.flag_ptrs, scatter.tile_counters,
+        scatter.flags_per_source, scatter.dst_ptrs, NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
+        num_warps=GLUON_NUM_WARPS)
 
 
 def reduce_descriptors(own_slots: torch.Tensor, blocks: GemmBlocks):

@@ -13,7 +13,7 @@ import torch
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
-from ..gemm.blocks import fused_gluon_blocks
+from ..gemm.fused_blocks import fused_gluon_blocks
 from ..gemm.fp8 import choose_fp8_blocks, fp8_default_blocks
 from ..gemm.fp8_gluon_launch import gluon_operand_problems as fp8_operand_problems, launch_fp8_gluon_gemm
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm

@@ -11,7 +11,7 @@ import dataclasses
 from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
 
 from ..gemm import Scatter, choose_blocks, launch_gemm
-from ..gemm.blocks import fused_gluon_blocks
+from ..gemm.fused_blocks import fused_gluon_blocks
 from ..gemm.gluon_launch import (gluon_operand_problems, launch_gluon_gemm, launch_gluon_scatter,
                                  launch_gluon_scatter_reduce, reduce_descriptors, scatter_descriptors)
 from ..gemm.launch import b_operand, tma_row_problems
@@ -23,9 +23,10 @@ def scatter_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str
     """The Gluon blocks of the `fused` scatter GEMM (and of its `compute_alone`): 128-row tiles (a row-block
     flag each) and a split tail where it pays (`fused_gluon_blocks(split_tail=True)`: an sm_margin leaves the
     last wave of the table's tiles partial; on an H100 at M = 1024, 128x128 tiles on 116 programs ran at
-    0.79-0.87 of cuBLASLt under the same carve-out whole, 0.79-0.97 with the tail split)."""
+    0.79-0.87 of cuBLASLt under the same carve-out whole, 0.79-0.97 with the tail split), or tiles two B boxes
+    wide where they fill whole waves that much sooner (`boxes`: kernels/gemm_gluon_scatter_boxes.py)."""
     return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, block_m=ROW_BLOCK_M,
-                              split_tail=True)
+                              split_tail=True, boxes=True)
 
 
 def reduce_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):

@@ -10,7 +10,7 @@ owner's rows of A @ W bitwise as the Gluon GEMM without scatter computes them, e
 holds M and no other flag was written, and the tile counters are back at zero: 2 to 8 owners, rows per rank a
 multiple of 128 and not (straddling slabs, fewer rows than a slab), both layouts, N with a column tail; split
 tails (`sk1`: every tile split, straddling slabs among them; a partial last wave split), the split counters
-back at zero too.
+back at zero too; tiles two B boxes wide (kernels/gemm_gluon_scatter_boxes.py: 144, 160, 192 columns).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ CASES = ((2, 256, 256, 256, "kn", 0, "128x128x64w4s6gl"), (8, 256, 256, 256, "nk
          (4, 300, 512, 1000, "kn", 1, "128x256x64w4s3gl"), (4, 256, 512, 1000, "nk", 3, "128x256x64w4s3gl"),
          (8, 100, 264, 136, "nk", 0, "128x128x64w4s6gl"), (2, 1000, 1024, 776, "kn", 1, "128x128x64w4s6gl"),
          (2, 100, 264, 136, "kn", 1, "128x256x64w4s3gl"), (4, 100, 2048, 1000, "nk", 2, "128x128x64w4s6sk1gl"),
-         (4, 300, 2048, 1664, "kn", 3, "128x128x64w4s6sk1gl"), (2, 512, 4096, 1024, "nk", 0, "128x256x64w4s3sk1gl"))
+         (4, 300, 2048, 1664, "kn", 3, "128x128x64w4s6sk1gl"), (2, 512, 4096, 1024, "nk", 0, "128x256x64w4s3sk1gl"),
+         (4, 300, 512, 1000, "nk", 1, "128x144x64w4s5gl"), (8, 100, 264, 136, "kn", 0, "128x160x64w4s5gl"),
+         (2, 1000, 1024, 776, "kn", 1, "128x192x64w4s4gl"), (8, 128, 1792, 4096, "nk", 6, "128x144x64w4s5gl"))
 
 
 def _cases(argv) -> tuple:

@@ -128,6 +128,18 @@ def _rs_case(c, pool, method, rows, k, n, *, margin=0, comm=0, bulk=False, fp8=F
     return f"rel={worst:.1e}"
 
 
+def _rs_boxes_case(c, pool):
+    """M = 1024, N = 4096 (TP 8's llama8b fc2, shorter K) under sm_margin 16: the scatter GEMM's 128x144 tiles (two
+    B boxes), both layouts."""
+    from tp_overlap.gemm import num_sms
+    from tp_overlap.gemm.blocks import gpu_slug
+    from tp_overlap.ops.rs_scatter import scatter_gluon_blocks
+    blocks = scatter_gluon_blocks(1024, 4096, 256, b_transposed=True, gpu=gpu_slug(torch.cuda.get_device_name()),
+                                  programs=num_sms(c.dev) - 16)
+    assert blocks.gluon_boxes, f"{blocks.name}: not two B boxes wide"
+    return f"{blocks.name} " + _rs_case(c, pool, "fused", 1024 // c.world, 256, 4096, margin=16, comm=8)
+
+
 def _captured(c, pool, kind, method, rows, k, n):
     """Calls captured in a CUDA graph, replayed with fresh inputs, eager calls in between."""
     from tp_overlap.ops.ag_gemm import AgGemm
@@ -528,6 +540,7 @@ def _checks(rank, world, full):
         for method, rows, kw in rs_cases:
             c.run(f"gemm_rs {method} M/W={rows}", lambda m=method, r=rows, kw=kw: _rs_case(c, pool, m, r, 136, 264, **kw))
         c.run("gemm_rs bulk", lambda: _rs_case(c, pool, "decomposed", 100, 136, 264, comm=4, bulk=True))
+        c.run("gemm_rs fused on tiles two B boxes wide", lambda: _rs_boxes_case(c, pool))
         for method in ("decomposed", "fused"):
             c.run(f"ag_gemm fp8 {method}", lambda m=method: _ag_case(c, pool, m, 0.0, 2, 100, 264, 136, fp8=True))
         fp8_rs = "pair" if world == 2 else "decomposed"

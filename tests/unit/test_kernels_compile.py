@@ -46,6 +46,9 @@ out["bf16 gluon scatter kn"] = resource_usage(scatter) | {"writes_complete": "cp
                                                           scatter.asm["ptx"]}
 out["bf16 gluon scatter nk"] = resource_usage(compile_gluon_scatter_gemm(GemmBlocks.parse("128x128x64w4s6gl"),
                                                                         b_transposed=True))
+boxes = compile_gluon_scatter_gemm(GemmBlocks.parse("128x144x64w4s5gl"), b_transposed=True)
+out["bf16 gluon scatter boxes 128x144 nk"] = resource_usage(boxes) | {
+    "writes_complete": "cp.async.bulk.wait_group 0;" in boxes.asm["ptx"]}
 from tp_overlap.launch.measure.compile_gluon import compile_gluon_reduce_gemm
 out["bf16 gluon reduce kn"] = resource_usage(compile_gluon_reduce_gemm(GemmBlocks.parse("128x256x64w4s3gl"),
                                                                       b_transposed=False))
@@ -77,7 +80,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
                           "fp8 gluon, row-major A scales", "fp8 gluon, whole tiles", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
                           "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn",
-                          "bf16 gluon scatter nk", "bf16 gluon reduce kn", "bf16 gluon reduce nk",
+                          "bf16 gluon scatter nk", "bf16 gluon scatter boxes 128x144 nk", "bf16 gluon reduce kn",
+                          "bf16 gluon reduce nk",
                           "gemm epilogue 0 + chunk waits",
                           "gemm epilogue 1", "gemm epilogue 2",
                           "gemm epilogue 1 + chunk waits", "reduce", "reduce (waits)", "swiglu forward",
@@ -86,7 +90,8 @@ def test_new_kernels_compile_for_sm90_without_spills():
     for name, u in usage.items():
         assert u["spill"] <= SPILL_ALLOWED.get(name, 0) and 0 < u["regs"] <= 255, (name, u)
         assert u["shared"] <= SHARED_MEMORY_LIMIT, (name, u)
-    assert usage["bf16 gluon scatter kn"]["writes_complete"], "the scatter GEMM publishes before its stores land"
+    for name in ("bf16 gluon scatter kn", "bf16 gluon scatter boxes 128x144 nk"):
+        assert usage[name]["writes_complete"], f"{name}: a row block is published before its stores land"
     assert usage["quantize_activation"]["div_rn"] and usage["quantize_weight"]["div_rn"], \
         "scales must be correctly rounded divisions"
 
