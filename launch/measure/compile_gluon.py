@@ -84,17 +84,12 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     return compile_gluon(fp8_gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
-def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16",
-                       chunk_wait: bool = False):
+def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
     """The Gluon bf16/fp16 GEMM (kernels/gemm_gluon.py) as overlap/gemm/gluon_launch.py launches it: host
-    descriptors of A [128, BLOCK_K], B [BLOCK_K, BLOCK_N] (or [BLOCK_N, BLOCK_K] transposed), C [64, BLOCK_N];
-    B in boxes (`gluon_boxes`): kernels/gemm_gluon_boxes.py, or gemm_gluon_wait_boxes.py for three boxes or
-    `chunk_wait` (the AllGather consumer; the one-box kernel has its waiter warp in every build)."""
+    descriptors of A [128, BLOCK_K], B [BLOCK_K, BLOCK_N] (or [BLOCK_N, BLOCK_K] transposed), C [64, BLOCK_N]."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
     from tp_overlap.gemm.launch import tma_shared_layout
 
-    if blocks.gluon_boxes and (chunk_wait or len(blocks.gluon_boxes) == 3):
-        return _compile_gluon_wait_boxes_gemm(blocks, b_transposed=b_transposed, arch=arch, dtype=dtype)
     if blocks.gluon_boxes:
         return _compile_gluon_boxes_gemm(blocks, b_transposed=b_transposed, arch=arch, dtype=dtype)
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
@@ -120,25 +115,6 @@ def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: i
         types |= {f"b{i}_desc": desc([bn, bk] if b_transposed else [bk, bn]), f"c{i}_desc": desc([64, bn])}
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed)
     return compile_gluon(gluon_boxes_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
-
-
-def _compile_gluon_wait_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int, dtype: str):
-    """kernels/gemm_gluon_wait_boxes.py as overlap/gemm/gluon_launch.py launches it: A [128, BLOCK_K], B and C in
-    two or three boxes (the third None for two), the chunk arguments."""
-    from tp_overlap.kernels.gemm_gluon_wait_boxes import gluon_wait_boxes_gemm_kernel
-    from tp_overlap.gemm.launch import tma_shared_layout
-
-    bk, widths = blocks.block_k, blocks.gluon_boxes
-    desc = functools.partial(_gluon_descriptor, tma_shared_layout, dtype)
-    types = dict(a_desc=desc([128, bk]), M="i32", N="i32", K="i32", tile_row_offset="i32",
-                 chunk_args=_GLUON_CHUNK_ARGS)
-    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, LOAD_REGS=40,
-                      b2_desc=None, c2_desc=None)
-    for i, bn in enumerate(widths):
-        types |= {f"b{i}_desc": desc([bn, bk] if b_transposed else [bk, bn]), f"c{i}_desc": desc([64, bn])}
-        constexprs.pop(f"b{i}_desc", None)
-        constexprs.pop(f"c{i}_desc", None)
-    return compile_gluon(gluon_wait_boxes_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
 def compile_gluon_scatter_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90):

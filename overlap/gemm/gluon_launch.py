@@ -144,21 +144,17 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     `split_buffers` (module `split_buffers`), else of the current stream (allocated on its first use there:
     warm up before a CUDA-graph capture).
     `chunk_wait`: the fused AllGather consumer, each tile's A rows read once their chunk flags are SET
-    (`a` is the gathered [M, K]). Blocks with B in boxes (`gluon_boxes`) run kernels/gemm_gluon_boxes.py, or
-    kernels/gemm_gluon_wait_boxes.py with a chunk wait or three boxes (BLOCK_M 128)."""
+    (`a` is the gathered [M, K]; not with `gluon_boxes` blocks)."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
 
-    if chunk_wait is not None and blocks.gluon_boxes and blocks.block_m != 128:
-        raise ValueError(f"launch_gluon_gemm: blocks {blocks.name!r} (B boxes, BLOCK_M 64) have no chunk wait")
+    if chunk_wait is not None and blocks.gluon_boxes:
+        raise ValueError(f"launch_gluon_gemm: blocks {blocks.name!r} (two B boxes) have no chunk wait")
     m, k = a.shape
     n = out.shape[1]
     if not (m and n):
         return
     if not k:  # no K step: the consumers would release a slot no load filled
         out.zero_()
-        return
-    if blocks.gluon_boxes and (chunk_wait is not None or len(blocks.gluon_boxes) == 3):
-        _launch_wait_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset, chunk_wait)
         return
     if blocks.gluon_boxes:
         _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
@@ -188,22 +184,6 @@ def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
 
 
-def _launch_wait_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int,
-                       chunk_wait: ChunkWait | None) -> None:
-    """kernels/gemm_gluon_wait_boxes.py: 128-row tiles of two or three B boxes, with or without chunk waits."""
-    from tp_overlap.kernels.gemm_gluon_wait_boxes import gluon_wait_boxes_gemm_kernel
-
-    m, k = a.shape
-    bk, widths = blocks.block_k, blocks.gluon_boxes
-    tiles = -(-m // 128) * -(-out.shape[1] // blocks.block_n)
-    b_descs = [tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)) for bn in widths] + [None] * (3 - len(widths))
-    c_descs = [tma_descriptor(out, (64, bn)) for bn in widths] + [None] * (3 - len(widths))
-    gluon_wait_boxes_gemm_kernel[(max(1, min(tiles, num_programs)),)](
-        tma_descriptor(a, (128, bk)), *b_descs, *c_descs, m, out.shape[1], k, tile_row_offset,
-        chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed,
-        num_warps=GLUON_NUM_WARPS)
-
-
 def scatter_descriptors(slabs: list[torch.Tensor], blocks: GemmBlocks) -> tuple | None:
     """The host TMA descriptors of this source's slab [rows_per_rank, N] in every owner's partials buffer (in
     owner order), in [64, BLOCK_N] boxes; None when TMA cannot write one of them, or for more than
@@ -231,8 +211,6 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
     if blocks.gluon_boxes:
-        if len(blocks.gluon_boxes) != 2:
-            raise ValueError(f"launch_gluon_scatter: blocks {blocks.name!r}: the scatter runs one or two B boxes")
         _launch_scatter_boxes(a, b, b_transposed, descriptors, scatter, blocks, num_programs, tile_row_offset)
         return
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)

@@ -26,10 +26,8 @@ __all__ = ["AgConsumers", "consumer_gluon_blocks", "consumer_fp8_blocks"]
 
 def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
     """The Gluon blocks of the bf16 `fused` consumer (and of its `compute_alone`): the table's entry, its split
-    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`), or tiles two or three B
-    boxes wide where whole waves of them finish clearly sooner (kernels/gemm_gluon_wait_boxes.py)."""
-    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True,
-                              boxes=3)
+    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`)."""
+    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
 
 
 def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | None):

@@ -24,9 +24,9 @@ def scatter_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str
     flag each) and a split tail where it pays (`fused_gluon_blocks(split_tail=True)`: an sm_margin leaves the
     last wave of the table's tiles partial; on an H100 at M = 1024, 128x128 tiles on 116 programs ran at
     0.79-0.87 of cuBLASLt under the same carve-out whole, 0.79-0.97 with the tail split), or tiles two B boxes
-    wide where whole waves of them finish that much sooner (kernels/gemm_gluon_scatter_boxes.py)."""
+    wide where they fill whole waves that much sooner (`boxes`: kernels/gemm_gluon_scatter_boxes.py)."""
     return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, block_m=ROW_BLOCK_M,
-                              split_tail=True, boxes=2)
+                              split_tail=True, boxes=True)
 
 
 def reduce_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):

@@ -140,18 +140,6 @@ def _rs_boxes_case(c, pool):
     return f"{blocks.name} " + _rs_case(c, pool, "fused", 1024 // c.world, 256, 4096, margin=16, comm=8)
 
 
-def _ag_boxes_case(c, pool):
-    """M = 1024, N = 3584 (TP 8's llama8b fc1, shorter K), every SM but the one left for same-GPU copies: the
-    consumer's 128x224 tiles (three B boxes, kernels/gemm_gluon_wait_boxes.py), both layouts."""
-    from tp_overlap.gemm import num_sms
-    from tp_overlap.gemm.blocks import gpu_slug
-    from tp_overlap.ops.ag_consumers import consumer_gluon_blocks
-    blocks = consumer_gluon_blocks(1024, 3584, 264, b_transposed=True, gpu=gpu_slug(torch.cuda.get_device_name()),
-                                   programs=num_sms(c.dev) - 1)
-    assert blocks.gluon_boxes and len(blocks.gluon_boxes) == 3, f"{blocks.name}: not three B boxes wide"
-    return f"{blocks.name} " + _ag_case(c, pool, "fused", 0.0, 2, 1024 // c.world, 264, 3584)
-
-
 def _captured(c, pool, kind, method, rows, k, n):
     """Calls captured in a CUDA graph, replayed with fresh inputs, eager calls in between."""
     from tp_overlap.ops.ag_gemm import AgGemm
@@ -553,7 +541,6 @@ def _checks(rank, world, full):
             c.run(f"gemm_rs {method} M/W={rows}", lambda m=method, r=rows, kw=kw: _rs_case(c, pool, m, r, 136, 264, **kw))
         c.run("gemm_rs bulk", lambda: _rs_case(c, pool, "decomposed", 100, 136, 264, comm=4, bulk=True))
         c.run("gemm_rs fused on tiles two B boxes wide", lambda: _rs_boxes_case(c, pool))
-        c.run("ag_gemm fused on tiles three B boxes wide", lambda: _ag_boxes_case(c, pool))
         for method in ("decomposed", "fused"):
             c.run(f"ag_gemm fp8 {method}", lambda m=method: _ag_case(c, pool, m, 0.0, 2, 100, 264, 136, fp8=True))
         fp8_rs = "pair" if world == 2 else "decomposed"

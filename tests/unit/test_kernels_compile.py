@@ -58,10 +58,6 @@ out["bf16 gluon boxes 64x96 kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.
                                                                    b_transposed=False))
 out["bf16 gluon boxes 128x96 nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x96x64w4s7gl"),
                                                                     b_transposed=True))
-out["bf16 gluon wait boxes 128x224 nk"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x224x64w4s3gl"),
-                                                                          b_transposed=True))
-out["bf16 gluon wait boxes 128x144 kn"] = resource_usage(compile_gluon_gemm(GemmBlocks.parse("128x144x64w4s5gl"),
-                                                                          b_transposed=False, chunk_wait=True))
 out.update({name: resource_usage(c) for name, c in compile_overlap_kernels().items()})
 for name, c in compile_swiglu().items():
     ptx = c.asm["ptx"]  # ATen's arithmetic: IEEE divisions, libdevice's exp (its ex2 after a range reduction)
@@ -83,8 +79,7 @@ def test_new_kernels_compile_for_sm90_without_spills():
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
                           "fp8 gluon, row-major A scales", "fp8 gluon, whole tiles", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
-                          "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon wait boxes 128x224 nk",
-                          "bf16 gluon wait boxes 128x144 kn", "bf16 gluon scatter kn",
+                          "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn",
                           "bf16 gluon scatter nk", "bf16 gluon scatter boxes 128x144 nk", "bf16 gluon reduce kn",
                           "bf16 gluon reduce nk",
                           "gemm epilogue 0 + chunk waits",

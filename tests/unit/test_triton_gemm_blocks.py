@@ -6,7 +6,7 @@ import pytest
 from tp_overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
                                   block_table_path, choose_blocks, heuristic_blocks,
                                   load_block_table, parse_block_table, shared_memory_bytes, stream_k_tiles)
-from tp_overlap.gemm.fused_blocks import THREE_BOX_BLOCKS, fused_gluon_blocks
+from tp_overlap.gemm.fused_blocks import fused_gluon_blocks
 from tp_overlap.launch.cli.shapes import ag_points, rs_points
 
 H200 = load_block_table("h200")
@@ -177,21 +177,9 @@ def test_the_scatter_gemm_takes_tiles_two_boxes_wide_where_whole_waves_of_them_f
         "128x128x64w4s6gl"
     for m, n, k in ((4096, 4096, 1792), (1024, 8192, 3584), (16384, 8192, 3584)):
         assert not scatter_gluon_blocks(m, n, k, b_transposed=True, gpu="h100", programs=116).gluon_boxes, (m, n)
-    # the scatter-reduce GEMM runs one-box tiles only; the AllGather consumer two or three boxes
-    assert not reduce_gluon_blocks(1024, 4096, 1792, b_transposed=True, gpu="h100", programs=116).gluon_boxes
-    assert consumer_gluon_blocks(1024, 4096, 1792, b_transposed=True, gpu="h100", programs=116).block_n == 144
-
-
-def test_the_allgather_consumer_takes_three_boxes_where_one_wave_of_them_fills_the_grid():
-    from tp_overlap.ops.ag_consumers import consumer_gluon_blocks
-
-    # TP 8's llama8b fc1 at M = 1024: 112 tiles of 128x256 leave 20 of 132 programs idle, 128 of 128x224 four
-    for programs in (132, 131):
-        got = consumer_gluon_blocks(1024, 3584, 4096, b_transposed=True, gpu="h100", programs=programs)
-        assert got.name == "128x224x64w4s3gl" and got.gluon_boxes == (128, 64, 32) and not got.problems()
-    # wider or longer: 128x256 (the table's, measured on this grid) stays
-    for m, n in ((4096, 3584), (1024, 7168), (1024, 14336)):
-        assert consumer_gluon_blocks(m, n, 4096, b_transposed=True, gpu="h100", programs=132).block_n in (128, 256)
+    # the AllGather consumer and the scatter-reduce GEMM run one-box tiles only
+    for choose in (consumer_gluon_blocks, reduce_gluon_blocks):
+        assert not choose(1024, 4096, 1792, b_transposed=True, gpu="h100", programs=116).gluon_boxes
 
 
 def test_the_allgather_consumer_keeps_the_tables_split_tail():
@@ -204,9 +192,8 @@ def test_the_allgather_consumer_keeps_the_tables_split_tail():
     for entry in h100.entries:
         got = consumer_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h100",
                                     programs=132)
-        assert got.gluon and not got.problems() and (not got.gluon_boxes or got.block_m == 128), (entry, got)
-        runs = entry.blocks.gluon and (not entry.blocks.gluon_boxes or entry.blocks.block_m == 128)
-        if runs and got.name not in THREE_BOX_BLOCKS:  # the entry, unless a wave of 3-box tiles is clearly sooner
+        assert got.gluon and not got.gluon_boxes and not got.problems(), (entry, got)
+        if entry.blocks.gluon and not entry.blocks.gluon_boxes:
             assert got == entry.blocks, (entry, got)
 
 
