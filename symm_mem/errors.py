@@ -51,7 +51,8 @@ class SignalTimeout(OverlapError, TimeoutError):
 ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted",
                  4: "a call's arguments differed between ranks", 5: "a device-side check of an op failed",
                  6: "a step of an op call raised there part-way through the call (that rank raises its own "
-                    "error); build a new pool to go on"}
+                    "error); build a new pool to go on",
+                 7: "it was interrupted (Ctrl-C)"}
 
 
 class PeerLostError(OverlapError, RuntimeError):

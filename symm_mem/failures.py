@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from . import _waits
-from .layout import ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, MISMATCH_REASON, encode_abort
+from .errors import PeerAbortError
+from .layout import (ABORT_WORD, DEVICE_CODE_BASE, ERROR_CODE_WORD, FIRST_FLAG_WORD, INTERRUPTED_REASON,
+                     MISMATCH_REASON, decode_abort, encode_abort)
 from .liveness import process_alive
 
 __all__ = ["PoolFailures"]
@@ -50,6 +52,27 @@ class PoolFailures:
             return
         alive = [r == self.rank or process_alive(pid) for r, pid in enumerate(self.peer_pids)]
         self._control.write_abort(encode_abort(self.rank, reason, lost), alive, mismatch)
+
+    def interrupted_peer(self) -> int | None:
+        """The peer whose Ctrl-C aborted the group, if that is the abort this pool recorded (host memory only)."""
+        abort = self._control.error()[2] if self._control is not None else 0
+        if not abort:
+            return None
+        rank, reason, _ = decode_abort(abort)
+        return rank if reason == INTERRUPTED_REASON and rank != self.rank else None
+
+    def _leave_block(self, exc: BaseException | None) -> None:
+        """`with pool:` ends. On Ctrl-C the group is aborted first: a peer in a wait of this pool stops at once,
+        one in a blocking call of another group when this process exits, and each reports the interrupt. An
+        error that a peer's interrupt caused here (such as a collective whose peer is gone) is raised as the
+        interrupt's PeerAbortError, from that error."""
+        if isinstance(exc, KeyboardInterrupt):
+            self.abort(INTERRUPTED_REASON)
+            return self._close("interrupted", meet=False)
+        peer = self.interrupted_peer() if exc is not None else None
+        self._close(f"it left its pool block with {type(exc).__name__}: {exc}" if exc is not None else None)
+        if peer is not None and not (isinstance(exc, PeerAbortError) and exc.reason == INTERRUPTED_REASON):
+            raise PeerAbortError(peer, INTERRUPTED_REASON) from exc
 
     def report_mismatch(self, flag_code: int, mine: int, seen: int, peer: int | None) -> None:
         """This rank awaited `mine` on the flag of `flag_code` (a control word's error code, or a device

@@ -42,9 +42,9 @@ from .errors import PoolError
 __all__ = ["ABORT_WORD", "ALIGN_BYTES", "BACKENDS", "ERROR_CODE_WORD", "ERROR_VALUE_WORD", "ERROR_OBSERVED_WORD",
            "FIRST_FLAG_WORD", "MISMATCH_MINE_WORD", "MISMATCH_SEEN_WORD", "MISMATCH_WHO_WORD", "MISMATCH_FLAG_WORD",
            "MISMATCH_BIT", "BOARD_GEQ", "DEFAULT_TIMEOUT_S", "MISMATCH_REASON", "FAILURE_CODE_BASE", "CHECK_REASON",
-           "CALL_FAILED_REASON", "DEVICE_CODE_BASE", "PoolStats", "Region", "align", "control_page_words",
-           "gpu_identity", "resolve_backend", "encode_abort", "decode_abort", "check_spec", "check_timeout",
-           "check_word", "check_same_shape", "layout_difference"]
+           "CALL_FAILED_REASON", "INTERRUPTED_REASON", "DEVICE_CODE_BASE", "PoolStats", "Region", "align",
+           "control_page_words", "gpu_identity", "resolve_backend", "encode_abort", "decode_abort", "check_spec",
+           "check_timeout", "check_word", "check_same_shape", "layout_difference"]
 
 ALIGN_BYTES = 256
 ERROR_CODE_WORD = 0
@@ -58,6 +58,7 @@ MISMATCH_REASON = 4      # abort reason: the ranks disagree on a call's M
 FAILURE_CODE_BASE = 1 << 29  # error codes >= this (below MISMATCH_BIT) name a device-side check (`failure_code`)
 CHECK_REASON = 5         # abort reason: a device-side check of an op failed
 CALL_FAILED_REASON = 6   # abort reason: a step of an op call raised where the call could not be completed
+INTERRUPTED_REASON = 7   # abort reason: Ctrl-C reached that rank (KeyboardInterrupt in a call or a pool block)
 FIRST_FLAG_WORD = 16     # words 0..15 of the control page are the error and abort words
 DEVICE_CODE_BASE = 1 << 24  # error codes >= this name a device word (kernel waits): base + device word index
 BACKENDS = ("auto", "torch", "nvshmem", "ipc", "host")

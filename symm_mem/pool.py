@@ -394,7 +394,4 @@ class SymmetricPool(PoolFailures):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            # Ctrl-C ends the process; a peer in a blocking call of another group waits for this rank's exit
-            return self._close("interrupted", meet=False)
-        self._close(f"it left its pool block with {exc_type.__name__}: {exc}" if exc_type is not None else None)
+        self._leave_block(exc)

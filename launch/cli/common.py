@@ -13,8 +13,10 @@ printed as ONE line, `<prog>: <message>`, on stderr, and the process exits non-z
   (`<prog>: rank R: ...`) unless its error is one every rank raises the same way (`OpInputError`,
   `PeerAbortError`: a peer gave up, that peer says why).
 
-Ctrl-C (SIGINT reaches every rank of the terminal's job): one line per rank, `<prog>: rank R: interrupted
-(Ctrl-C)`, exit status 130; an op call it lands in aborts its pool, so no rank is left waiting for it.
+Ctrl-C: one line per rank, `<prog>: rank R: interrupted (Ctrl-C)`, exit status 130. torchrun forwards the
+signal to its workers one at a time, so the first rank to act on it aborts its pool (an op call it lands in,
+or the pool block it leaves) and a peer may stop on that abort before its own signal arrives: that peer
+says `interrupted (Ctrl-C on rank R)`. Either way no rank is left waiting.
 
 `--debug` (every launcher has it) prints the traceback as well. torchrun itself adds its own failure
 report (`ChildFailedError`, ~30 lines) after any job with a failed rank; that part is not ours to change.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -181,6 +184,18 @@ def output_dir(text: str) -> str:
     return text
 
 
+def _interrupt(exc: BaseException) -> str | None:
+    """How Ctrl-C ended this rank, if it did: its own KeyboardInterrupt, or a peer's, when the peer acted on
+    it first and aborted the group (torchrun forwards the signal to its workers one at a time)."""
+    from tp_overlap.symm_mem.errors import PeerAbortError
+    from tp_overlap.symm_mem.layout import INTERRUPTED_REASON
+    if isinstance(exc, KeyboardInterrupt):
+        return "Ctrl-C"
+    if isinstance(exc, PeerAbortError) and exc.reason == INTERRUPTED_REASON:
+        return f"Ctrl-C on rank {exc.rank}"
+    return None
+
+
 def _quiet_on_other_ranks(exc: BaseException) -> bool:
     """Errors that every rank raises the same way (rank 0's line says it)."""
     from tp_overlap import ConfigError, OpInputError
@@ -232,15 +247,16 @@ def run_launcher(prog: str, parse_args: Callable, body: Callable, argv=None) -> 
     work, files and process group all closed: C++ threads of torch.distributed torn down during interpreter
     exit have aborted a finished rank now and then ("terminate called without an active exception", SIGABRT),
     which fails the whole job after a good run."""
-    status = _run_launcher(prog, parse_args, body, argv)
-    if argv is None and under_torchrun():
+    rank_program = argv is None and under_torchrun()
+    status = _run_launcher(prog, parse_args, body, argv, rank_program)
+    if rank_program:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(status or 0))
     return status
 
 
-def _run_launcher(prog: str, parse_args: Callable, body: Callable, argv) -> int:
+def _run_launcher(prog: str, parse_args: Callable, body: Callable, argv, rank_program: bool) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     rank = env_rank()
@@ -249,25 +265,30 @@ def _run_launcher(prog: str, parse_args: Callable, body: Callable, argv) -> int:
         return body(args)
     except SystemExit:
         raise
-    except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: one line each, not a traceback each
-        if debug:
-            print(f"{prog}: rank {rank}: " + "".join(traceback.format_exception(exc)).rstrip(), file=sys.stderr)
-        print(f"{prog}: rank {rank}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        return INTERRUPTED_EXIT
     except BaseException as exc:  # noqa: BLE001 - the launcher's one place that reports errors
-        from tp_overlap import ConfigError
-        usage = isinstance(exc, (UsageError, ConfigError))
+        if rank_program:  # torchrun forwards a Ctrl-C to its workers one by one: a late one must not cut this short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if debug:
             print(f"{prog}: rank {rank}: " + "".join(traceback.format_exception(exc)).rstrip(), file=sys.stderr)
-        if rank == 0:
-            print(f"{prog}: {_one_line(exc)}", file=sys.stderr, flush=True)
-        elif not _quiet_on_other_ranks(exc):
-            print(f"{prog}: rank {rank}: {_one_line(exc)}", file=sys.stderr, flush=True)
-        if usage and under_torchrun():
-            if rank != 0:
-                return 0
-            _wait_for_sibling_ranks()
-        return USAGE_EXIT if usage else ERROR_EXIT
+        return _report(prog, rank, exc)
+
+
+def _report(prog: str, rank: int, exc: BaseException) -> int:
+    interrupt = _interrupt(exc)
+    if interrupt is not None:  # Ctrl-C reaches every rank: one line each, not a traceback each
+        print(f"{prog}: rank {rank}: interrupted ({interrupt})", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+    from tp_overlap import ConfigError
+    usage = isinstance(exc, (UsageError, ConfigError))
+    if rank == 0:
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr, flush=True)
+    elif not _quiet_on_other_ranks(exc):
+        print(f"{prog}: rank {rank}: {_one_line(exc)}", file=sys.stderr, flush=True)
+    if usage and under_torchrun():
+        if rank != 0:
+            return 0
+        _wait_for_sibling_ranks()
+    return USAGE_EXIT if usage else ERROR_EXIT
 
 
 def run_dir(launcher: str) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from tp_overlap.ipc.errors import OverlapError
-from tp_overlap.symm_mem.layout import CALL_FAILED_REASON
+from tp_overlap.symm_mem.layout import CALL_FAILED_REASON, INTERRUPTED_REASON
 
 __all__ = ["CallState", "LaneStopped", "abandon", "completed", "is_local", "join_lanes"]
 
@@ -36,7 +36,7 @@ class CallState:
     def fail(self, exc: BaseException, *, local: bool) -> bool:
         """Record a failure; True if the lane that saw it goes on with its remaining steps."""
         with self._lock:
-            if self.error is None:
+            if self.error is None or _outranks(exc, self.error):
                 self.error = exc
             if local and not self.fatal:
                 return True
@@ -53,6 +53,13 @@ class CallState:
         raise self.error
 
 
+def _outranks(exc: BaseException, first: BaseException) -> bool:
+    """Ctrl-C reaches every rank at once, but the rank that acts on it first aborts the pool, and a peer's lane
+    can meet that abort before the peer's own interrupt lands: the caller is told of the interrupt, not of the
+    abort it caused."""
+    return isinstance(exc, KeyboardInterrupt) and not isinstance(first, KeyboardInterrupt)
+
+
 def join_lanes(threads, state: CallState) -> None:
     """Wait for the side lanes; an interrupt meanwhile (Ctrl-C) aborts the call and they stop at their next
     step (every wait of theirs is bounded and ends at an abort)."""
@@ -67,7 +74,9 @@ def join_lanes(threads, state: CallState) -> None:
 def abandon(pool, op: str, exc: BaseException) -> None:
     """A step that is not local raised part-way through a call: the peers may wait for what it would have
     produced, and a later call would meet this call's flags. Abort the pool: every rank raises."""
-    pool.abort(CALL_FAILED_REASON)  # a no-op when the failure is the pool's own (its abort came first)
+    # a no-op when the failure is the pool's own (its abort came first); an interrupt is named as one, so that
+    # the peers report Ctrl-C rather than an error of theirs
+    pool.abort(INTERRUPTED_REASON if isinstance(exc, KeyboardInterrupt) else CALL_FAILED_REASON)
     if not isinstance(exc, OverlapError):
         exc.add_note(f"{op}: this step's output or flags are awaited by the peers, so the pool was aborted: every "
                      f"rank raises (PeerAbortError) and the pool cannot be used again; build a new one to go on")

@@ -106,10 +106,14 @@ def test_ctrl_c_under_torchrun_prints_one_line_per_rank(tmp_path):
     lines = log.read_text().splitlines()
     # whole lines in a failure's message (pytest abbreviates a list)
     tail = f"exit status before the interrupt: {ended_early}\n" + "\n".join(lines[-60:])
+    said = [[line for line in lines if line.startswith(f"{PROG}: rank {rank}: ")] for rank in (0, 1)]
     for rank in (0, 1):
-        # a rank whose peer sits in a blocking collective of the baseline's group leaves its pool without
-        # the close barrier (SymmetricPool.__exit__ on KeyboardInterrupt), so that peer's call ends with it
-        assert lines.count(f"{PROG}: rank {rank}: interrupted (Ctrl-C)") == 1, tail
+        # torchrun forwards SIGINT to one worker, then the other: the first to act on it aborts the pool, and
+        # the other may stop on that abort (or on a collective of the baseline's group whose peer is gone,
+        # which its pool block turns into that abort) before its own signal lands
+        peer = f"{PROG}: rank {rank}: interrupted (Ctrl-C on rank {1 - rank})"
+        assert said[rank] in ([f"{PROG}: rank {rank}: interrupted (Ctrl-C)"], [peer]), tail
+    assert any(line.endswith("interrupted (Ctrl-C)") for line in said[0] + said[1]), tail   # someone's own
     # no traceback of ours: the one left is torchrun's own (its agent raises SignalException)
     assert sum(line.startswith("Traceback") for line in lines) <= 1, tail
     assert not any("KeyboardInterrupt" in line for line in lines), tail
