@@ -53,7 +53,7 @@ class PoolFailures:
         alive = [r == self.rank or process_alive(pid) for r, pid in enumerate(self.peer_pids)]
         self._control.write_abort(encode_abort(self.rank, reason, lost), alive, mismatch)
 
-    def interrupted_peer(self) -> int | None:
+    def _interrupted_peer(self) -> int | None:
         """The peer whose Ctrl-C aborted the group, if that is the abort this pool recorded (host memory only)."""
         abort = self._control.error()[2] if self._control is not None else 0
         if not abort:
@@ -69,7 +69,7 @@ class PoolFailures:
         if isinstance(exc, KeyboardInterrupt):
             self.abort(INTERRUPTED_REASON)
             return self._close("interrupted", meet=False)
-        peer = self.interrupted_peer() if exc is not None else None
+        peer = self._interrupted_peer() if exc is not None else None
         self._close(f"it left its pool block with {type(exc).__name__}: {exc}" if exc is not None else None)
         if peer is not None and not (isinstance(exc, PeerAbortError) and exc.reason == INTERRUPTED_REASON):
             raise PeerAbortError(peer, INTERRUPTED_REASON) from exc

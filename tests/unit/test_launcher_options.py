@@ -95,8 +95,15 @@ def test_run_launcher_prints_one_line_and_picks_the_exit_status(capsys, monkeypa
     # fails the job), 1 otherwise; an error of its own is printed with its rank
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    from tp_overlap.symm_mem.errors import PeerAbortError
+    from tp_overlap.symm_mem.layout import CALL_FAILED_REASON, INTERRUPTED_REASON
     for exc, status, out in [(_cli.UsageError("bad"), 0, ""), (OpInputError("same everywhere"), 1, ""),
-                             (RuntimeError("mine"), 1, "prog: rank 1: RuntimeError: mine\n")]:
+                             (RuntimeError("mine"), 1, "prog: rank 1: RuntimeError: mine\n"),
+                             (PeerAbortError(0, CALL_FAILED_REASON), 1, ""),
+                             # Ctrl-C: its own, or a peer's whose abort came first; one line either way
+                             (KeyboardInterrupt(), 130, "prog: rank 1: interrupted (Ctrl-C)\n"),
+                             (PeerAbortError(0, INTERRUPTED_REASON), 130,
+                              "prog: rank 1: interrupted (Ctrl-C on rank 0)\n")]:
         def body(args, exc=exc):
             raise exc
         assert _cli.run_launcher("prog", parse, body, []) == status
