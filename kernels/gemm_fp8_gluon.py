@@ -100,26 +100,60 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        if waits:  # the rows and their scales come from the same gathered chunks: the waiter warp's
-            take_chunk_rows(index, chunks_ok, chunks_free)
-        index += 1
         col_block_128 = (col_block * BLOCK_N) // SCALE_GROUP
-        for k in range(first_k, end_k):
-            slot = step % NUM_STAGES
-            # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
-            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, STAGE_BYTES)
-            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
-            if a_scale_desc.block_type.shape[0] == 1:  # group-major storage [groups, M]: the group's row
-                tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
-            else:  # row-major [M, groups] (e.g. an AllGather pool): the tile's rows, the box holding the group
-                tma.async_copy_global_to_shared(a_scale_desc, [row_block * BLOCK_M, k - k % B_SCALE_BOX], bar,
-                                                a_scale_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
-                                            b_scale_bufs.index(slot).slice(0, 1))
+        start_k = first_k
+        if waits:
+            # the rows and their scales come from the same gathered chunks (the waiter warp's hand-over); B and
+            # its scales do not: the first stages' are in flight while the waiter acquires the rows
+            ahead = gl.minimum(end_k - first_k, NUM_STAGES)
+            for j in range(ahead):
+                _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
+                            ready, empty, step + j, row_block, first_k + j, col_block, col_block_128, False, True,
+                            STAGE_BYTES)
+            take_chunk_rows(index, chunks_ok, chunks_free)
+            for j in range(ahead):
+                _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
+                            ready, empty, step + j, row_block, first_k + j, col_block, col_block_128, True, False,
+                            STAGE_BYTES)
+            start_k += ahead
+            step += ahead
+        index += 1
+        for k in range(start_k, end_k):
+            _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready,
+                        empty, step, row_block, k, col_block, col_block_128, True, True, STAGE_BYTES)
             step += 1
+
+
+@gluon.jit
+def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
+                step, row_block, k, col_block, col_block_128, LOAD_A: gl.constexpr, LOAD_B: gl.constexpr,
+                STAGE_BYTES: gl.constexpr):
+    """K group `k` of a tile into ring slot `step`: A and its scales, B and its scales, or all four. The B half
+    claims the slot (waits for its release, expects the whole stage's bytes), so a stage split in two loads B
+    first."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    slot = step % NUM_STAGES
+    bar = ready.index(slot)
+    if LOAD_B:
+        # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
+        mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(bar, STAGE_BYTES)
+    if LOAD_A:
+        tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
+    if LOAD_B:
+        tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
+    if LOAD_A:
+        if a_scale_desc.block_type.shape[0] == 1:  # group-major storage [groups, M]: the group's row
+            tma.async_copy_global_to_shared(a_scale_desc, [k, row_block * BLOCK_M], bar, a_scale_bufs.index(slot))
+        else:  # row-major [M, groups] (e.g. an AllGather pool): the tile's rows, the box holding the group
+            tma.async_copy_global_to_shared(a_scale_desc, [row_block * BLOCK_M, k - k % B_SCALE_BOX], bar,
+                                            a_scale_bufs.index(slot))
+    if LOAD_B:
+        tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
+                                        b_scale_bufs.index(slot).slice(0, 1))
 
 
 @gluon.jit
