@@ -53,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gemm_gluon_ring import init_ring, invalidate_ring
+from .gemm_gluon_ring import init_ring, invalidate_ring, load_stage
 from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import owner_last_coordinates, tile_coordinates as _tile_coordinates, work_item as _work_item
 
@@ -99,46 +99,19 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
             # acquires the item's rows, and only their A boxes follow the hand-over
             ahead = gl.minimum(end_k - first_k, NUM_STAGES)
             for j in range(ahead):
-                _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
-                            col_block, False, True, STAGE_BYTES, B_TRANSPOSED)
+                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
+                           col_block, False, True, STAGE_BYTES, B_TRANSPOSED)
             take_chunk_rows(index, chunks_ok, chunks_free)
             for j in range(ahead):
-                _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
-                            col_block, True, False, STAGE_BYTES, B_TRANSPOSED)
+                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
+                           col_block, True, False, STAGE_BYTES, B_TRANSPOSED)
             start_k += ahead
             step += ahead
         index += 1
         for k in range(start_k, end_k):
-            _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k, col_block, True, True,
-                        STAGE_BYTES, B_TRANSPOSED)
+            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k, col_block, True, True,
+                       STAGE_BYTES, B_TRANSPOSED)
             step += 1
-
-
-@gluon.jit
-def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k, col_block, LOAD_A: gl.constexpr,
-                LOAD_B: gl.constexpr, STAGE_BYTES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
-    """K step `k` of a tile into ring slot `step`: its A boxes, its B box or both. The B box claims the slot
-    (waits for its release, expects the whole stage's bytes), so a stage split in two loads B first."""
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    A_BOX: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_TRANSPOSED else b_desc.block_type.shape[1]
-    A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
-    slot = step % NUM_STAGES
-    bar = ready.index(slot)
-    if LOAD_B:
-        # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
-        mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(bar, STAGE_BYTES)
-    if LOAD_A:
-        for box in gl.static_range(A_BOXES):
-            tma.async_copy_global_to_shared(a_desc, [row_block * A_BOX * A_BOXES + box * A_BOX, k * BLOCK_K], bar,
-                                            a_bufs.index(slot * A_BOXES + box))
-    if LOAD_B:
-        if B_TRANSPOSED:
-            tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
 
 
 @gluon.jit
