@@ -104,8 +104,9 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
         start_k = first_k
         if waits:
             # the rows and their scales come from the same gathered chunks (the waiter warp's hand-over); B and
-            # its scales do not: the first stages' are in flight while the waiter acquires the rows
-            ahead = gl.minimum(end_k - first_k, NUM_STAGES)
+            # its scales do not: on the program's first item (its ring empty) the first stages' are in flight
+            # while the waiter acquires the rows (later, claiming the slots ahead would drain the ring)
+            ahead = gl.minimum(end_k - first_k, NUM_STAGES * (index == 0))
             for j in range(ahead):
                 _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
                             ready, empty, step + j, row_block, first_k + j, col_block, col_block_128, False, True,

@@ -95,9 +95,10 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
             row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
         start_k = first_k
         if waits:
-            # B does not depend on the chunks: the first stages' B boxes are in flight while the waiter
-            # acquires the item's rows, and only their A boxes follow the hand-over
-            ahead = gl.minimum(end_k - first_k, NUM_STAGES)
+            # B does not depend on the chunks: on the program's first item (its ring empty) the first stages'
+            # B boxes are in flight while the waiter acquires the rows. Not later: claiming NUM_STAGES slots
+            # ahead would wait for the previous tile's whole ring to drain
+            ahead = gl.minimum(end_k - first_k, NUM_STAGES * (index == 0))
             for j in range(ahead):
                 load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
                            col_block, False, True, STAGE_BYTES, B_TRANSPOSED)
