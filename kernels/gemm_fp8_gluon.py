@@ -20,9 +20,9 @@ tails need no masks.
 the last partial wave by K, as in kernels/gemm_gluon.py ("Split tail": a piece's promoted partial is summed by
 the tile's last piece); ``chunk_args`` (kernels/gemm_gluon_wait.py, 0 chunks per rank: no wait) makes it the
 fused AllGather consumer: a waiter warp (a partition of its own) polls a work item's gathered chunks (rows and their
-scales) and hands the item to the producer warp before its loads. ``SPLIT_TAIL=False`` (a launch of whole tiles
-only) compiles a build without the split path: its whole tiles ran 4-5 % faster on an H100 than the same tiles in
-the build with it.
+scales) and hands the item to the producer warp before its A loads (B's go first on a program's first item).
+``SPLIT_TAIL=False`` (a launch of whole tiles only) compiles a build without the split path: its whole tiles ran
+4-5 % faster on an H100 than the same tiles in the build with it.
 
 Why Gluon: a K step is one 128-wide scale group whose fresh fp32 product is scaled and added to the
 accumulator ("promotion"). Under ``@triton.jit`` the CTA's warps wait for each MMA and then promote in

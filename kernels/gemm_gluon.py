@@ -11,8 +11,8 @@ and K and clips the store, so whole tiles need no masks.
                                        CONSUMERS=..., num_warps=4)
 
 AllGather consumer (``chunk_args``, kernels/gemm_gluon_wait.py): a waiter warp polls the chunk flags of each work
-item's rows and hands the item to the producer warp before its first load; ``chunk_args[1] == 0`` (chunks per
-rank) means no wait.
+item's rows and hands the item to the producer warp before its first A load (on the program's first item the first
+stages' B boxes are already in flight); ``chunk_args[1] == 0`` (chunks per rank) means no wait.
 
 Why Gluon (the same arrangement as ``kernels/gemm_fp8_gluon.py``, without the scales): the ``@triton.jit``
 persistent GEMM builds its TMA descriptors on the device in every program and stops loading while it runs
