@@ -12,8 +12,11 @@ round trip (two with every lane's), and the producer issues nothing meanwhile, s
 tile: the FP8 consumer, whose ring holds the least time, lost 2-8 % with every flag already set.
 
 Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum of lane 0's result, so all
-32 lanes leave the loop at the same poll and take the same branch. The bound is a count of polls (about
-``timeout_ns``, kernels/flags.py), and a set abort word (another rank gave up) ends it early.
+32 lanes leave the loop at the same poll and take the same branch. The bound is ``timeout_ns`` of %globaltimer,
+read every ABORT_EVERY polls as the warp's maximum of its lanes' reads (one value for all: per-thread clocks
+would let lanes leave at different polls). A count of polls, as kernels/flags.py bounds the `@triton.jit`
+waits (250 ns a poll assumed), let check_gluon_chunk_wait's 0.5 s bound end after 2.5 s on an H100. A set
+abort word (another rank gave up) ends the wait early.
 
 Ordering: once the flag is seen, every lane of the waiter acquires it itself (a load, scope sys: one request
 for the warp), then ``fence.proxy.async.global`` orders the generic-proxy view before the async-proxy (TMA)
@@ -44,8 +47,7 @@ from .gemm_gluon_walk import tile_coordinates, work_item
 
 SET_FLAG = gl.constexpr(SET)
 MISMATCH_FLAG_BIT = gl.constexpr(MISMATCH_BIT)
-POLL_NS = gl.constexpr(250)  # as kernels/flags.py: the bound in polls is timeout_ns // POLL_NS
-ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip)
+ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip) and clock
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 KNOWN_CHUNKS = gl.constexpr(32)  # chunks a program remembers as acquired (bits of an int32); later ones are re-polled
 
@@ -75,6 +77,14 @@ def _lanes_acquire(ptr, lane):
 
 
 @gluon.jit
+def _clock_ns(lane):
+    """%globaltimer (ns) as every thread of `lane` agrees on it: the maximum of their reads."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    return gl.max(now, axis=0)
+
+
+@gluon.jit
 def _warp_load(ptr, lane):
     """A volatile load of host memory (no atomics over PCIe) that every lane agrees on."""
     return gl.max(gl.load(ptr + lane * 0, volatile=True), axis=0)
@@ -82,19 +92,21 @@ def _warp_load(ptr, lane):
 
 @gluon.jit
 def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane):
-    """Poll one flag until it is nonzero (bounded: about `timeout_ns`, or until the abort word is set); record an
-    expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT, both
-    values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it holds
-    `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
+    """Poll one flag until it is nonzero (bounded: `timeout_ns` of %globaltimer, or until the abort word is set);
+    record an expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT,
+    both values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it
+    holds `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
     seen = _lane0_atomic_read(flag_ptr, lane)
     polls = seen * 0
     abort = seen * 0
-    max_polls = timeout_ns // POLL_NS
-    while (seen == 0) & (polls < max_polls) & (abort == 0):
+    expired = seen * 0
+    start = _clock_ns(lane)
+    while (seen == 0) & (expired == 0) & (abort == 0):
         seen = _lane0_atomic_read(flag_ptr, lane)
         polls += 1
         if polls % ABORT_EVERY == 0:
             abort = _warp_load(error_ptr + 2, lane)
+            expired = (_clock_ns(lane) - start > timeout_ns).to(gl.int32)
     first = lane == 0
     if seen == 0:
         if _warp_load(error_ptr, lane) == 0:
