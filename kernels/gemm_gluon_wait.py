@@ -15,8 +15,10 @@ Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum
 32 lanes leave the loop at the same poll and take the same branch. The bound is ``timeout_ns`` of %globaltimer,
 read every ABORT_EVERY polls as the warp's maximum of its lanes' reads (one value for all: per-thread clocks
 would let lanes leave at different polls). A count of polls, as kernels/flags.py bounds the `@triton.jit`
-waits (250 ns a poll assumed), let check_gluon_chunk_wait's 0.5 s bound end after 2.5 s on an H100. A set
-abort word (another rank gave up) ends the wait early.
+waits (250 ns a poll assumed), does not bound the time where processes share a GPU: two ranks on one H100,
+the consumer filling every SM so that the peer's copies starved, ran past 140 s with 10 s bounds; bounded
+by the clock, both ranks raised SignalTimeout after 15 s (results/logs/one_gpu_243b836). A set abort word
+(another rank gave up) ends the wait early.
 
 Ordering: once the flag is seen, every lane of the waiter acquires it itself (a load, scope sys: one request
 for the warp), then ``fence.proxy.async.global`` orders the generic-proxy view before the async-proxy (TMA)

@@ -44,8 +44,10 @@ class SignalTimeout(OverlapError, TimeoutError):
         self.timeout_s, self.peer, self.op = timeout_s, peer, op
         who = f" from peer rank {peer}" if peer is not None else ""
         what = f"{op}: " if op else ""
+        # a device wait's flag is read once the kernel has ended: a value that meets the wait came too late
+        late = ", set after the wait gave up: the writer was late" if observed >= expected > 0 else ""
         super().__init__(f"{what}timed out after {timeout_s:.3g} s waiting{who} for flag {region}[{index}] "
-                         f">= {expected} (last value {observed}){': ' + detail if detail else ''}")
+                         f">= {expected} (last value {observed}{late}){': ' + detail if detail else ''}")
 
 
 ABORT_REASONS = {1: "a bounded wait timed out", 2: "a peer process was lost", 3: "the program aborted",

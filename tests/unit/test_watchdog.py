@@ -181,3 +181,12 @@ def test_two_ranks_reporting_a_disagreement_at_once_each_raise_one_whole_record(
         reporter, reason, _ = decode_abort(int(words[rank][ABORT_WORD]))
         assert reason == MISMATCH_REASON
         assert _pages_of(rank, words).mismatch(reporter) == reports[reporter], rank
+
+
+def test_a_timeout_message_says_when_the_flag_was_set_after_the_wait_gave_up():
+    from tp_overlap.symm_mem.errors import SignalTimeout
+
+    late = SignalTimeout(region="ag.a (device)", index=3, expected=1, observed=1, timeout_s=10, peer=1)
+    lost = SignalTimeout(region="ag.a (device)", index=3, expected=1, observed=0, timeout_s=10, peer=1)
+    assert "last value 1, set after the wait gave up: the writer was late)" in str(late)
+    assert "(last value 0)" in str(lost) and "late" not in str(lost)
