@@ -6,10 +6,13 @@ the launcher resets the flags with stream memory operations after the kernel, be
 lets the writer set them again (overlap/ops/protocol.py), so the awaited value is the same in every call and a
 captured CUDA graph replays the same protocol.
 
-The wait is bounded by a count of polls worth about `timeout_ns` (every thread must leave the loop at the
-same poll, which a per-thread %globaltimer read does not give; the bound is in time units so that a peer
-still JIT-compiling, seconds, stays well inside it). It also ends early when the pool's abort word is set (another rank gave
-up). `error_ptr` is the pool's control page (host memory mapped for the device): [code, value, abort].
+The wait is bounded by ``timeout_ns`` of %globaltimer, read every 64 polls as the maximum over the
+program's threads, so that every thread leaves the loop at the same poll (per-thread reads let warps cross
+the bound at different polls and desynchronise their barriers). Time, not a count of polls: a peer still
+JIT-compiling takes seconds, and where processes share a GPU a poll can take far longer than on an idle one
+(kernels/gemm_gluon_wait.py: a count of polls let a 10 s bound run past 140 s). It also ends early when the
+pool's abort word is set (another rank gave up). `error_ptr` is the pool's control page (host memory mapped
+for the device): [code, value, abort].
 On expiry the kernel stores its error code and the value it waited for there; the pool's watchdog sees
 it, aborts the group, and the host raises on every rank.
 """
@@ -29,11 +32,11 @@ from .constants import CLEAR, MISMATCH_BIT, SET  # the flag values and the error
 SET_FLAG = tl.constexpr(SET)  # the same, for @triton.jit code (kernels read only constexpr globals)
 MISMATCH_FLAG_BIT = tl.constexpr(MISMATCH_BIT)
 
-__all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "MISMATCH_FLAG_BIT", "POLL_NS",
-           "wait_for_flag", "wait_for_value", "wait_for_count", "await_flag", "record_error", "record_mismatch"]
+__all__ = ["TIMER_AVAILABLE", "SET", "CLEAR", "SET_FLAG", "MISMATCH_BIT", "MISMATCH_FLAG_BIT", "wait_for_flag",
+           "wait_for_value", "wait_for_count", "await_flag", "record_error", "record_mismatch"]
 
 
-POLL_NS = tl.constexpr(250)  # the assumed cost of one poll: the bound in polls is timeout_ns // POLL_NS
+CHECK_EVERY = tl.constexpr(64)  # polls between reads of the clock and of the abort word (a PCIe round trip)
 
 # What a poll loop waits for (the UNTIL argument of `_poll_until`).
 UNTIL_EQUAL = tl.constexpr(0)      # the flag equals `target`
@@ -56,23 +59,35 @@ def _waiting(seen, target, UNTIL: tl.constexpr):
 def _poll_until(flag_ptr, target, error_ptr, timeout_ns, UNTIL: tl.constexpr, SCOPE: tl.constexpr,
                 USE_TIMER: tl.constexpr):
     """The one bounded poll loop; returns the last value seen. Every value that decides when the loop ends
-    comes from a scalar atomic, which one thread performs and every thread receives, so all threads leave at
-    the same poll: a per-thread clock (%globaltimer) lets warps leave at different polls near the bound and
-    take different branches after it, and their barriers fall out of step. The bound is a count of polls
-    (timeout_ns / POLL_NS). With an `error_ptr` (a peer is involved) the loop also ends when the pool's abort
-    word is set. Without USE_TIMER (the interpreter) it polls once."""
+    is uniform over the program: the flag comes from a scalar atomic, which one thread performs and every
+    thread receives; the clock and the abort word are reduced over the program (`_uniform_clock_ns`,
+    `_uniform_load`). Bounded by `timeout_ns` of %globaltimer, checked every CHECK_EVERY polls; with an
+    `error_ptr` (a peer is involved) the loop also ends when the pool's abort word is set. Without USE_TIMER
+    (the interpreter) it polls once."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
     if USE_TIMER:
-        max_polls = timeout_ns // POLL_NS
-        abort = seen * 0
-        polls = seen * 0
-        while _waiting(seen, target, UNTIL) & (polls < max_polls) & (abort == 0):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
-            polls += 1
-            if error_ptr is not None:
-                if polls % 64 == 0:  # the abort word is host memory (a PCIe round trip): read it now and then
-                    abort = _uniform_load(error_ptr + 2)
+        if _waiting(seen, target, UNTIL):  # the clock only once it must wait (its reduction syncs the program)
+            start = _uniform_clock_ns()
+            abort = seen * 0
+            polls = seen * 0
+            expired = seen * 0
+            while _waiting(seen, target, UNTIL) & (expired == 0) & (abort == 0):
+                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+                polls += 1
+                if polls % CHECK_EVERY == 0:
+                    expired = (_uniform_clock_ns() - start > timeout_ns).to(seen.dtype)
+                    if error_ptr is not None:
+                        abort = _uniform_load(error_ptr + 2)
     return seen
+
+
+@triton.jit
+def _uniform_clock_ns():
+    """%globaltimer (ns) as every thread of the program agrees on it: each thread's read, reduced over the
+    whole block (as `_uniform_load`)."""
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([256], dtype=tl.int32)],
+                                    dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(now, axis=0)
 
 
 @triton.jit
@@ -87,7 +102,7 @@ def _uniform_load(ptr):
 @triton.jit
 def wait_for_flag(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
     """Acquire-polls ``*flag_ptr`` (scope sys) until it is SET; returns whether it got there. Bounded as
-    `_poll_until`: about ``timeout_ns``, or until the abort word ``error_ptr[2]`` is nonzero."""
+    `_poll_until`: ``timeout_ns``, or until the abort word ``error_ptr[2]`` is nonzero."""
     return _poll_until(flag_ptr, SET_FLAG, error_ptr, timeout_ns, UNTIL_EQUAL, "sys", USE_TIMER) == SET_FLAG
 
 
@@ -101,7 +116,7 @@ def wait_for_value(flag_ptr, error_ptr, timeout_ns, USE_TIMER: tl.constexpr):
 @triton.jit
 def wait_for_count(flag_ptr, value, timeout_ns, USE_TIMER: tl.constexpr):
     """Acquire-polls (scope gpu) a flag that programs of the SAME launch raise, until it is >= value (at most
-    about timeout_ns). No peer is involved, so no abort word is read."""
+    timeout_ns). No peer is involved, so no abort word is read."""
     return _poll_until(flag_ptr, value, None, timeout_ns, UNTIL_AT_LEAST, "gpu", USE_TIMER) >= value
 
 

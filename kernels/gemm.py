@@ -62,8 +62,8 @@ Tuning options of EPILOGUE 0 (all off by default; the K loop and stores live in 
   (a last wave that would leave SMs idle); ``stream_k_workspace`` is an fp32 buffer of ``num_programs *
   BLOCK_M * BLOCK_N`` elements and ``stream_k_flags`` an int32 array of ``num_programs`` words, zero before
   the first launch (every launch leaves them at zero again); both private to one stream at a time.
-  ``timeout_ns`` bounds a finisher's wait for a contributor, as ``timeout_ns // 250`` polls (past them, it
-  recomputes that K range itself).
+  ``timeout_ns`` bounds a finisher's wait for a contributor (past it, the finisher recomputes that K range
+  itself).
   Protocol in ``kernels/gemm_mainloop.py``.
 
 EPILOGUE 1 (scatter to owners): the M rows are split into ``world_size`` owner chunks of
@@ -123,9 +123,9 @@ code only) so that the TMA loads of A are ordered after the generic-proxy acquir
 without them (only the kernel's parameter list grows).
 
 Bounded waits (both kernels): ``USE_TIMER=True`` (the default unless the process runs the Triton
-interpreter, which runs the programs one after another) polls until the flag is ready or about ``timeout_ns``
-have passed since that wait began (``timeout_ns // POLL_NS`` polls, kernels/flags.py: every thread of a
-program leaves at the same poll); JIT-compiling peers can take seconds, so the bound is in time units.
+interpreter, which runs the programs one after another) polls until the flag is ready or ``timeout_ns``
+of %globaltimer have passed since that wait began (kernels/flags.py: the clock as every thread of a program
+agrees on it, so all leave at the same poll); JIT-compiling peers can take seconds.
 ``USE_TIMER=False`` (interpreter, CPU tests) polls exactly once and treats a flag that is not ready as a
 timeout; never use it on the GPU.
 ``timeout_ns`` may exceed 2**31 (a Python int; it is passed as int64 then): keep it the same type from

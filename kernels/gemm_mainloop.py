@@ -23,8 +23,8 @@ Memory ordering: a contributor's threads store the partial, meet at a CTA barrie
 finisher's poll is an acquire at GPU scope by one thread whose result every thread reads after a CTA
 barrier, so each thread's loads of the partial come after it. The decision to stop waiting must be the
 same in every thread of the finisher: its branches hold warpgroup-wide MMAs and CTA barriers. The poll's
-value is broadcast (one thread polls, all read it), so the wait is bounded by a count of polls
-(``tp_overlap.kernels.flags.wait_for_count``), never by a clock that each thread reads for itself: with per-thread
+value is broadcast (one thread polls, all read it) and the bound's clock is reduced over the program
+(``tp_overlap.kernels.flags.wait_for_count``), never read by each thread for itself: with per-thread
 ``%globaltimer`` reads, warps crossed the bound at different polls, took different branches and
 desynchronised their barriers (the wrong tiles of the late-contributor check on the GPU).
 """

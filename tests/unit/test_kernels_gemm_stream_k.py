@@ -133,14 +133,25 @@ COMPILE_CHILD = """
 from tp_overlap.launch.compile_check import compile_gemm
 from tp_overlap.gemm import GemmBlocks
 ptx = compile_gemm(GemmBlocks.parse("128x128x64w8s4sk1"), b_transposed=True).asm["ptx"]
-print("RESULT", "ld.global.gpu.acquire" in ptx, "%globaltimer" in ptx)
+lines = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", "$L__"))]
+reads = [i for i, line in enumerate(lines) if "%globaltimer" in line]
+
+def until_compared(i):  # the code from a clock read up to the first comparison after it
+    rest = lines[i + 1:]
+    return rest[:next((j for j, line in enumerate(rest) if line.lstrip().startswith("setp")), len(rest))]
+
+# each read is reduced over the program before any comparison: warp shuffles, a max, shared memory
+reduced = all(all(any(op in line for line in until_compared(i)) for op in ("shfl.sync.bfly", "max.s64", "st.shared"))
+              for i in reads)
+print("RESULT", "ld.global.gpu.acquire" in ptx, bool(reads), reduced)
 """
 
 
-def test_compiled_finisher_wait_reads_no_per_thread_clock():
+def test_compiled_finisher_wait_bounds_by_a_clock_the_program_agrees_on():
     # A finisher's threads must all stop waiting at the same poll (kernels/gemm_mainloop.py): a %globaltimer
-    # read per thread let warps disagree and desynchronise their barriers. Compiled for sm_90 on CPU, in a
-    # child process without TRITON_INTERPRET (the interpreter replaces @triton.jit functions in this one).
+    # read per thread let warps disagree and desynchronise their barriers, so every read is reduced over the
+    # program (kernels/flags.py) before the bound compares it. Compiled for sm_90 on CPU, in a child process
+    # without TRITON_INTERPRET (the interpreter replaces @triton.jit functions in this one).
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this Triton has no bundled ptxas")
@@ -151,6 +162,7 @@ def test_compiled_finisher_wait_reads_no_per_thread_clock():
                           timeout=600)
     result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert result, proc.stderr[-2000:]
-    acquire, clock = result[0].split()[1:]
+    acquire, clock, reduced = result[0].split()[1:]
     assert acquire == "True", "the finisher's acquire poll is missing"
-    assert clock == "False", "the finisher's wait reads %globaltimer"
+    assert clock == "True", "the finisher's wait is not bounded by %globaltimer"
+    assert reduced == "True", "a %globaltimer read reaches a comparison without the reduction over the program"
