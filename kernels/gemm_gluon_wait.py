@@ -12,13 +12,14 @@ round trip (two with every lane's), and the producer issues nothing meanwhile, s
 tile: the FP8 consumer, whose ring holds the least time, lost 2-8 % with every flag already set.
 
 Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum of lane 0's result, so all
-32 lanes leave the loop at the same poll and take the same branch. The bound is ``timeout_ns`` of %globaltimer,
-read every ABORT_EVERY polls as the warp's maximum of its lanes' reads (one value for all: per-thread clocks
-would let lanes leave at different polls). A count of polls, as kernels/flags.py bounds the `@triton.jit`
-waits (250 ns a poll assumed), does not bound the time where processes share a GPU: two ranks on one H100,
-the consumer filling every SM so that the peer's copies starved, ran past 140 s with 10 s bounds; bounded
-by the clock, both ranks raised SignalTimeout after 15 s (results/logs/one_gpu_243b836). A set abort word
-(another rank gave up) ends the wait early.
+32 lanes leave the loop at the same poll and take the same branch. The bound is a count of polls (about
+``timeout_ns``: POLL_NS a poll assumed), and a set abort word (another rank gave up) ends it early. Not
+%globaltimer, as kernels/flags.py bounds the `@triton.jit` waits: with a clock read in this waiter (int64 ns or
+int32 in 2**20 ns units, read only once a wait must poll), the FP8 consumer ran 4-5 % slower with every flag
+set, interleaved on an H100 (the bf16 one within 0.4 %; results/logs/one_gpu_a69dbb7), a change of the code
+around its partitions, not of what runs. The cost of a count: where processes time-share a GPU a poll takes
+far longer, and two ranks on one H100, the consumer filling every SM, ran past 140 s with 10 s bounds (the
+clock ended the same case after 15 s).
 
 Ordering: once the flag is seen, every lane of the waiter acquires it itself (a load, scope sys: one request
 for the warp), then ``fence.proxy.async.global`` orders the generic-proxy view before the async-proxy (TMA)
@@ -49,7 +50,8 @@ from .gemm_gluon_walk import tile_coordinates, work_item
 
 SET_FLAG = gl.constexpr(SET)
 MISMATCH_FLAG_BIT = gl.constexpr(MISMATCH_BIT)
-ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip) and clock
+POLL_NS = gl.constexpr(250)  # as kernels/flags.py: the bound in polls is timeout_ns // POLL_NS
+ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host memory: a PCIe round trip)
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 KNOWN_CHUNKS = gl.constexpr(32)  # chunks a program remembers as acquired (bits of an int32); later ones are re-polled
 
@@ -79,14 +81,6 @@ def _lanes_acquire(ptr, lane):
 
 
 @gluon.jit
-def _clock_ns(lane):
-    """%globaltimer (ns) as every thread of `lane` agrees on it: the maximum of their reads."""
-    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
-                                    pack=1)
-    return gl.max(now, axis=0)
-
-
-@gluon.jit
 def _warp_load(ptr, lane):
     """A volatile load of host memory (no atomics over PCIe) that every lane agrees on."""
     return gl.max(gl.load(ptr + lane * 0, volatile=True), axis=0)
@@ -94,21 +88,19 @@ def _warp_load(ptr, lane):
 
 @gluon.jit
 def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane):
-    """Poll one flag until it is nonzero (bounded: `timeout_ns` of %globaltimer, or until the abort word is set);
-    record an expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT,
-    both values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it
-    holds `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
+    """Poll one flag until it is nonzero (bounded: about `timeout_ns`, or until the abort word is set); record an
+    expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT, both
+    values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it holds
+    `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
     seen = _lane0_atomic_read(flag_ptr, lane)
     polls = seen * 0
     abort = seen * 0
-    expired = seen * 0
-    start = _clock_ns(lane)
-    while (seen == 0) & (expired == 0) & (abort == 0):
+    max_polls = timeout_ns // POLL_NS
+    while (seen == 0) & (polls < max_polls) & (abort == 0):
         seen = _lane0_atomic_read(flag_ptr, lane)
         polls += 1
         if polls % ABORT_EVERY == 0:
             abort = _warp_load(error_ptr + 2, lane)
-            expired = (_clock_ns(lane) - start > timeout_ns).to(gl.int32)
     first = lane == 0
     if seen == 0:
         if _warp_load(error_ptr, lane) == 0:
