@@ -66,7 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import constants
 from .gemm_gluon import _staging_free, _store_staged, store_item
 from .gemm_gluon_ring import init_ring, invalidate_ring
-from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
+from .gemm_gluon_wait import (counted_chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers,
+                              take_chunk_rows)
 from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as _work_item
 
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
@@ -372,11 +373,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     if SPLIT_TAIL:  # partitions are chosen here: their constexpr arguments would arrive as runtime values
         gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
-                            (chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                            (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_load_partition, load_args),
-                            (chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                            (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)
     for i in gl.static_range(NUM_STAGES):

@@ -12,14 +12,17 @@ round trip (two with every lane's), and the producer issues nothing meanwhile, s
 tile: the FP8 consumer, whose ring holds the least time, lost 2-8 % with every flag already set.
 
 Uniformity: lane 0 polls, and the value every lane acts on is the warp's maximum of lane 0's result, so all
-32 lanes leave the loop at the same poll and take the same branch. The bound is a count of polls (about
-``timeout_ns``: POLL_NS a poll assumed), and a set abort word (another rank gave up) ends it early. Not
-%globaltimer, as kernels/flags.py bounds the `@triton.jit` waits: with a clock read in this waiter (int64 ns or
-int32 in 2**20 ns units, read only once a wait must poll), the FP8 consumer ran 4-5 % slower with every flag
-set, interleaved on an H100 (the bf16 one within 0.4 %; results/logs/one_gpu_a69dbb7), a change of the code
-around its partitions, not of what runs. The cost of a count: where processes time-share a GPU a poll takes
-far longer, and two ranks on one H100, the consumer filling every SM, ran past 140 s with 10 s bounds (the
-clock ended the same case after 15 s).
+32 lanes leave the loop at the same poll and take the same branch; a set abort word (another rank gave up)
+ends a wait early. The bound (``await_flag``'s CLOCK): in the bf16 consumer (``chunk_wait_partition``) and
+the scatter-reduce GEMM, ``timeout_ns`` of %globaltimer, read every ABORT_EVERY polls once a wait must poll,
+as the warp's maximum of its lanes' reads (per-thread clocks would let lanes leave at different polls); in
+the FP8 consumer (``counted_chunk_wait_partition``), a count of polls (about ``timeout_ns``: POLL_NS a poll
+assumed). Why two: with the clock in its waiter the FP8 consumer ran 4-5 % slower with every flag set, the
+clock never read (int64 ns or int32 in 2**20 ns units; interleaved on an H100; the bf16 consumer within
+0.4 %; results/logs/one_gpu_a69dbb7): the code around its partitions changed, not what runs, and its builds
+are now the same machine code as without the clock. What a count costs: where processes time-share a GPU a
+poll takes far longer; two ranks on one H100, the consumer filling every SM, ran past 140 s with 10 s bounds
+(by the clock, both raised SignalTimeout after 15 s).
 
 Ordering: once the flag is seen, every lane of the waiter acquires it itself (a load, scope sys: one request
 for the warp), then ``fence.proxy.async.global`` orders the generic-proxy view before the async-proxy (TMA)
@@ -55,8 +58,8 @@ ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host me
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 KNOWN_CHUNKS = gl.constexpr(32)  # chunks a program remembers as acquired (bits of an int32); later ones are re-polled
 
-__all__ = ["await_flag", "wait_chunk_rows", "chunk_wait_partition", "take_chunk_rows", "init_chunk_barriers",
-           "invalidate_chunk_barriers", "TILE_SLOTS"]
+__all__ = ["await_flag", "wait_chunk_rows", "chunk_wait_partition", "counted_chunk_wait_partition", "take_chunk_rows",
+           "init_chunk_barriers", "invalidate_chunk_barriers", "TILE_SLOTS"]
 
 
 @gluon.jit
@@ -87,20 +90,39 @@ def _warp_load(ptr, lane):
 
 
 @gluon.jit
-def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane):
-    """Poll one flag until it is nonzero (bounded: about `timeout_ns`, or until the abort word is set); record an
-    expired wait (`code`) or a flag holding another value than `expected` (`code` with MISMATCH_BIT, both
-    values) in the control page at `error_ptr`, unless a failure is recorded there already. True when it holds
-    `expected`. `lane`: an arange over the calling partition's threads (lane 0 polls; all agree)."""
+def _clock_ns(lane):
+    """%globaltimer (ns) as every thread of `lane` agrees on it: the maximum of their reads."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
+                                    pack=1)
+    return gl.max(now, axis=0)
+
+
+@gluon.jit
+def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane, CLOCK: gl.constexpr = True):
+    """Poll one flag until it is nonzero (bounded: `timeout_ns` of %globaltimer, or without CLOCK about that
+    many ns as a count of polls; or until the abort word is set); record an expired wait (`code`) or a flag
+    holding another value than `expected` (`code` with MISMATCH_BIT, both values) in the control page at
+    `error_ptr`, unless a failure is recorded there already. True when it holds `expected`. `lane`: an arange
+    over the calling partition's threads (lane 0 polls; all agree)."""
     seen = _lane0_atomic_read(flag_ptr, lane)
     polls = seen * 0
     abort = seen * 0
-    max_polls = timeout_ns // POLL_NS
-    while (seen == 0) & (polls < max_polls) & (abort == 0):
-        seen = _lane0_atomic_read(flag_ptr, lane)
-        polls += 1
-        if polls % ABORT_EVERY == 0:
-            abort = _warp_load(error_ptr + 2, lane)
+    if CLOCK:
+        expired = seen * 0
+        start = _clock_ns(lane)
+        while (seen == 0) & (expired == 0) & (abort == 0):
+            seen = _lane0_atomic_read(flag_ptr, lane)
+            polls += 1
+            if polls % ABORT_EVERY == 0:
+                abort = _warp_load(error_ptr + 2, lane)
+                expired = (_clock_ns(lane) - start > timeout_ns).to(gl.int32)
+    else:
+        max_polls = timeout_ns // POLL_NS
+        while (seen == 0) & (polls < max_polls) & (abort == 0):
+            seen = _lane0_atomic_read(flag_ptr, lane)
+            polls += 1
+            if polls % ABORT_EVERY == 0:
+                abort = _warp_load(error_ptr + 2, lane)
     first = lane == 0
     if seen == 0:
         if _warp_load(error_ptr, lane) == 0:
@@ -115,7 +137,7 @@ def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane):
 
 
 @gluon.jit
-def wait_chunk_rows(chunk_args, first_row, last_row, ready, known):
+def wait_chunk_rows(chunk_args, first_row, last_row, ready, known, CLOCK: gl.constexpr = True):
     """Wait (bounded) for every chunk flag holding gathered rows [first_row, last_row], unless an earlier wait
     of this program failed (`ready` False: the rows are loaded without waiting). `known`: a bit per chunk below
     KNOWN_CHUNKS this program has already acquired (a set flag stays set for the whole launch), not polled
@@ -134,7 +156,8 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready, known):
                 fresh = True
                 # every lane acquires once itself (see Ordering): set already, that load was it
                 if _lanes_acquire(flags + chunk, lane) != SET_FLAG:
-                    ready = await_flag(flags + chunk, SET_FLAG, error_code_base + chunk, error_ptr, timeout_ns, lane)
+                    ready = await_flag(flags + chunk, SET_FLAG, error_code_base + chunk, error_ptr, timeout_ns, lane,
+                                       CLOCK)
                     if ready:
                         _lanes_acquire(flags + chunk, lane)
                 if ready:
@@ -148,9 +171,25 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready, known):
 @gluon.jit
 def chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
                          chunks_free):
-    """The waiter warp of a Gluon GEMM (a warp_specialize partition): the chunks of this program's work items
-    (kernels/gemm_gluon_walk.py), in the producer's order; nothing without chunk waits. The tile comes from the
-    descriptors: A in [128, BLOCK_K] boxes (BLOCK_M 128) or [64, BLOCK_K] (BLOCK_M 192), C in [64, BLOCK_N]."""
+    """The waiter warp of a bf16 Gluon GEMM (a warp_specialize partition), its waits bounded by the clock."""
+    _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+                 chunks_free, True)
+
+
+@gluon.jit
+def counted_chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args,
+                                 chunks_ok, chunks_free):
+    """The waiter warp of the FP8 Gluon GEMM, its waits bounded by a count of polls (see the module docstring)."""
+    _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+                 chunks_free, False)
+
+
+@gluon.jit
+def _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free,
+                 CLOCK: gl.constexpr):
+    """The waiter warp's walk: the chunks of this program's work items (kernels/gemm_gluon_walk.py), in the
+    producer's order; nothing without chunk waits. The tile comes from the descriptors: A in [128, BLOCK_K]
+    boxes (BLOCK_M 128) or [64, BLOCK_K] (BLOCK_M 192), C in [64, BLOCK_N]."""
     BLOCK_M: gl.constexpr = 128 if a_desc.block_type.shape[0] == 128 else 192
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -166,12 +205,13 @@ def chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_til
             row_block, _ = tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
             first_row = row_block * BLOCK_M
             ready, known = _publish_chunk_rows(chunk_args, first_row, gl.minimum(first_row + BLOCK_M, M) - 1, ready,
-                                               known, index, chunks_ok, chunks_free)
+                                               known, index, chunks_ok, chunks_free, CLOCK)
             index += 1
 
 
 @gluon.jit
-def _publish_chunk_rows(chunk_args, first_row, last_row, ready, known, index, chunks_ok, chunks_free):
+def _publish_chunk_rows(chunk_args, first_row, last_row, ready, known, index, chunks_ok, chunks_free,
+                        CLOCK: gl.constexpr):
     """The waiter warp's part for this program's `index`-th work item: once the producer has taken the item
     TILE_SLOTS before it, wait for the chunks of rows [first_row, last_row] (`wait_chunk_rows`) and hand the
     item to the producer (``chunks_ok``, one arrival). Returns (`ready`, `known`) for the next item (a failed
@@ -179,7 +219,7 @@ def _publish_chunk_rows(chunk_args, first_row, last_row, ready, known, index, ch
     slot = index % TILE_SLOTS
     # a fresh barrier counts as released: its "previous" phase (parity 1) is complete
     mbarrier.wait(chunks_free.index(slot), ((index // TILE_SLOTS) & 1) ^ 1)
-    ready, known = wait_chunk_rows(chunk_args, first_row, last_row, ready, known)
+    ready, known = wait_chunk_rows(chunk_args, first_row, last_row, ready, known, CLOCK)
     mbarrier.arrive(chunks_ok.index(slot))
     return ready, known
 
