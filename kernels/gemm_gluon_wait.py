@@ -116,7 +116,7 @@ def await_flag(flag_ptr, expected, code, error_ptr, timeout_ns, lane, CLOCK: gl.
             if polls % ABORT_EVERY == 0:
                 abort = _warp_load(error_ptr + 2, lane)
                 expired = (_clock_ns(lane) - start > timeout_ns).to(gl.int32)
-    else:
+    else:  # kept apart from the clock's loop: the FP8 builds stay 11903f1's machine code (module docstring)
         max_polls = timeout_ns // POLL_NS
         while (seen == 0) & (polls < max_polls) & (abort == 0):
             seen = _lane0_atomic_read(flag_ptr, lane)
