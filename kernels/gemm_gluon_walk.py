@@ -95,7 +95,10 @@ def streamed_item(i, whole, first, end, num_whole_tiles, num_tiles, num_k):
         first_slot = slot
     else:
         total = (num_tiles - num_whole_tiles) * num_k
-        t = first // num_k + i - whole
+        # the program's pieces last to first: its head piece (K steps 0..) first, so that at any time every
+        # program reads K steps at most 64 - L apart and their A and B boxes stay shared in L2 (first to last,
+        # each program starts at another K offset: measured 1.7-2x slower on an H100)
+        t = gl.cdiv(end, num_k) - 1 - (i - whole)
         tile = num_whole_tiles + t
         first_k = gl.maximum(first - t * num_k, 0)
         end_k = gl.minimum(end - t * num_k, num_k)

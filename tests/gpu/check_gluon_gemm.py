@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     @check("streamed tails (fewer tiles than programs, kernels/gemm_gluon_stream.py): M/N/K tails, a capped grid, "
            "16 queued calls bitwise equal, counters back at zero, both layouts")
     def _():
-        cases = queued_calls_agree("128x256x64w4s3sk1gl", ((1024, 3584, 4096), (1000, 3500, 4040), (640, 3584, 4096)))
+        cases = queued_calls_agree("128x256x64w4s3sk1gl", ((1024, 3584, 4096), (1000, 3496, 4040), (640, 3584, 4096)))
         cases += queued_calls_agree("128x256x64w4s3sk1gl", ((768, 3584, 4096), ), programs=100)
         cases += queued_calls_agree("128x128x64w4s6sk1gl", ((1024, 1792, 8192), ))
         expect(all("streamed" in case for case in cases), f"not every case streamed: {cases}")
