@@ -53,8 +53,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gemm_gluon_ring import init_ring, invalidate_ring, load_item
-from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers
+from .gemm_gluon_ring import init_ring, invalidate_ring, load_stage
+from .gemm_gluon_wait import chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers, take_chunk_rows
 from .gemm_gluon_walk import owner_last_coordinates, tile_coordinates as _tile_coordinates, work_item as _work_item
 
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
@@ -93,9 +93,26 @@ def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, tile_
                                                           chunk_args[2] // BLOCK_M)
         else:
             row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        step = load_item(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, index, row_block, col_block, first_k,
-                         end_k, waits, chunks_ok, chunks_free, STAGE_BYTES, B_TRANSPOSED)
+        start_k = first_k
+        if waits:
+            # B does not depend on the chunks: on the program's first item (its ring empty) the first stages'
+            # B boxes are in flight while the waiter acquires the rows. Not later: claiming NUM_STAGES slots
+            # ahead would wait for the previous tile's whole ring to drain
+            ahead = gl.minimum(end_k - first_k, NUM_STAGES * (index == 0))
+            for j in range(ahead):
+                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
+                           col_block, False, True, STAGE_BYTES, B_TRANSPOSED)
+            take_chunk_rows(index, chunks_ok, chunks_free)
+            for j in range(ahead):
+                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
+                           col_block, True, False, STAGE_BYTES, B_TRANSPOSED)
+            start_k += ahead
+            step += ahead
         index += 1
+        for k in range(start_k, end_k):
+            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k, col_block, True, True,
+                       STAGE_BYTES, B_TRANSPOSED)
+            step += 1
 
 
 @gluon.jit

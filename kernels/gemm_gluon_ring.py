@@ -1,8 +1,7 @@
 """The operand ring of the Gluon GEMMs (kernels/gemm_gluon.py, gemm_gluon_boxes.py, gemm_gluon_scatter.py,
 gemm_fp8_gluon.py) that links the producer warp to the consumer warpgroups: per slot, a ``ready`` mbarrier (one
 arrival: the producer's expect, completed by its TMA loads' bytes) and an ``empty`` one (one arrival per
-consumer warpgroup, once its MMAs have read the slot); and the producer's loads of one K step into a slot, and
-of a work item's K steps.
+consumer warpgroup, once its MMAs have read the slot); and the producer's loads of one K step into a slot.
 Initialised before the partitions start (then fenced with the kernel's other barriers), invalidated after
 they end."""
 
@@ -10,9 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .gemm_gluon_wait import take_chunk_rows
-
-__all__ = ["init_ring", "invalidate_ring", "load_stage", "load_item"]
+__all__ = ["init_ring", "invalidate_ring", "load_stage"]
 
 
 @gluon.jit
@@ -59,31 +56,3 @@ def load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k,
             tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
         else:
             tma.async_copy_global_to_shared(b_desc, [k * BLOCK_K, col_block * BLOCK_N], bar, b_bufs.index(slot))
-
-
-@gluon.jit
-def load_item(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, index, row_block, col_block, first_k, end_k, waits,
-              chunks_ok, chunks_free, STAGE_BYTES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
-    """The producer's loads of K steps [first_k, end_k) of the program's `index`-th work item from ring slot `step`
-    on (its A rows once the waiter handed the item over, with `waits`); the next item's first slot."""
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    start_k = first_k
-    if waits:
-        # B does not depend on the chunks: on the program's first item (its ring empty) the first stages'
-        # B boxes are in flight while the waiter acquires the rows. Not later: claiming NUM_STAGES slots
-        # ahead would wait for the previous tile's whole ring to drain
-        ahead = gl.minimum(end_k - first_k, NUM_STAGES * (index == 0))
-        for j in range(ahead):
-            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
-                       col_block, False, True, STAGE_BYTES, B_TRANSPOSED)
-        take_chunk_rows(index, chunks_ok, chunks_free)
-        for j in range(ahead):
-            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step + j, row_block, first_k + j,
-                       col_block, True, False, STAGE_BYTES, B_TRANSPOSED)
-        start_k += ahead
-        step += ahead
-    for k in range(start_k, end_k):
-        load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, step, row_block, k, col_block, True, True,
-                   STAGE_BYTES, B_TRANSPOSED)
-        step += 1
-    return step

@@ -102,21 +102,6 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
     return compile_gluon(gluon_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
 
 
-def compile_gluon_stream_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90, dtype: str = "bf16"):
-    """kernels/gemm_gluon_stream.py (the streamed tail) as overlap/gemm/gluon_launch.py launches it: the
-    descriptors of `compile_gluon_gemm` for BLOCK_M 128."""
-    from tp_overlap.kernels.gemm_gluon_stream import gluon_stream_gemm_kernel
-    from tp_overlap.gemm.launch import tma_shared_layout
-
-    bn, bk = blocks.block_n, blocks.block_k
-    desc = functools.partial(_gluon_descriptor, tma_shared_layout, dtype)
-    types = dict(a_desc=desc([128, bk]), b_desc=desc([bn, bk] if b_transposed else [bk, bn]), c_desc=desc([64, bn]),
-                 M="i32", N="i32", K="i32", tile_row_offset="i32", num_whole_tiles="i32", workspace="*fp32:16",
-                 counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
-    constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed)
-    return compile_gluon(gluon_stream_gemm_kernel, types, constexprs, num_warps=blocks.num_warps, arch=arch)
-
-
 def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int, dtype: str):
     """kernels/gemm_gluon_boxes.py as overlap/gemm/gluon_launch.py launches it: A [BLOCK_M, BLOCK_K], B in boxes of
     BN0 and BN1 columns, C [64, BN0] and [64, BN1]."""

@@ -15,14 +15,12 @@ import tempfile
 from tp_overlap.gemm import GemmBlocks
 
 from .compile_gluon import (compile_fp8_gluon_gemm, compile_gluon_gemm, compile_gluon_reduce_gemm,
-                            compile_gluon_scatter_gemm, compile_gluon_stream_gemm)
+                            compile_gluon_scatter_gemm)
 
 # (label, build): the bf16 GEMM's tile shapes (one and three consumer warpgroups, two B boxes, a split tail) in
-# both layouts, its streamed tail's, the scatter (also two B boxes wide) and scatter-reduce GEMMs', the FP8 GEMM's with
-# both A scale layouts
+# both layouts, the scatter (also two B boxes wide) and scatter-reduce GEMMs', the FP8 GEMM's with both A scale layouts
 GEMM_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x64x64w4s8gl", "192x128x64w4s4gl", "128x256x64w4s3sk1gl",
                "64x96x64w4s8gl", "128x96x64w4s6gl")
-STREAM_BUILDS = ("128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl")
 SCATTER_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x144x64w4s5gl")
 FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl")
 
@@ -34,10 +32,6 @@ def builds():
         for nk in (False, True):
             out.append((f"gemm_{name}_{'nk' if nk else 'kn'}",
                         lambda n=name, t=nk: compile_gluon_gemm(GemmBlocks.parse(n), b_transposed=t)))
-    for name in STREAM_BUILDS:
-        for nk in (False, True):
-            out.append((f"stream_{name}_{'nk' if nk else 'kn'}",
-                        lambda n=name, t=nk: compile_gluon_stream_gemm(GemmBlocks.parse(n), b_transposed=t)))
     for name in SCATTER_BUILDS:
         for nk in (False, True):
             out.append((f"scatter_{name}_{'nk' if nk else 'kn'}",

@@ -24,13 +24,10 @@ MAX_SCATTER_OWNERS = 8          # kernels/gemm_gluon_scatter.py's descriptor arg
 SM_FLOPS = 5.6e12
 SPLIT_ITEM_S = 3.0e-6
 SPLIT_READ_S = 1.0e-6
-# A streamed tail (kernels/gemm_gluon_stream.py) only where fewer tiles than programs leave SMs idle, and each
-# program takes at least this many K steps (fewer: the ring's fill and the partials cost more than they save)
-STREAM_MIN_STEPS = 8
 
 __all__ = ["chunk_args", "gluon_operand_problems", "gluon_placeholders", "launch_gluon_gemm", "split_plan",
-           "modelled_seconds", "split_buffers", "split_tail", "stream_plan", "streamed_tail", "scatter_descriptors",
-           "launch_gluon_scatter", "reduce_descriptors", "launch_gluon_scatter_reduce"]
+           "modelled_seconds", "split_buffers", "split_tail", "scatter_descriptors", "launch_gluon_scatter",
+           "reduce_descriptors", "launch_gluon_scatter_reduce"]
 
 
 def gluon_operand_problems(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> list[str]:
@@ -75,17 +72,6 @@ def _planned(tiles: int, programs: int, k_steps: int, tile_flops: int, max_items
     return best_s, best
 
 
-def stream_plan(tiles: int, programs: int, k_steps: int, tile_flops: int) -> float | None:
-    """Modelled seconds of a launch whose `tiles` (fewer than `programs`) are streamed: their K steps laid end to
-    end and cut evenly among all programs (kernels/gemm_gluon_stream.py), the cost model of `split_plan` (a
-    piece's partial store and count, each partial of the most cut tile read back); None where not streamed."""
-    if tiles >= programs or tiles * k_steps < STREAM_MIN_STEPS * programs:
-        return None
-    least_steps = tiles * k_steps // programs
-    pieces = -(-(k_steps - 1) // least_steps) + 1  # of the most cut tile
-    return tiles * tile_flops / (programs * SM_FLOPS) + SPLIT_ITEM_S + pieces * SPLIT_READ_S
-
-
 def modelled_seconds(blocks: GemmBlocks, m: int, n: int, k: int, programs: int) -> float:
     """`split_plan`'s cost model of a whole bf16 launch on `programs` programs: whole rounds of tiles, the last
     partial one cut by K where `blocks` has `sk1` and cutting pays (what the fused ops' block choice compares
@@ -93,9 +79,7 @@ def modelled_seconds(blocks: GemmBlocks, m: int, n: int, k: int, programs: int) 
     tiles = -(-m // blocks.block_m) * -(-n // blocks.block_n)
     tile_flops = 2 * blocks.block_m * blocks.block_n * k
     if blocks.stream_k:
-        planned = _planned(tiles, programs, -(-k // blocks.block_k), tile_flops)[0]
-        streamed = stream_plan(tiles, programs, -(-k // blocks.block_k), tile_flops) if _streamable(blocks) else None
-        return planned if streamed is None else min(planned, streamed)
+        return _planned(tiles, programs, -(-k // blocks.block_k), tile_flops)[0]
     return -(-tiles // programs) * tile_flops / SM_FLOPS
 
 
@@ -117,40 +101,12 @@ def chunk_args(wait: ChunkWait | None, device: torch.device) -> tuple:
 
 
 def split_buffers(device: torch.device, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split or streamed tail's (fp32 workspace, int32 counters at zero) for `programs` programs, to own and
-    pass as `split_buffers=`: room for 2 x `programs` pieces of the widest tile (128 x 256; twice as many of 128 x
-    128; ~256 KiB a program). `split_plan` cuts a last partial wave into at most half as many pieces; a streamed
-    tail has at most programs + tiles - 1 < 2 x programs. Allocated by a caller once (an op at construction:
-    outside any capture), used by one launch at a time (stream-ordered)."""
-    return (torch.empty(2 * programs * 128 * 256, dtype=torch.float32, device=device),
+    """A split tail's (fp32 workspace, int32 counters at zero) for `programs` programs, to own and pass as
+    `split_buffers=`: room for `programs` pieces of the widest tile (128 x 256; twice as many of 128 x 128), so
+    `split_plan` cuts a last partial wave into no more (~128 KiB a program). Allocated by a caller once
+    (an op at construction: outside any capture), used by one launch at a time (stream-ordered)."""
+    return (torch.empty(programs * 128 * 256, dtype=torch.float32, device=device),
             torch.zeros(3 * programs, dtype=torch.int32, device=device))  # a counter per split tile and consumer
-
-
-def _streamable(blocks: GemmBlocks) -> bool:
-    """Blocks kernels/gemm_gluon_stream.py runs: one-box Gluon tiles of 128 rows with a split tail (`sk1`)."""
-    return bool(blocks.gluon and blocks.stream_k and blocks.block_m == 128 and not blocks.gluon_boxes)
-
-
-def streamed_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
-                  buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple | None:
-    """(programs, whole tiles, workspace, counters) of a launch of kernels/gemm_gluon_stream.py where the cost model
-    (`stream_plan`) has the streamed tiles finish sooner than `split_tail`'s plan, and the buffers (given, else
-    the current stream's) hold its pieces; else None. Every tile is streamed (fewer tiles than programs)."""
-    if not _streamable(blocks):
-        return None
-    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    tiles, k_steps = -(-m // bm) * -(-n // bn), -(-k // bk)
-    tile_flops = 2 * bm * bn * k
-    streamed_s = stream_plan(tiles, num_programs, k_steps, tile_flops)
-    max_items = buffers[0].numel() // (2 * bm * bn) if buffers is not None else None
-    if streamed_s is None or streamed_s >= _planned(tiles, num_programs, k_steps, tile_flops, max_items)[0]:
-        return None
-    slots, counter_words = (num_programs + tiles - 1) * bm * bn, 2 * tiles
-    if buffers is None:  # one growing pair per stream: every launch leaves the counters at zero
-        buffers = stream_buffers(device, ("gluon_split",), slots, counter_words)
-    elif buffers[0].numel() < slots or buffers[1].numel() < counter_words:
-        return None
-    return (num_programs, 0) + tuple(buffers)
 
 
 def split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, device: torch.device,
@@ -164,7 +120,7 @@ def split_tail(blocks: GemmBlocks, m: int, n: int, k: int, num_programs: int, de
     programs = max(1, min(tiles, num_programs))
     if not blocks.stream_k:
         return (programs, tiles, 1) + gluon_placeholders(device)
-    max_items = buffers[0].numel() // (2 * bm * bn) if buffers is not None else None  # `split_buffers`
+    max_items = buffers[0].numel() // (bm * bn) if buffers is not None else None
     whole, splits = split_plan(tiles, num_programs, -(-k // bk), bm * bn * k * operand_bytes, max_items,
                                split_build_slowdown)
     if splits == 1:
@@ -184,10 +140,9 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
                       split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [M, N] = a [M, K] @ B on the current stream, B = b [K, N] or, `b_transposed`, b [N, K] read as its
     transpose. The caller checked `blocks.problems()` and `gluon_operand_problems` (`triton_mm` does).
-    Blocks with `sk1` cut the last partial wave by K (`split_plan`), or with fewer tiles than programs stream
-    them (`streamed_tail`: kernels/gemm_gluon_stream.py), into the workspace and counters of `split_buffers`
-    (module `split_buffers`), else of the current stream (allocated on its first use there: warm up before a
-    CUDA-graph capture).
+    Blocks with `sk1` cut the last partial wave by K (`split_plan`) into the workspace and counters of
+    `split_buffers` (module `split_buffers`), else of the current stream (allocated on its first use there:
+    warm up before a CUDA-graph capture).
     `chunk_wait`: the fused AllGather consumer, each tile's A rows read once their chunk flags are SET
     (`a` is the gathered [M, K]; not with `gluon_boxes` blocks)."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
@@ -205,21 +160,12 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
         return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    descriptors = (tma_descriptor(a, (128 if bm == 128 else 64, bk)),
-                   tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)), tma_descriptor(out, (64, bn)))
-    streamed = streamed_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
-    if streamed is not None:
-        from tp_overlap.kernels.gemm_gluon_stream import gluon_stream_gemm_kernel
-
-        programs, whole, workspace, counters = streamed
-        gluon_stream_gemm_kernel[(programs,)](*descriptors, m, n, k, tile_row_offset, whole, workspace, counters,
-                                              chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages,
-                                              B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
-        return
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
     gluon_gemm_kernel[(programs,)](
-        *descriptors, m, n, k, tile_row_offset, whole, splits, workspace, counters, chunk_args(chunk_wait, a.device),
-        NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64, num_warps=GLUON_NUM_WARPS)
+        tma_descriptor(a, (128 if bm == 128 else 64, bk)), tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)),
+        tma_descriptor(out, (64, bn)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
+        chunk_args(chunk_wait, a.device), NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, CONSUMERS=bm // 64,
+        num_warps=GLUON_NUM_WARPS)
 
 
 def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int) -> None:

@@ -26,13 +26,8 @@ __all__ = ["AgConsumers", "consumer_gluon_blocks", "consumer_fp8_blocks"]
 
 def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
     """The Gluon blocks of the bf16 `fused` consumer (and of its `compute_alone`): the table's entry, its split
-    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`), and added where fewer
-    tiles than programs leave SMs idle: the table measured whole tiles and equal K pieces there, not the
-    streamed tail `launch_gluon_gemm` may then run (gluon_launch.streamed_tail: its cost model decides)."""
-    blocks = fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
-    few = -(-m // blocks.block_m) * -(-n // blocks.block_n) < programs
-    streamable = blocks.gluon and blocks.block_m == 128 and not blocks.gluon_boxes
-    return dataclasses.replace(blocks, stream_k=1) if few and streamable else blocks
+    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`)."""
+    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
 
 
 def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | None):

@@ -9,8 +9,7 @@ wider NaN-filled buffer (TMA must read zeros past K), nothing written outside [M
 bitwise equal; a grid capped below the tiles with a row rotation; K = 0 and M = 0; operands TMA cannot read
 (explicit Gluon blocks refused, the table's choice falls back to its plain blocks); replays of a captured CUDA
 graph with new operands; split tails (`sk1`): 16 queued calls bitwise equal, the counters back at zero, a grid
-capped so that each program holds several split pieces; streamed tails (fewer tiles than programs,
-kernels/gemm_gluon_stream.py) likewise, with M/N/K tails and a capped grid.
+capped so that each program holds several split pieces.
 """
 
 from __future__ import annotations
@@ -73,58 +72,35 @@ def main(argv=None) -> int:
         return f"{len(GLUON_CANDIDATES + GLUON_BOX_CANDIDATES)} configurations x {len(TAIL_SHAPES)} shapes x 2 layouts, worst {worst:.2e}"
 
     def split_planned(name, m, n, k, programs=None):
-        """What a launch of `name` does with its tail: equal K pieces, or streamed (kernels/gemm_gluon_stream.py)."""
-        from tp_overlap.gemm.gluon_launch import split_plan, streamed_tail
+        from tp_overlap.gemm.gluon_launch import split_plan
 
         blocks = GemmBlocks.parse(name)
-        programs = programs or torch.cuda.get_device_properties(dev).multi_processor_count
         tiles = -(-m // 128) * -(-n // blocks.block_n)
-        if streamed_tail(blocks, m, n, k, programs, dev, None) is not None:
-            return f"{name} {tiles} tiles streamed on {programs} programs"
-        whole, splits = split_plan(tiles, programs, -(-k // 64), 2 * 128 * blocks.block_n * k)
+        whole, splits = split_plan(tiles, programs or torch.cuda.get_device_properties(dev).multi_processor_count,
+                                   -(-k // 64), 2 * 128 * blocks.block_n * k)
         expect(splits > 1, f"{name} M={m} N={n} K={k}: no split planned (the check would not test one)")
         return f"{name} {tiles} tiles -> {whole} whole + {tiles - whole} x {splits}"
 
-    def queued_calls_agree(name, shapes, programs=None):
-        """16 calls of each shape queued back to back: right and bitwise equal, both layouts; their plans."""
-        blocks, plans = GemmBlocks.parse(name), []
-        for m, n, k in shapes:
-            plans.append(split_planned(name, m, n, k, programs))
+    @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
+    def _():
+        from tp_overlap.gemm.workspaces import _workspaces
+
+        cases = []
+        for name, (m, n, k) in (("128x128x64w4s6sk1gl", (1024, 768, 4096)), ("128x256x64w4s3sk1gl", (2048, 1280, 8192)),
+                                ("128x64x64w4s8sk1gl", (200, 1032, 4104))):
+            blocks = GemmBlocks.parse(name)
+            cases.append(split_planned(name, m, n, k))
             for layout in ("kn", "nk"):
                 a, b = operands(m, n, k, layout)
                 outs = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(16)]
                 for out in outs:   # queued: no synchronisation between the calls
-                    triton_mm(a, b, out, blocks=blocks, num_programs=programs)
+                    triton_mm(a, b, out, blocks=blocks)
                 torch.cuda.synchronize(dev)
-                verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k} programs={programs}")
+                verify(outs[0], a, b, f"{name} {layout} M={m} N={n} K={k}")
                 expect(all(torch.equal(outs[0], o) for o in outs[1:]), f"{name} {layout}: queued calls differ")
-        return plans
-
-    def counters_at_zero():
-        from tp_overlap.gemm.workspaces import _workspaces
-
         left = [key for key, pairs in _workspaces.items() if "gluon_split" in key
                 for _, counters in pairs if counters.any()]
         expect(not left, f"counters not back at zero: {left}")
-
-    @check("split tails (sk1): 16 calls queued back to back bitwise equal, counters back at zero, both layouts")
-    def _():
-        cases = []
-        for name, shape in (("128x128x64w4s6sk1gl", (2048, 1280, 4096)), ("128x256x64w4s3sk1gl", (2048, 2560, 8192)),
-                            ("128x64x64w4s8sk1gl", (200, 1032, 4104))):
-            cases += queued_calls_agree(name, [shape])
-            expect("streamed" not in cases[-1], f"{cases[-1]}: the check would not test equal K pieces")
-        counters_at_zero()
-        return "; ".join(cases)
-
-    @check("streamed tails (fewer tiles than programs, kernels/gemm_gluon_stream.py): M/N/K tails, a capped grid, "
-           "16 queued calls bitwise equal, counters back at zero, both layouts")
-    def _():
-        cases = queued_calls_agree("128x256x64w4s3sk1gl", ((1024, 3584, 4096), (1000, 3496, 4040), (640, 3584, 4096)))
-        cases += queued_calls_agree("128x256x64w4s3sk1gl", ((768, 3584, 4096), ), programs=100)
-        cases += queued_calls_agree("128x128x64w4s6sk1gl", ((1024, 1792, 8192), ))
-        expect(all("streamed" in case for case in cases), f"not every case streamed: {cases}")
-        counters_at_zero()
         return "; ".join(cases)
 
     @check("a grid capped below the tiles (persistent programs) with a row rotation")

@@ -1,8 +1,6 @@
 """Block choice of the GEMM launcher: the table (configs/gemm_blocks/), its loader and the fallback heuristic
 (pure functions of the shape, the layout and the program count)."""
 
-import dataclasses
-
 import pytest
 
 from tp_overlap.gemm.blocks import (LAYOUTS, PLAIN_BLOCK_M, BlockTable, BlockTableEntry, BlockTableError, GemmBlocks,
@@ -195,9 +193,8 @@ def test_the_allgather_consumer_keeps_the_tables_split_tail():
         got = consumer_gluon_blocks(entry.m, entry.n, entry.k, b_transposed=entry.layout == "nk", gpu="h100",
                                     programs=132)
         assert got.gluon and not got.gluon_boxes and not got.problems(), (entry, got)
-        if entry.blocks.gluon and not entry.blocks.gluon_boxes:  # sk1 added where the tiles leave SMs idle
-            few = -(-entry.m // got.block_m) * -(-entry.n // got.block_n) < 132
-            assert got == (dataclasses.replace(entry.blocks, stream_k=1) if few else entry.blocks), (entry, got)
+        if entry.blocks.gluon and not entry.blocks.gluon_boxes:
+            assert got == entry.blocks, (entry, got)
 
 
 def test_stream_k_tiles_cover_the_last_partial_wave_plus_full_waves():
