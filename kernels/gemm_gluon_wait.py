@@ -58,8 +58,7 @@ ABORT_EVERY = gl.constexpr(64)  # polls between reads of the abort word (host me
 TILE_SLOTS = gl.constexpr(2)  # work items the waiter warp may run ahead of the producer
 KNOWN_CHUNKS = gl.constexpr(32)  # chunks a program remembers as acquired (bits of an int32); later ones are re-polled
 
-__all__ = ["await_flag", "wait_chunk_rows", "chunk_wait_partition", "boxes_chunk_wait_partition",
-           "counted_chunk_wait_partition", "take_chunk_rows",
+__all__ = ["await_flag", "wait_chunk_rows", "chunk_wait_partition", "counted_chunk_wait_partition", "take_chunk_rows",
            "init_chunk_barriers", "invalidate_chunk_barriers", "TILE_SLOTS"]
 
 
@@ -172,42 +171,28 @@ def wait_chunk_rows(chunk_args, first_row, last_row, ready, known, CLOCK: gl.con
 @gluon.jit
 def chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
                          chunks_free):
-    """The waiter warp of a bf16 Gluon GEMM (a warp_specialize partition), its waits bounded by the clock. The
-    tile comes from the descriptors: A in [128, BLOCK_K] boxes (BLOCK_M 128) or [64, BLOCK_K] (BLOCK_M 192), C in
-    [64, BLOCK_N]."""
-    _walk_chunks(128 if a_desc.block_type.shape[0] == 128 else 192, c_desc.block_type.shape[1],
-                 a_desc.block_type.shape[1], M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+    """The waiter warp of a bf16 Gluon GEMM (a warp_specialize partition), its waits bounded by the clock."""
+    _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
                  chunks_free, True)
-
-
-@gluon.jit
-def boxes_chunk_wait_partition(a_desc, c_descs, M, N, K, tile_row_offset, chunk_args, chunks_ok, chunks_free):
-    """The waiter warp of the boxes GEMM (kernels/gemm_gluon_boxes.py), its waits bounded by the clock: whole
-    tiles of A's box rows, as wide as the C boxes (the third only where it is narrower than the second)."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BN1: gl.constexpr = c_descs[1].block_type.shape[1]
-    BN2: gl.constexpr = c_descs[2].block_type.shape[1]
-    BLOCK_N: gl.constexpr = c_descs[0].block_type.shape[1] + BN1 + (BN2 if BN2 < BN1 else 0)
-    tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    _walk_chunks(BLOCK_M, BLOCK_N, a_desc.block_type.shape[1], M, N, K, tile_row_offset, tiles, 1, chunk_args,
-                 chunks_ok, chunks_free, True)
 
 
 @gluon.jit
 def counted_chunk_wait_partition(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args,
                                  chunks_ok, chunks_free):
-    """The waiter warp of the FP8 Gluon GEMM, its waits bounded by a count of polls (see the module docstring);
-    A in [128, BLOCK_K] boxes, C in [64, BLOCK_N]."""
-    _walk_chunks(128 if a_desc.block_type.shape[0] == 128 else 192, c_desc.block_type.shape[1],
-                 a_desc.block_type.shape[1], M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
+    """The waiter warp of the FP8 Gluon GEMM, its waits bounded by a count of polls (see the module docstring)."""
+    _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok,
                  chunks_free, False)
 
 
 @gluon.jit
-def _walk_chunks(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, M, N, K, tile_row_offset,
-                 num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free, CLOCK: gl.constexpr):
+def _walk_chunks(a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free,
+                 CLOCK: gl.constexpr):
     """The waiter warp's walk: the chunks of this program's work items (kernels/gemm_gluon_walk.py), in the
-    producer's order; nothing without chunk waits."""
+    producer's order; nothing without chunk waits. The tile comes from the descriptors: A in [128, BLOCK_K]
+    boxes (BLOCK_M 128) or [64, BLOCK_K] (BLOCK_M 192), C in [64, BLOCK_N]."""
+    BLOCK_M: gl.constexpr = 128 if a_desc.block_type.shape[0] == 128 else 192
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_items = num_whole_tiles + (num_row_blocks * num_col_blocks - num_whole_tiles) * splits

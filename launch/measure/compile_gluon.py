@@ -104,15 +104,13 @@ def compile_gluon_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int = 90
 
 def _compile_gluon_boxes_gemm(blocks: GemmBlocks, *, b_transposed: bool, arch: int, dtype: str):
     """kernels/gemm_gluon_boxes.py as overlap/gemm/gluon_launch.py launches it: A [BLOCK_M, BLOCK_K], B in boxes of
-    BN0, BN1 (and BN2; two boxes: BN1 again) columns, C [64, BN0], [64, BN1], [64, BN2]."""
+    BN0 and BN1 columns, C [64, BN0] and [64, BN1]."""
     from tp_overlap.kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
     from tp_overlap.gemm.launch import tma_shared_layout
 
     bk, widths = blocks.block_k, blocks.gluon_boxes
-    widths = widths + widths[-1:] if len(widths) == 2 else widths
     desc = functools.partial(_gluon_descriptor, tma_shared_layout, dtype)
-    types = dict(a_desc=desc([blocks.block_m, bk]), M="i32", N="i32", K="i32", tile_row_offset="i32",
-                 chunk_args=_GLUON_CHUNK_ARGS)
+    types = dict(a_desc=desc([blocks.block_m, bk]), M="i32", N="i32", K="i32", tile_row_offset="i32")
     for i, bn in enumerate(widths):
         types |= {f"b{i}_desc": desc([bn, bk] if b_transposed else [bk, bn]), f"c{i}_desc": desc([64, bn])}
     constexprs = dict(NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed)

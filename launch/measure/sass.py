@@ -20,7 +20,7 @@ from .compile_gluon import (compile_fp8_gluon_gemm, compile_gluon_gemm, compile_
 # (label, build): the bf16 GEMM's tile shapes (one and three consumer warpgroups, two B boxes, a split tail) in
 # both layouts, the scatter (also two B boxes wide) and scatter-reduce GEMMs', the FP8 GEMM's with both A scale layouts
 GEMM_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x64x64w4s8gl", "192x128x64w4s4gl", "128x256x64w4s3sk1gl",
-               "64x96x64w4s8gl", "128x96x64w4s6gl", "128x224x64w4s3gl")
+               "64x96x64w4s8gl", "128x96x64w4s6gl")
 SCATTER_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x144x64w4s5gl")
 FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl")
 

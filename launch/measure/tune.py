@@ -109,14 +109,13 @@ M_ORDER = (1024, 16384, 4096, 2048, 8192)
 GLUON_CANDIDATES = ("128x256x64w4s3gl", "128x128x64w4s4gl", "128x128x64w4s6gl", "128x64x64w4s8gl",
                     "128x256x64w4s3sk1gl", "128x128x64w4s6sk1gl", "128x64x64w4s8sk1gl", "192x128x64w4s4gl",
                     "192x128x64w4s4sk1gl")
-# Tiles of widths that are not powers of two, or 64 rows (kernels/gemm_gluon_boxes.py: B in two or three boxes): at
-# the few-tile shapes they give about one full wave where power-of-two tiles leave SMs idle or run too small (128
-# tiles of 1024x768 at 64x96, of 1024x1536 at 64x192 or 128x96, of 2048x1280 at 128x160, of 1024x3584 at
-# 128x224). Deep rings pay
+# Tiles of widths that are not powers of two, or 64 rows (kernels/gemm_gluon_boxes.py: B in two boxes): at the
+# few-tile shapes they give about one full wave where power-of-two tiles leave SMs idle or run too small (128
+# tiles of 1024x768 at 64x96, of 1024x1536 at 64x192 or 128x96, of 2048x1280 at 128x160). Deep rings pay
 # there: 64x128 tiles of 1024x768x4096 took 21.6 / 18.1 / 17.2 us with 5 / 7 / 8 stages (cuBLAS: 10).
 GLUON_BOX_CANDIDATES = ("64x96x64w4s8gl", "64x96x64w4s10gl", "64x128x64w4s7gl", "64x128x64w4s8gl", "64x160x64w4s7gl",
                         "64x192x64w4s6gl", "128x96x64w4s7gl", "128x160x64w4s4gl", "128x160x64w4s5gl",
-                        "128x192x64w4s4gl", "128x224x64w4s3gl")
+                        "128x192x64w4s4gl")
 GEMM_CLASSES = {
     # fewer 128x256 tiles than SMs: the last (only) wave is partial
     "few_tiles": ("128x128x64w8s4", "128x128x64w4s4", "64x128x64w4s4o2", "128x128x64w8s4sk1", "128x256x64w8s3sk1",

@@ -21,8 +21,7 @@ stages, then optional `g<GROUP_M>` (default 8), `ws` (warp specialisation), `fl`
 finish; for too few output tiles and long K), `gl` (the Gluon kernel with a TMA warp and a consumer warpgroup
 per 64 rows: kernels/gemm_gluon.py, 128xBNx64w4s<stages>[sk1] with BN 64, 128 or 256, or BLOCK_M 192 with BN <=
 128; `sk1` cuts the last partial wave's tiles by K, as many pieces as gluon_launch.split_plan says; BLOCK_M 64,
-or BN the sum of two or three powers of two such as 96 = 64 + 32: kernels/gemm_gluon_boxes.py, B in two or three
-boxes, no `sk1`;
+or BN the sum of two powers of two such as 96 = 64 + 32: kernels/gemm_gluon_boxes.py, B in two boxes, no `sk1`;
 FP8: kernels/gemm_fp8_gluon.py, 128xBNx128w4s<stages>, BN 64 or 128).
 """
 
@@ -48,8 +47,8 @@ DEFAULT_GPU = "h200"            # the table callers get when they do not name a 
 SHARED_MEMORY_LIMIT = 232448    # bytes per block on sm_90 (227 KB)
 SHARED_MEMORY_PER_SM = 233472   # bytes per SM on sm_90 (228 KB), shared by the blocks resident there
 PLAIN_BLOCK_M = ROW_BLOCK_M     # the scatter GEMMs run the plain entry: their row-block flags cover this many rows
-# Gluon tile widths that are not powers of two: two or three B boxes (kernels/gemm_gluon_boxes.py, `box_widths`)
-GLUON_BOX_WIDTHS = (48, 80, 96, 144, 160, 192, 224)
+# Gluon tile widths that are not powers of two: two B boxes (kernels/gemm_gluon_boxes.py, `box_widths`)
+GLUON_BOX_WIDTHS = (48, 80, 96, 144, 160, 192)
 WAVE_MARGIN = 0.05              # heuristic: ties go to the wider tile (more reuse per loaded A row)
 
 _NAME = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(ws)?(fl)?(?:es(\d))?(?:sk(\d))?(?:o(\d))?(?:sp(\d+))?(gl)?$")
@@ -133,9 +132,9 @@ class GemmBlocks:
         return out
 
     @property
-    def gluon_boxes(self) -> tuple[int, ...] | None:
-        """The widths of the two or three B boxes when kernels/gemm_gluon_boxes.py runs these Gluon blocks
-        (BLOCK_M 64, or a width that is not a power of two), else None."""
+    def gluon_boxes(self) -> tuple[int, int] | None:
+        """(BN0, BN1) of the two B boxes when kernels/gemm_gluon_boxes.py runs these Gluon blocks (BLOCK_M 64,
+        or a width that is not a power of two), else None."""
         if not self.gluon or (self.block_m != 64 and self.block_n in (64, 128, 256)):
             return None
         return box_widths(self.block_n)
@@ -170,7 +169,7 @@ class GemmBlocks:
             if getattr(self, name) not in allowed:
                 out.append(f"gluon boxes: {name} {getattr(self, name)} not in {allowed}")
         if box_widths(self.block_n) is None:
-            out.append(f"gluon boxes: block_n {self.block_n} is not the sum of two or three powers of two >= 16")
+            out.append(f"gluon boxes: block_n {self.block_n} is not the sum of two powers of two >= 16")
         if self.num_stages < 2:
             out.append(f"gluon boxes: num_stages {self.num_stages} < 2")
         if self.warp_specialize or self.flatten or self.split_k > 1 or self.epilogue_subtile != 1:
@@ -178,19 +177,14 @@ class GemmBlocks:
         return out
 
 
-def box_widths(block_n: int) -> tuple[int, ...] | None:
-    """`block_n` as B box widths, powers of two >= 16: a power of two as two halves (128 -> 64 + 64), else the
-    largest power of two below it and the rest, itself split again where it is no power of two (96 -> 64 + 32,
-    224 -> 128 + 64 + 32); None when it is no such sum."""
+def box_widths(block_n: int) -> tuple[int, int] | None:
+    """(BN0, BN1): `block_n` as a power of two and a smaller or equal one, both >= 16 (96 -> 64 + 32, 128 ->
+    64 + 64); None when it is no such sum."""
     if not 32 <= block_n <= 256:
         return None
     bn0 = 1 << ((block_n - 1).bit_length() - 1)
-    rest = block_n - bn0
-    if rest & (rest - 1):  # no power of two: a second and third box
-        bn1 = 1 << (rest.bit_length() - 1)
-        bn2 = rest - bn1
-        return (bn0, bn1, bn2) if bn2 >= 16 and bn2 & (bn2 - 1) == 0 else None
-    return (bn0, rest) if rest >= 16 else None
+    bn1 = block_n - bn0
+    return (bn0, bn1) if bn1 >= 16 and bn1 & (bn1 - 1) == 0 else None
 
 
 def shared_memory_bytes(blocks: GemmBlocks, operand_bytes: int = 2, out_bytes: int = 2) -> int:

@@ -144,9 +144,11 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
     `split_buffers` (module `split_buffers`), else of the current stream (allocated on its first use there:
     warm up before a CUDA-graph capture).
     `chunk_wait`: the fused AllGather consumer, each tile's A rows read once their chunk flags are SET
-    (`a` is the gathered [M, K])."""
+    (`a` is the gathered [M, K]; not with `gluon_boxes` blocks)."""
     from tp_overlap.kernels.gemm_gluon import gluon_gemm_kernel
 
+    if chunk_wait is not None and blocks.gluon_boxes:
+        raise ValueError(f"launch_gluon_gemm: blocks {blocks.name!r} (two B boxes) have no chunk wait")
     m, k = a.shape
     n = out.shape[1]
     if not (m and n):
@@ -155,7 +157,7 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         out.zero_()
         return
     if blocks.gluon_boxes:
-        _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset, chunk_wait)
+        _launch_boxes(a, b, b_transposed, out, blocks, num_programs, tile_row_offset)
         return
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)
@@ -166,22 +168,19 @@ def launch_gluon_gemm(*, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, o
         num_warps=GLUON_NUM_WARPS)
 
 
-def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int,
-                  chunk_wait: ChunkWait | None) -> None:
-    """kernels/gemm_gluon_boxes.py: the tile's B in the two or three boxes of `blocks.gluon_boxes` columns (two
-    boxes: the second passed again as the third, never read)."""
+def _launch_boxes(a, b, b_transposed, out, blocks: GemmBlocks, num_programs: int, tile_row_offset: int) -> None:
+    """kernels/gemm_gluon_boxes.py: the tile's B in two boxes of `blocks.gluon_boxes` columns."""
     from tp_overlap.kernels.gemm_gluon_boxes import gluon_boxes_gemm_kernel
 
     m, k = a.shape
     n = out.shape[1]
     bm, bk = blocks.block_m, blocks.block_k
-    widths = blocks.gluon_boxes
-    widths = widths + widths[-1:] if len(widths) == 2 else widths
+    bn0, bn1 = blocks.gluon_boxes
     tiles = -(-m // bm) * -(-n // blocks.block_n)
-    b_descs = [tma_descriptor(b, (bn, bk) if b_transposed else (bk, bn)) for bn in widths]
-    c_descs = [tma_descriptor(out, (64, bn)) for bn in widths]
+    b_boxes = ((bn0, bk), (bn1, bk)) if b_transposed else ((bk, bn0), (bk, bn1))
     gluon_boxes_gemm_kernel[(max(1, min(tiles, num_programs)),)](
-        tma_descriptor(a, (bm, bk)), *b_descs, *c_descs, m, n, k, tile_row_offset, chunk_args(chunk_wait, a.device),
+        tma_descriptor(a, (bm, bk)), tma_descriptor(b, b_boxes[0]), tma_descriptor(b, b_boxes[1]),
+        tma_descriptor(out, (64, bn0)), tma_descriptor(out, (64, bn1)), m, n, k, tile_row_offset,
         NUM_STAGES=blocks.num_stages, B_TRANSPOSED=b_transposed, num_warps=GLUON_NUM_WARPS)
 
 
@@ -212,9 +211,6 @@ def launch_gluon_scatter(*, a: torch.Tensor, w: torch.Tensor, descriptors: tuple
     b, _, b_transposed = b_operand(w)
     n, bk = w.shape[1], blocks.block_k
     if blocks.gluon_boxes:
-        if len(blocks.gluon_boxes) != 2:
-            raise ValueError(f"launch_gluon_scatter: blocks {blocks.name!r}: the scatter GEMM's tiles are one or two "
-                             f"B boxes wide, not {len(blocks.gluon_boxes)}")
         _launch_scatter_boxes(a, b, b_transposed, descriptors, scatter, blocks, num_programs, tile_row_offset)
         return
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs, a.device, split_buffers)

@@ -13,7 +13,7 @@ import torch
 from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
-from ..gemm.fused_blocks import AG_BOX_BLOCKS, AG_BOX_MARGIN, fused_gluon_blocks
+from ..gemm.fused_blocks import fused_gluon_blocks
 from ..gemm.fp8 import choose_fp8_blocks, fp8_default_blocks
 from ..gemm.fp8_gluon_launch import gluon_operand_problems as fp8_operand_problems, launch_fp8_gluon_gemm
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
@@ -26,10 +26,8 @@ __all__ = ["AgConsumers", "consumer_gluon_blocks", "consumer_fp8_blocks"]
 
 def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
     """The Gluon blocks of the bf16 `fused` consumer (and of its `compute_alone`): the table's entry, its split
-    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`), or tiles three B boxes
-    wide where one wave of them finishes clearly sooner (`AG_BOX_BLOCKS`: kernels/gemm_gluon_boxes.py)."""
-    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True,
-                              boxes=AG_BOX_BLOCKS, box_margin=AG_BOX_MARGIN)
+    tail (`sk1`) kept (the op owns the buffers: `fused_gluon_blocks(split_tail=True)`)."""
+    return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, split_tail=True)
 
 
 def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | None):

@@ -11,7 +11,7 @@ import dataclasses
 from tp_overlap.kernels.constants import EPILOGUE_SCATTER, EPILOGUE_SCATTER_REDUCE, ROW_BLOCK_M
 
 from ..gemm import Scatter, choose_blocks, launch_gemm
-from ..gemm.fused_blocks import BOX_SCATTER_BLOCKS, fused_gluon_blocks
+from ..gemm.fused_blocks import fused_gluon_blocks
 from ..gemm.gluon_launch import (gluon_operand_problems, launch_gluon_gemm, launch_gluon_scatter,
                                  launch_gluon_scatter_reduce, reduce_descriptors, scatter_descriptors)
 from ..gemm.launch import b_operand, tma_row_problems
@@ -26,7 +26,7 @@ def scatter_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str
     0.79-0.87 of cuBLASLt under the same carve-out whole, 0.79-0.97 with the tail split), or tiles two B boxes
     wide where they fill whole waves that much sooner (`boxes`: kernels/gemm_gluon_scatter_boxes.py)."""
     return fused_gluon_blocks(m, n, k, b_transposed=b_transposed, gpu=gpu, sm_count=programs, block_m=ROW_BLOCK_M,
-                              split_tail=True, boxes=BOX_SCATTER_BLOCKS)
+                              split_tail=True, boxes=True)
 
 
 def reduce_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: str | None, programs: int):
