@@ -75,8 +75,6 @@ SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale gr
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
 B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
 SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignment of TMA's shared-memory writes
-WG_M = gl.constexpr(64)  # rows per consumer warpgroup
-MMA3_REGS = gl.constexpr(152)  # a consumer thread's registers with three consumer warpgroups (BLOCK_M 192)
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -87,12 +85,11 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, 
     """The producer warp: TMA loads of every K group of this program's work items into the ring (A and B tiles,
     the tile's 128 A scales and the box of B scales holding the group's), each slot once both consumer
     warpgroups have released it."""
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES  # A boxes per stage (3 of 64 rows for BLOCK_M 192)
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0] * A_BOXES
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGE_BYTES: gl.constexpr = (a_desc.block_type.nbytes * A_BOXES + b_desc.block_type.nbytes
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGE_BYTES: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
                                  + a_scale_desc.block_type.nbytes + b_scale_desc.block_type.nbytes)
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
@@ -136,12 +133,10 @@ def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_sc
     """K group `k` of a tile into ring slot `step`: A and its scales, B and its scales, or all four. The B half
     claims the slot (waits for its release, expects the whole stage's bytes), so a stage split in two loads B
     first."""
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
-    A_BOX: gl.constexpr = a_desc.block_type.shape[0]
-    A_BOXES: gl.constexpr = a_bufs.type.shape[0] // NUM_STAGES
-    BLOCK_M: gl.constexpr = A_BOX * A_BOXES
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     slot = step % NUM_STAGES
     bar = ready.index(slot)
     if LOAD_B:
@@ -149,12 +144,7 @@ def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_sc
         mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(bar, STAGE_BYTES)
     if LOAD_A:
-        if A_BOXES == 1:
-            tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
-        else:
-            for box in gl.static_range(A_BOXES):
-                tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M + box * A_BOX, k * BLOCK_K], bar,
-                                                a_bufs.index(slot * A_BOXES + box))
+        tma.async_copy_global_to_shared(a_desc, [row_block * BLOCK_M, k * BLOCK_K], bar, a_bufs.index(slot))
     if LOAD_B:
         tma.async_copy_global_to_shared(b_desc, [col_block * BLOCK_N, k * BLOCK_K], bar, b_bufs.index(slot))
     if LOAD_A:
@@ -170,12 +160,10 @@ def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_sc
 
 @gluon.jit
 def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr):
-    """Start this warpgroup's MMA (its 64 rows of A) on ring slot `slot` into `product`'s registers: a fresh
+    """Start this warpgroup's MMA (its 64-row half of A) on ring slot `slot` into `product`'s registers: a fresh
     sum, the group's partial product is scaled on its own."""
-    if a_bufs.type.shape[1] == 128:  # a [128, 128] box: this warpgroup's half of it
-        a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
-    else:  # one [64, 128] box per warpgroup
-        a_half = a_bufs.index(slot * (a_bufs.type.shape[0] // b_bufs.type.shape[0]) + HALF)
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
     return warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), product, use_acc=False, is_async=True)
 
 
@@ -189,10 +177,8 @@ def _release(empty, slot):
 @gluon.jit
 def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
     """The group's scale of each of the tile's rows (a_scale * b_scale), from ring slot `slot` (rows past M read
-    0: their products are never stored): 4 rows a lane of the scaler warp (8 where the scale box has 256 rows:
-    a 192-row tile's and 64 beyond it, never read)."""
-    ROWS: gl.constexpr = a_scale_bufs.type.shape[1]
-    rows_layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+    0: their products are never stored): 4 rows a lane of the scaler warp."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 rows
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
         a_scale = a_scale_bufs.index(slot).load(rows_layout)
     else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
@@ -207,16 +193,16 @@ def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
 
 
 @gluon.jit
-def _scale_partition(a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scaled, M, N, K,
-                     num_whole_tiles, splits):
+def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scaled, M, N, K, num_whole_tiles,
+                     splits):
     """The scaler warp: once a ring slot's loads have landed, the group's scale of each tile row (a_scale *
     b_scale) into `scale_bufs` (one fp32 per row and slot), then `scaled` (one arrival). The consumers read
     that product with a plain shared load: computed in their K loop, ptxas placed the select and multiply
     between a group's wgmma instructions, whose issue then stalled on the scale loads (5-6 % of the kernel's
     time on an H100). A slot's products are rewritten only after its next loads landed, which needed both
     consumers to release it, after their reads."""
+    BLOCK_M: gl.constexpr = scale_bufs.type.shape[1]
     NUM_STAGES: gl.constexpr = scale_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1] * (a_bufs.type.shape[0] // NUM_STAGES)
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, SCALE_GROUP)
@@ -247,8 +233,9 @@ def _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, st
     faster by 3-4 % in the whole-tile build and slower by 3-4 % in the split-tail one
     (results/logs/one_gpu_184dd85/at_55686a9_fp8_ab.txt). Waiting for the scaler before the MMA is issued
     instead of after cost 3 %, reading the scales after the MMA wait in the whole-tile build 5-6 %."""
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    NUM_STAGES: gl.constexpr = ready.type.shape[0]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     acc = gl.zeros([WG_M, BLOCK_N], gl.float32, mma_layout)
@@ -275,10 +262,10 @@ def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_s
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item. A split item's promoted
     partial goes to the workspace; the last of a tile's pieces sums them (kernels/gemm_gluon.py, "Split tail").
     Without SPLIT_TAIL (a launch of whole tiles only) the split path is not compiled."""
-    CONSUMERS: gl.constexpr = c_smem.type.shape[0]
-    BLOCK_M: gl.constexpr = WG_M * CONSUMERS
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    WG_M: gl.constexpr = BLOCK_M // 2
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
@@ -296,7 +283,7 @@ def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_s
         if SPLIT_TAIL:
             # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155 registers
             # to 178
-            store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, CONSUMERS, True)
+            store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
         else:
             _staging_free()
             out_smem.store(acc.to(c_desc.dtype))
@@ -332,44 +319,26 @@ def _mma_high_whole(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_
                    split_args, 1, False)
 
 
-@gluon.jit
-def _mma_third(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-               split_args):
-    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   split_args, 2, True)
-
-
-@gluon.jit
-def _mma_third_whole(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                     split_args):
-    _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
-                   split_args, 2, False)
-
-
 # rank- and shape-dependent: one compile for every rank, M and split plan
 @gluon.jit(do_not_specialize=["M", "tile_row_offset", "num_whole_tiles", "splits"])
 def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K, tile_row_offset,
                           num_whole_tiles, splits, workspace, counters, chunk_args, NUM_STAGES: gl.constexpr,
                           SPLIT_TAIL: gl.constexpr = True, MMA_REGS: gl.constexpr = 232, LOAD_REGS: gl.constexpr = 40):
-    A_BOX: gl.constexpr = a_desc.block_type.shape[0]
-    CONSUMERS: gl.constexpr = 2 if A_BOX == 128 else 3
-    BLOCK_M: gl.constexpr = WG_M * CONSUMERS
-    SCALE_ROWS: gl.constexpr = 128 if BLOCK_M == 128 else 256  # A scales per box: shapes are powers of two
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(BLOCK_K == SCALE_GROUP, "one K step per 128-wide scale group")
     gl.static_assert(BLOCK_N <= SCALE_GROUP, "one B scale per tile and K group: BLOCK_N <= 128")
-    gl.static_assert((A_BOX == 128) or (A_BOX == 64), "A in [128, 128] boxes (two consumer warpgroups of 64 rows) "
-                     "or [64, 128] (three: BLOCK_M 192)")
+    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
-    gl.static_assert(c_desc.block_type.shape[0] == WG_M, "C is stored in 64-row slabs, one per consumer")
+    gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
     gl.static_assert(c_desc.block_type.shape[1] == BLOCK_N, "C boxes as wide as the tile (the waiter walks by them)")
     A_SCALE_BOX: gl.constexpr = a_scale_desc.block_type.shape
-    gl.static_assert(((A_SCALE_BOX[0] == 1) and (A_SCALE_BOX[1] == SCALE_ROWS))
-                     or ((A_SCALE_BOX[0] == SCALE_ROWS) and (A_SCALE_BOX[1] == B_SCALE_BOX)),
-                     "A scales: boxes [1, SCALE_ROWS] (group-major) or [SCALE_ROWS, B_SCALE_BOX] (row-major)")
+    gl.static_assert(((A_SCALE_BOX[0] == 1) and (A_SCALE_BOX[1] == BLOCK_M))
+                     or ((A_SCALE_BOX[0] == BLOCK_M) and (A_SCALE_BOX[1] == B_SCALE_BOX)),
+                     "A scales: boxes [1, BLOCK_M] (group-major) or [BLOCK_M, B_SCALE_BOX] (row-major)")
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * (BLOCK_M // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     gl.static_assert(b_scale_desc.block_type.shape[1] == B_SCALE_BOX, "B scales: boxes of B_SCALE_BOX groups")
     a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, A_SCALE_BOX[0], A_SCALE_BOX[1]],
@@ -378,10 +347,10 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     gl.static_assert(SLOT_FLOATS % B_SCALE_BOX == 0, "B scale slots hold whole boxes")
     b_scale_bufs = gl.allocate_shared_memory(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS // B_SCALE_BOX, B_SCALE_BOX],
                                              b_scale_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, WG_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     # per slot and tile row, the group's scale product of the scaler warp (a plain array: read as it was written)
-    scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, SCALE_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready, empty = init_ring(NUM_STAGES, CONSUMERS)  # one `empty` arrival per consumer warpgroup
+    scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     scaled = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(scaled.index(i), count=1)  # the scaler warp's arrival
@@ -391,36 +360,25 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     # the scaler reads the scale rows as plain [NUM_STAGES, box] arrays (no swizzle: the same bytes)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # of one row; a slot per row
     if A_SCALE_BOX[0] == 1:
-        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, SCALE_ROWS], rows_layout)
+        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M], rows_layout)
     else:
-        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, SCALE_ROWS, B_SCALE_BOX],
+        a_scale_rows = a_scale_bufs._reinterpret(a_scale_desc.dtype, [NUM_STAGES, BLOCK_M, B_SCALE_BOX],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     b_scale_rows = b_scale_bufs._reinterpret(b_scale_desc.dtype, [NUM_STAGES, SLOT_FLOATS], rows_layout)
     mma_args = (a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K, tile_row_offset,
                 (num_whole_tiles, splits, workspace, counters))
-    scale_args = (a_bufs, b_bufs, a_scale_rows, b_scale_rows, scale_bufs, ready, scaled, M, N, K, num_whole_tiles, splits)
+    scale_args = (b_bufs, a_scale_rows, b_scale_rows, scale_bufs, ready, scaled, M, N, K, num_whole_tiles, splits)
     load_args = (a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready, empty,
                  M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
-    # partitions are chosen here: their constexpr arguments would arrive as runtime values
-    if CONSUMERS == 2 and SPLIT_TAIL:
+    if SPLIT_TAIL:  # partitions are chosen here: their constexpr arguments would arrive as runtime values
         gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
                             (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
-    elif CONSUMERS == 2:
+    else:
         gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_load_partition, load_args),
                             (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
-    elif SPLIT_TAIL:  # 15 warps: MMA3_REGS a consumer thread within the SM's 64K registers
-        gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_mma_third, mma_args),
-                            (_load_partition, load_args), (counted_chunk_wait_partition, wait_args),
-                            (_scale_partition, scale_args)], [4, 4, 1, 1, 1],
-                           [MMA3_REGS, MMA3_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
-    else:
-        gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_mma_third_whole, mma_args),
-                            (_load_partition, load_args), (counted_chunk_wait_partition, wait_args),
-                            (_scale_partition, scale_args)], [4, 4, 1, 1, 1],
-                           [MMA3_REGS, MMA3_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(scaled.index(i))

@@ -73,11 +73,10 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     def descriptor(dtype: str, block: list[int]) -> str:
         return _gluon_descriptor(tma_shared_layout, dtype, block)
 
-    scale_rows = 128 if blocks.block_m == 128 else 256  # a power of two: 192 rows' scales and 64 beyond
-    a_scale_box = [1, scale_rows] if a_scales_group_major else [scale_rows, B_SCALE_BOX]
-    types = dict(a_desc=descriptor("fp8e4nv", [128 if blocks.block_m == 128 else 64, 128]),
+    a_scale_box = [1, blocks.block_m] if a_scales_group_major else [blocks.block_m, B_SCALE_BOX]
+    types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
                  b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
-                 c_desc=descriptor("bf16", [64, blocks.block_n]),
+                 c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
                  a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
                  M="i32", N="i32", K="i32", tile_row_offset="i32", num_whole_tiles="i32", splits="i32",
                  workspace="*fp32:16", counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)

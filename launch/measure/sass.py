@@ -22,7 +22,7 @@ from .compile_gluon import (compile_fp8_gluon_gemm, compile_gluon_gemm, compile_
 GEMM_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x64x64w4s8gl", "192x128x64w4s4gl", "128x256x64w4s3sk1gl",
                "64x96x64w4s8gl", "128x96x64w4s6gl")
 SCATTER_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x144x64w4s5gl")
-FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl", "192x128x128w4s4gl")
+FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl")
 
 
 def builds():

@@ -13,11 +13,11 @@ from .gluon_launch import chunk_args, split_tail
 from .launch import ChunkWait, tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
 
-GLUON_BLOCK_MS = (128, 192)   # two or three consumer warpgroups of 64 rows
+GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
 GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 + 1 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_gluon_walk.py GROUP_M)
-GLUON_MAX_STAGES = {128: 5, 192: 4}  # 6 x (32 KiB of A and B + scales) + 32 KiB of C > 227 KiB; 5 x 40 + 48 KiB
+GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB of C staging > 227 KiB
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
 # Every tile of a launch that cuts a split tail runs the kernel's build with the split path, 4-5 % slower than the
 # whole-tile build (H100), so a tail is cut only where that gains more than it costs (few waves). 0.02 is fitted
@@ -30,10 +30,9 @@ SPLIT_BUILD_SLOWDOWN = 0.02
 def gluon_block_problems(blocks: GemmBlocks) -> list[str]:
     """Why the Gluon kernel cannot run these blocks (empty when it can); `sk1`: the last partial wave split by K."""
     out = []
-    stages = tuple(range(2, GLUON_MAX_STAGES.get(blocks.block_m, 5) + 1))
-    for name, allowed in (("block_m", GLUON_BLOCK_MS), ("block_n", GLUON_BLOCK_NS), ("block_k", (SCALE_GROUP,)),
+    for name, allowed in (("block_m", (GLUON_BLOCK_M,)), ("block_n", GLUON_BLOCK_NS), ("block_k", (SCALE_GROUP,)),
                           ("num_warps", (GLUON_NUM_WARPS,)), ("group_m", (GLUON_GROUP_M,)), ("programs_per_sm", (1,)),
-                          ("num_stages", stages), ("stream_k", (0, 1))):
+                          ("num_stages", tuple(range(2, GLUON_MAX_STAGES + 1))), ("stream_k", (0, 1))):
         value = getattr(blocks, name)
         if value not in allowed:
             out.append(f"gluon: {name} {value} not in {allowed}")
@@ -55,12 +54,10 @@ def _a_scale_rows(a_scales: torch.Tensor) -> torch.Tensor:
     return a_scales.t() if a_scales.stride(0) == 1 and a_scales.stride(1) != 1 else a_scales
 
 
-def _a_scale_descriptor(a_scales: torch.Tensor, block_m: int):
+def _a_scale_descriptor(a_scales: torch.Tensor):
     rows = _a_scale_rows(a_scales)
-    # group-major: a group's scales of the tile's rows per load; row-major: the tile's rows, 4 groups. Box shapes
-    # are powers of two: a 192-row tile's scales come in a box of 256 rows (64 past the tile, never read)
-    scale_rows = 128 if block_m == 128 else 256
-    return tma_descriptor(rows, (1, scale_rows) if rows is not a_scales else (scale_rows, B_SCALE_BOX))
+    # group-major: a group's scales of the tile's 128 rows per load; row-major: the tile's rows, 4 groups
+    return tma_descriptor(rows, (1, GLUON_BLOCK_M) if rows is not a_scales else (GLUON_BLOCK_M, B_SCALE_BOX))
 
 
 def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
@@ -85,10 +82,9 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     programs, whole, splits, workspace, counters = split_tail(blocks, m, n, k, num_programs or num_sms(a8.device),
                                                               a8.device, split_buffers, operand_bytes=1,
                                                               split_build_slowdown=SPLIT_BUILD_SLOWDOWN)
-    fp8_gluon_gemm_kernel[(programs,)](  # A in [128, 128] boxes, or three [64, 128] for 192-row tiles
-        tma_descriptor(a8, (128 if blocks.block_m == 128 else 64, SCALE_GROUP)),
-        tma_descriptor(w8, (block_n, SCALE_GROUP)), tma_descriptor(out, (64, block_n)),
-        _a_scale_descriptor(a_scales, blocks.block_m),
+    fp8_gluon_gemm_kernel[(programs,)](
+        tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
+        tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
         tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
         chunk_args(chunk_wait, a8.device), NUM_STAGES=blocks.num_stages, SPLIT_TAIL=splits > 1,
         num_warps=GLUON_NUM_WARPS)
