@@ -83,13 +83,14 @@ class AgConsumers:
         m = key.m
         rows = m // self.world_size
         programs = self.num_sms - max(config.sm_margin, int(self.pool.shares_gpu))
-        wait = ChunkWait(flags=self.chunk_flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
+        flags = self._present_flags if key.consumer == "compute" else self.chunk_flags  # compute_alone: all SET
+        wait = ChunkWait(flags=flags, rows_per_rank=rows, chunks_per_rank=config.chunks_per_rank,
                          error_words=self.pool.error_words(),
                          error_code_base=self.pool.device_error_code(self.flags.region, 0), timeout_s=self.timeout_s)
         if not self._cuda:  # the interpreter polls a flag once: the host waits for every chunk first
             code = self.pool.device_error_code(self.flags.region, 0)
             for chunk in chunks:  # the planned ones: an owner's empty trailing chunk has no flag write
-                program.await_device(COMPUTE, self.chunk_flags[chunk.flag_index:chunk.flag_index + 1], code=code)
+                program.await_device(COMPUTE, flags[chunk.flag_index:chunk.flag_index + 1], code=code)
         if lead:
             program.run(COMPUTE, lambda call: _with_carveout(config.sm_margin, call.lead), local=True)
         gathered = self.gathered[:m]

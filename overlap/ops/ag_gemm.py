@@ -85,6 +85,9 @@ class AgGemm(AgConsumers, OpBase):
         self._gathered_ptr = self.gathered.data_ptr()
         self._row_bytes = self.gathered.stride(0) * self.gathered.element_size()
         self.chunk_flags = pool.device_flags(self.flags.region)
+        # compute_alone's chunk flags, every one SET for good: its GEMM polls flags that are present, as a call's
+        # does once every chunk arrived, with no stream operation before it and nothing of a call's touched
+        self._present_flags = torch.full_like(self.chunk_flags, protocol.SET)
         protocol.initialise(pool, self.flags)
         if self.device.type == "cuda":  # the fused GEMM's unused arguments: now, not inside a torch.compile warm-up
             gluon_placeholders(self.device)
@@ -190,9 +193,10 @@ class AgGemm(AgConsumers, OpBase):
         return (self.gathered[:m], self.scales[:m]) if self.fp8 else self.gathered[:m]
 
     def compute_alone(self, a_shard: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """out [M, N_local]: this op's plan for M = W x a_shard's rows without its comm lanes (no flags, no
-        pulls): the same consumer GEMMs (kernel, blocks, SM budget, chunk order) over the rows that the last
-        `all_gather(a_shard)` left in the pool; call that first. The "compute alone" of the k-factor."""
+        """out [M, N_local]: this op's plan for M = W x a_shard's rows without its comm lanes (no pulls, no
+        control flag): the same consumer GEMMs (kernel, blocks, SM budget, chunk order; the fused kernel polls
+        chunk flags of its own, all SET) over the rows that the last `all_gather(a_shard)` left in the pool;
+        call that first. The "compute alone" of the k-factor."""
         self._check_operands("a_shard", a_shard, self.k, w, self.k, self.n_local)
         m = a_shard.shape[0] * self.world_size
         call, _ = self._new_call(m, a_shard, w)
@@ -271,8 +275,7 @@ class AgGemm(AgConsumers, OpBase):
 
     def _compute(self, program: Program, key: AgPlanKey, chunks, config) -> Program:
         m = key.m
-        if config.method == "fused":
-            program.set(COMPUTE, self.chunk_flags)  # every chunk is present: the kernel's waits pass at once
+        if config.method == "fused":  # on flags that are all SET (`_present_flags`): its waits pass at once
             self._fused_consumer(program, key, chunks, config, lead=False)
         else:
             self._decomposed_consumer(program, m, chunks, config, one_gemm=False, lead=False, waits=False)
@@ -328,5 +331,5 @@ class AgGemm(AgConsumers, OpBase):
         program.record(COMM, "gathered")
 
     def _release(self) -> None:
-        self.gathered = self.scales = self._scale_columns = None
+        self.gathered = self.scales = self._scale_columns = self._present_flags = None
         self.chunk_flags = None
