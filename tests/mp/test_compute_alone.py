@@ -1,5 +1,6 @@
 """`compute_alone`, the "compute alone" of every k-factor: the op's own plan for M without its comm lanes.
-It computes what the op's GEMMs compute, touches no flag of the pool, and leaves the op's next call exact."""
+It computes what the op's GEMMs compute, touches no flag of the pool (AgGemm's chunk flags included: the fused
+consumer polls flags of its own), and leaves the op's next call exact."""
 
 import pytest
 import torch
@@ -29,15 +30,15 @@ def _ag(rank, world, method):
         w = torch.randn(k, n, generator=torch.Generator().manual_seed(9))
         gathered = op.all_gather(a_shard).clone()
         pool.barrier()  # every peer's pulls are done: its flags are at rest
-        before = _flags(pool, "ag_gemm.a")
+        before, chunks_before = _flags(pool, "ag_gemm.a"), op.chunk_flags.tolist()
         alone = op.compute_alone(a_shard, w)
         pool.barrier()
-        after = _flags(pool, "ag_gemm.a")
+        after, chunks_after = _flags(pool, "ag_gemm.a"), op.chunk_flags.tolist()
         pool.barrier()  # read before any peer starts its next call
         out = op(a_shard, w)   # the op still runs exactly after it
         op.close()
     ref = gathered.double() @ w.double()
-    return _rel_err(alone, ref), (before, after), _rel_err(out, ref), tuple(alone.shape)
+    return _rel_err(alone, ref), (before + chunks_before, after + chunks_after), _rel_err(out, ref), tuple(alone.shape)
 
 
 def _rs(rank, world, method):
