@@ -155,16 +155,19 @@ def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_sc
                                             a_scale_bufs.index(slot))
     if LOAD_B:
         tma.async_copy_global_to_shared(b_scale_desc, [col_block_128, k - k % B_SCALE_BOX], bar,
-                                        b_scale_bufs.index(slot).slice(0, 1))
+                                        b_scale_bufs.index(slot).slice(0, b_scale_desc.block_type.shape[0]))
 
 
 @gluon.jit
-def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr):
+def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr, SUB: gl.constexpr = 0, use_acc=False):
     """Start this warpgroup's MMA (its 64-row half of A) on ring slot `slot` into `product`'s registers: a fresh
-    sum, the group's partial product is scaled on its own."""
+    sum, the group's partial product is scaled on its own; of the tile's `SUB`-th sub-tile of columns (as wide as
+    `product`)."""
     WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    SUB_N: gl.constexpr = product.type.shape[1]
     a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
-    return warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), product, use_acc=False, is_async=True)
+    b_sub = b_bufs.index(slot).slice(SUB * SUB_N, SUB_N, dim=0)
+    return warpgroup_mma(a_half, b_sub.permute((1, 0)), product, use_acc=use_acc, is_async=True)
 
 
 @gluon.jit
@@ -175,9 +178,9 @@ def _release(empty, slot):
 
 
 @gluon.jit
-def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
-    """The group's scale of each of the tile's rows (a_scale * b_scale), from ring slot `slot` (rows past M read
-    0: their products are never stored): 4 rows a lane of the scaler warp."""
+def _row_scales(a_scale_bufs, slot, k):
+    """The group's A scale of each of the tile's rows, from ring slot `slot` (rows past M read 0: their products
+    are never stored): 4 rows a lane of the scaler warp."""
     rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 rows
     if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
         a_scale = a_scale_bufs.index(slot).load(rows_layout)
@@ -186,10 +189,16 @@ def _tile_scales(a_scale_bufs, b_scale_bufs, slot, k):
         boxes = a_scale_bufs.index(slot).load(boxes_layout)
         column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, boxes_layout)) == k % B_SCALE_BOX
         a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), rows_layout)
+    return a_scale
+
+
+@gluon.jit
+def _b_scale(b_scale_bufs, slot, k, SUB: gl.constexpr):
+    """The group's B scale of the tile's `SUB`-th 128 columns, from ring slot `slot` (its box of B_SCALE_BOX)."""
     box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [1], [0])
-    b_box = b_scale_bufs.index(slot).slice(0, B_SCALE_BOX).load(box_layout)
+    b_box = b_scale_bufs.index(slot).slice(SUB * B_SCALE_BOX, B_SCALE_BOX).load(box_layout)
     in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
-    return a_scale * gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
+    return gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
 
 
 @gluon.jit
@@ -202,8 +211,9 @@ def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scal
     time on an H100). A slot's products are rewritten only after its next loads landed, which needed both
     consumers to release it, after their reads."""
     BLOCK_M: gl.constexpr = scale_bufs.type.shape[1]
-    NUM_STAGES: gl.constexpr = scale_bufs.type.shape[0]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    SUBS: gl.constexpr = 2 if BLOCK_N == 2 * SCALE_GROUP else 1  # sub-tiles
+    NUM_STAGES: gl.constexpr = scale_bufs.type.shape[0] // SUBS
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, SCALE_GROUP)
     step = 0
@@ -212,7 +222,10 @@ def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scal
         for k in range(first_k, end_k):
             slot = step % NUM_STAGES
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            scale_bufs.index(slot).store(_tile_scales(a_scale_bufs, b_scale_bufs, slot, k))
+            a_scale = _row_scales(a_scale_bufs, slot, k)
+            scale_bufs.index(slot * SUBS).store(a_scale * _b_scale(b_scale_bufs, slot, k, 0))
+            if SUBS == 2:
+                scale_bufs.index(slot * SUBS + 1).store(a_scale * _b_scale(b_scale_bufs, slot, k, 1))
             _barrier()  # every lane's products are stored before the single-thread arrival
             mbarrier.arrive(scaled.index(slot))
             step += 1
@@ -257,6 +270,51 @@ def _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, st
 
 
 @gluon.jit
+def _k_loop_wide(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF: gl.constexpr):
+    """`_k_loop` of a tile two 128-column sub-tiles wide (one B scale group each): per K group, the sub-tiles'
+    MMAs one after the other into the same product registers, each retired and promoted into its own
+    accumulator before the next is issued (accumulators 2 x 64 + product 64 registers per thread: two products
+    in flight would need 256). Both sub-tiles' row scales are read while the first MMA runs."""
+    WG_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    SUB_N: gl.constexpr = SCALE_GROUP
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, SUB_N, 32])
+    scale_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    acc0 = gl.zeros([WG_M, SUB_N], gl.float32, mma_layout)
+    acc1 = gl.zeros([WG_M, SUB_N], gl.float32, mma_layout)
+    product = gl.zeros([WG_M, SUB_N], gl.float32, mma_layout)
+    for k in range(first_k, end_k):
+        slot = (step + k - first_k) % NUM_STAGES
+        phase = ((step + k - first_k) // NUM_STAGES) & 1
+        mbarrier.wait(ready.index(slot), phase)
+        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF, 0)
+        mbarrier.wait(scaled.index(slot), phase)
+        scale0 = scale_bufs.index(2 * slot).slice(HALF * WG_M, WG_M).load(scale_layout)
+        scale1 = scale_bufs.index(2 * slot + 1).slice(HALF * WG_M, WG_M).load(scale_layout)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+        acc0 = _promote(acc0, product, scale0)
+        # nothing in flight: this wait only keeps the promotion's FFMAs ahead of the next MMA, which LLVM otherwise
+        # issues first, into 64 more registers (a copy of the product), and then spills
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+        product = _issue_mma(a_bufs, b_bufs, slot, product, HALF, 1)
+        product = warpgroup_mma_wait(num_outstanding=0, deps=(product, ))
+        _release(empty, slot)
+        acc1 = _promote(acc1, product, scale1)
+    return acc0, acc1
+
+
+@gluon.jit
+def _store_wide(acc0, acc1, out_smem, c_desc, first_row, first_col):
+    """A whole tile's two 128-column accumulators through the staging tile, one TMA store."""
+    SUB_N: gl.constexpr = acc0.type.shape[1]
+    _staging_free()
+    out_smem.slice(0, SUB_N, dim=1).store(acc0.to(c_desc.dtype))
+    out_smem.slice(SUB_N, SUB_N, dim=1).store(acc1.to(c_desc.dtype))
+    _store_staged(out_smem, c_desc, first_row, first_col)
+
+
+@gluon.jit
 def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_smem, M, N, K,
                    tile_row_offset, split_args, HALF: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """One consumer warpgroup: rows [HALF * 64, HALF * 64 + 64) of every work item. A split item's promoted
@@ -266,6 +324,7 @@ def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_s
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     WG_M: gl.constexpr = BLOCK_M // 2
+    SUBS: gl.constexpr = 2 if BLOCK_N == 2 * SCALE_GROUP else 1  # 128-column sub-tiles, a B scale group each
     num_row_blocks = gl.cdiv(M, BLOCK_M)
     num_col_blocks = gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, BLOCK_K)
@@ -276,18 +335,23 @@ def _mma_partition(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, c_desc, c_s
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         tile_id, first_k, end_k, unit = _work_item(item, num_whole_tiles, splits, num_k)
         row_block, col_block = _tile_coordinates(tile_id, num_row_blocks, num_col_blocks, tile_row_offset)
-        acc = _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF,
-                      not SPLIT_TAIL)
-        step += end_k - first_k
-        first_row = row_block * BLOCK_M + HALF * WG_M
-        if SPLIT_TAIL:
-            # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155 registers
-            # to 178
-            store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
+        if SUBS == 2:  # whole tiles only (the kernel's static assertion)
+            acc0, acc1 = _k_loop_wide(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF)
+            step += end_k - first_k
+            _store_wide(acc0, acc1, out_smem, c_desc, row_block * BLOCK_M + HALF * WG_M, col_block * BLOCK_N)
         else:
-            _staging_free()
-            out_smem.store(acc.to(c_desc.dtype))
-            _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
+            acc = _k_loop(a_bufs, b_bufs, scale_bufs, scaled, ready, empty, first_k, end_k, step, HALF,
+                          not SPLIT_TAIL)
+            step += end_k - first_k
+            first_row = row_block * BLOCK_M + HALF * WG_M
+            if SPLIT_TAIL:
+                # LEAN: with Triton 3.6 the partials' offsets, hoisted out of the persistent loop, raised 155
+                # registers to 178
+                store_item(acc, unit, tile_id, split_args, out_smem, c_desc, first_row, col_block, HALF, 2, True)
+            else:
+                _staging_free()
+                out_smem.store(acc.to(c_desc.dtype))
+                _store_staged(out_smem, c_desc, first_row, col_block * BLOCK_N)
     tma.store_wait(pendings=0)
 
 
@@ -328,7 +392,10 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(BLOCK_K == SCALE_GROUP, "one K step per 128-wide scale group")
-    gl.static_assert(BLOCK_N <= SCALE_GROUP, "one B scale per tile and K group: BLOCK_N <= 128")
+    gl.static_assert((BLOCK_N <= SCALE_GROUP) or (BLOCK_N == 2 * SCALE_GROUP),
+                     "one B scale per 128-column sub-tile and K group: BLOCK_N <= 128 or 256")
+    SUBS: gl.constexpr = 2 if BLOCK_N == 2 * SCALE_GROUP else 1  # sub-tiles
+    gl.static_assert((SUBS == 1) or not SPLIT_TAIL, "256-wide tiles: whole tiles only (no split tail)")
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
     gl.static_assert(c_desc.block_type.shape[0] == BLOCK_M // 2, "C is stored in 64-row halves")
@@ -341,6 +408,7 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     gl.static_assert(b_scale_desc.block_type.shape[1] == B_SCALE_BOX, "B scales: boxes of B_SCALE_BOX groups")
+    gl.static_assert(b_scale_desc.block_type.shape[0] == SUBS, "B scales: a row per 128-column sub-tile")
     a_scale_bufs = gl.allocate_shared_memory(a_scale_desc.dtype, [NUM_STAGES, A_SCALE_BOX[0], A_SCALE_BOX[1]],
                                              a_scale_desc.layout)
     # a B scale box (16 bytes) per 128 bytes: TMA writes shared memory at 128-byte aligned addresses only
@@ -349,7 +417,8 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
                                              b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
     # per slot and tile row, the group's scale product of the scaler warp (a plain array: read as it was written)
-    scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * SUBS, BLOCK_M],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = init_ring(NUM_STAGES, 2)  # one `empty` arrival per consumer warpgroup
     scaled = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):

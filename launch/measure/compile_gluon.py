@@ -65,9 +65,9 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
                            split_tail: bool = True):
     """The Gluon FP8 GEMM (kernels/gemm_fp8_gluon.py) as overlap/gemm/fp8_gluon_launch.py launches it: host
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
-    (group-major) or [128, 4] (row-major), B [1, 4]; `split_tail` False: the build of whole-tile launches."""
+    (group-major) or [128, 4] (row-major), B [1, 4] (or [2, 4] for 256-wide tiles); `split_tail` False: the build of whole-tile launches."""
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
-    from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX
+    from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, b_scale_box
     from tp_overlap.gemm.launch import tma_shared_layout
 
     def descriptor(dtype: str, block: list[int]) -> str:
@@ -77,7 +77,7 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     types = dict(a_desc=descriptor("fp8e4nv", [blocks.block_m, 128]),
                  b_desc=descriptor("fp8e4nv", [blocks.block_n, 128]),
                  c_desc=descriptor("bf16", [blocks.block_m // 2, blocks.block_n]),
-                 a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", [1, B_SCALE_BOX]),
+                 a_scale_desc=descriptor("fp32", a_scale_box), b_scale_desc=descriptor("fp32", list(b_scale_box(blocks.block_n))),
                  M="i32", N="i32", K="i32", tile_row_offset="i32", num_whole_tiles="i32", splits="i32",
                  workspace="*fp32:16", counters="*i32:16", chunk_args=_GLUON_CHUNK_ARGS)
     constexprs = dict(NUM_STAGES=blocks.num_stages, SPLIT_TAIL=split_tail, MMA_REGS=232, LOAD_REGS=40)

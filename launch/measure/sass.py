@@ -22,7 +22,7 @@ from .compile_gluon import (compile_fp8_gluon_gemm, compile_gluon_gemm, compile_
 GEMM_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x64x64w4s8gl", "192x128x64w4s4gl", "128x256x64w4s3sk1gl",
                "64x96x64w4s8gl", "128x96x64w4s6gl")
 SCATTER_BUILDS = ("128x256x64w4s3gl", "128x128x64w4s6gl", "128x144x64w4s5gl")
-FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl")
+FP8_BUILDS = ("128x128x128w4s4gl", "128x64x128w4s4gl", "128x256x128w4s3gl")
 
 
 def builds():
@@ -41,7 +41,7 @@ def builds():
                             lambda n=name, t=nk: compile_gluon_reduce_gemm(GemmBlocks.parse(n), b_transposed=t)))
     for name in FP8_BUILDS:
         for group_major in (True, False):
-            for split in (True, False):
+            for split in (True, False)[GemmBlocks.parse(name).block_n > 128:]:  # 256 wide: whole tiles only
                 out.append((f"fp8_{name}_{'group_major' if group_major else 'row_major'}{'' if split else '_whole'}",
                             lambda n=name, g=group_major, t=split: compile_fp8_gluon_gemm(
                                 GemmBlocks.parse(n), a_scales_group_major=g, split_tail=t)))

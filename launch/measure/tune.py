@@ -155,6 +155,8 @@ FP8_CANDIDATES = (
     "64x128x128w4s4g16o2", "128x64x128w4s4o2",
     # the Gluon kernel (kernels/gemm_fp8_gluon.py: TMA, waiter and scaler warps, two consumer warpgroups)
     "128x128x128w4s4gl", "128x128x128w4s5gl", "128x64x128w4s5gl",
+    # 256 wide: two 128-column sub-tiles a K group, a fourth less L2 traffic per product; whole tiles only
+    "128x256x128w4s3gl",
     # warp-specialised FP8 ("...w4s4ws") is left out: compiled for the H200 by Triton 3.6 it gave wrong tiles
     # (relative error 0.28-0.77 and NaN against the dequantised product, results/gemm_fp8_h200.json)
 )

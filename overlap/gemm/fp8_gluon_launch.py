@@ -14,10 +14,11 @@ from .launch import ChunkWait, tma_descriptor, tma_row_problems
 from .triton_gemm import num_sms
 
 GLUON_BLOCK_M = 128           # two consumer warpgroups of 64 rows
-GLUON_BLOCK_NS = (64, 128)    # one B scale per tile and K group
+GLUON_BLOCK_NS = (64, 128, 256)  # one B scale per tile and K group, or per 128-column sub-tile (256)
 GLUON_NUM_WARPS = 4           # the default partition: one consumer warpgroup (+ 4 + 1 + 1 + 1 worker warps)
 GLUON_GROUP_M = 8             # fixed in the kernel (kernels/gemm_gluon_walk.py GROUP_M)
 GLUON_MAX_STAGES = 5          # 6 x (32 KiB of A and B + their scales) + 32 KiB of C staging > 227 KiB
+GLUON_WIDE_MAX_STAGES = 3     # 256 wide: 4 x (48 KiB + scales) + 64 KiB of C staging > 227 KiB
 B_SCALE_BOX = 4               # B scales per TMA load (kernels/gemm_fp8_gluon.py B_SCALE_BOX)
 # Every tile of a launch that cuts a split tail runs the kernel's build with the split path, 4-5 % slower than the
 # whole-tile build (H100), so a tail is cut only where that gains more than it costs (few waves). 0.02 is fitted
@@ -36,7 +37,16 @@ def gluon_block_problems(blocks: GemmBlocks) -> list[str]:
         value = getattr(blocks, name)
         if value not in allowed:
             out.append(f"gluon: {name} {value} not in {allowed}")
+    if blocks.block_n > SCALE_GROUP and blocks.stream_k:
+        out.append(f"gluon: block_n {blocks.block_n} runs whole tiles only (no sk1)")
+    if blocks.block_n > SCALE_GROUP and blocks.num_stages > GLUON_WIDE_MAX_STAGES:
+        out.append(f"gluon: block_n {blocks.block_n} fits at most {GLUON_WIDE_MAX_STAGES} stages")
     return out
+
+
+def b_scale_box(block_n: int) -> tuple[int, int]:
+    """The TMA box of the B scales: a row of B_SCALE_BOX groups per 128-column sub-tile of the tile."""
+    return max(1, block_n // SCALE_GROUP), B_SCALE_BOX
 
 
 def gluon_operand_problems(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch.Tensor, w_scales: torch.Tensor,
@@ -85,6 +95,6 @@ def launch_fp8_gluon_gemm(*, a8: torch.Tensor, a_scales: torch.Tensor, w8: torch
     fp8_gluon_gemm_kernel[(programs,)](
         tma_descriptor(a8, (GLUON_BLOCK_M, SCALE_GROUP)), tma_descriptor(w8, (block_n, SCALE_GROUP)),
         tma_descriptor(out, (GLUON_BLOCK_M // 2, block_n)), _a_scale_descriptor(a_scales),
-        tma_descriptor(w_scales, (1, B_SCALE_BOX)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
+        tma_descriptor(w_scales, b_scale_box(block_n)), m, n, k, tile_row_offset, whole, splits, workspace, counters,
         chunk_args(chunk_wait, a8.device), NUM_STAGES=blocks.num_stages, SPLIT_TAIL=splits > 1,
         num_warps=GLUON_NUM_WARPS)

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from tp_overlap.kernels.constants import ag_tile_row_offset
+from tp_overlap.kernels.constants import SCALE_GROUP, ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
 from ..gemm.fused_blocks import fused_gluon_blocks
@@ -33,9 +33,9 @@ def consumer_gluon_blocks(m: int, n: int, k: int, *, b_transposed: bool, gpu: st
 def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | None):
     """The blocks of the FP8 `fused` consumer (and of its `compute_alone`) where TMA reads the operands: the FP8
     table's choice (`fp8_default_blocks` with chunk waits), a Gluon one with a split tail (the op owns the
-    buffers; `split_plan` keeps whole tiles where cutting does not pay)."""
+    buffers; `split_plan` keeps whole tiles where cutting does not pay) unless 256 wide (whole tiles only)."""
     blocks = fp8_default_blocks(m, n, k, chunk_wait=True, device_type=device_type, gpu=gpu)
-    return dataclasses.replace(blocks, stream_k=1) if blocks.gluon else blocks
+    return dataclasses.replace(blocks, stream_k=1) if blocks.gluon and blocks.block_n <= SCALE_GROUP else blocks
 
 
 class AgConsumers:

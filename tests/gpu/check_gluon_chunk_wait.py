@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         notes = []
         for name, world, rows, chunks, k, n in (("128x128x128w4s4gl", 4, 300, 3, 1024, 1536),
                                                 ("128x128x128w4s4gl", 8, 64, 2, 512, 640),
-                                                ("128x128x128w4s4sk1gl", 4, 300, 3, 8192, 1536)):
+                                                ("128x128x128w4s4sk1gl", 4, 300, 3, 8192, 1536),
+                                                ("128x256x128w4s3gl", 4, 300, 3, 1024, 1664)):
             blocks, m = GemmBlocks.parse(name), world * rows
             cut = split_tail(blocks, m, n, k, programs, dev, splits, operand_bytes=1,
                              split_build_slowdown=SPLIT_BUILD_SLOWDOWN)[2]  # as the launcher plans it

@@ -32,7 +32,9 @@ def test_fp8_gemm_refuses_gluon_blocks_off_cuda_in_one_sentence():
 
 @pytest.mark.parametrize("name,problem", [
     ("128x128x128w8s4gl", "num_warps 8 not in (4,)"),
-    ("128x256x128w4s3gl", "block_n 256 not in (64, 128)"),
+    ("128x32x128w4s3gl", "block_n 32 not in (64, 128, 256)"),
+    ("128x256x128w4s3sk1gl", "block_n 256 runs whole tiles only (no sk1)"),
+    ("128x256x128w4s4gl", "block_n 256 fits at most 3 stages"),
     ("64x128x128w4s4gl", "block_m 64 not in (128,)"),
     ("128x128x128w4s4g16gl", "group_m 16 not in (8,)"),
 ])
