@@ -65,6 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import constants
 from .gemm_gluon import _staging_free, _store_staged, store_item
+from .gemm_fp8_scaler import B_SCALE_BOX, scale_partition
 from .gemm_gluon_ring import init_ring, invalidate_ring
 from .gemm_gluon_wait import (counted_chunk_wait_partition, init_chunk_barriers, invalidate_chunk_barriers,
                               take_chunk_rows)
@@ -73,7 +74,6 @@ from .gemm_gluon_walk import tile_coordinates as _tile_coordinates, work_item as
 SCALE_GROUP = gl.constexpr(constants.SCALE_GROUP)  # one K step per FP8 scale group
 # Fixed: constexpr arguments of warp_specialize partitions arrive as runtime values (Triton 3.6), so what a
 # partition needs at compile time comes from types (ring depth, tile shapes) or from module constants.
-B_SCALE_BOX = gl.constexpr(4)  # B scales per TMA load: 16 bytes, TMA's smallest box (the launcher's descriptor)
 SLOT_FLOATS = gl.constexpr(32)  # fp32 per B scale slot: 128 bytes, the alignment of TMA's shared-memory writes
 # the CTA / partition barrier: gl.thread_barrier in Triton 3.6, renamed gl.barrier in 3.7
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -159,7 +159,7 @@ def _load_stage(a_desc, b_desc, a_scale_desc, b_scale_desc, a_bufs, b_bufs, a_sc
 
 
 @gluon.jit
-def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr, SUB: gl.constexpr = 0, use_acc=False):
+def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr, SUB: gl.constexpr = 0):
     """Start this warpgroup's MMA (its 64-row half of A) on ring slot `slot` into `product`'s registers: a fresh
     sum, the group's partial product is scaled on its own; of the tile's `SUB`-th sub-tile of columns (as wide as
     `product`)."""
@@ -167,7 +167,7 @@ def _issue_mma(a_bufs, b_bufs, slot, product, HALF: gl.constexpr, SUB: gl.conste
     SUB_N: gl.constexpr = product.type.shape[1]
     a_half = a_bufs.index(slot).slice(HALF * WG_M, WG_M, dim=0)
     b_sub = b_bufs.index(slot).slice(SUB * SUB_N, SUB_N, dim=0)
-    return warpgroup_mma(a_half, b_sub.permute((1, 0)), product, use_acc=use_acc, is_async=True)
+    return warpgroup_mma(a_half, b_sub.permute((1, 0)), product, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -175,60 +175,6 @@ def _release(empty, slot):
     """Release ring slot `slot` to the producer (this warpgroup's MMA on it done, its scales read)."""
     _barrier()  # every warp of this warpgroup is done with the slot before it is released
     mbarrier.arrive(empty.index(slot))
-
-
-@gluon.jit
-def _row_scales(a_scale_bufs, slot, k):
-    """The group's A scale of each of the tile's rows, from ring slot `slot` (rows past M read 0: their products
-    are never stored): 4 rows a lane of the scaler warp."""
-    rows_layout: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])  # 128 rows
-    if len(a_scale_bufs.type.shape) == 2:  # group-major: a row of the tile's scales per slot
-        a_scale = a_scale_bufs.index(slot).load(rows_layout)
-    else:  # row-major: [rows, B_SCALE_BOX] per slot; the group's column
-        boxes_layout: gl.constexpr = gl.BlockedLayout([1, B_SCALE_BOX], [32, 1], [1, 1], [1, 0])
-        boxes = a_scale_bufs.index(slot).load(boxes_layout)
-        column = gl.arange(0, B_SCALE_BOX, layout=gl.SliceLayout(0, boxes_layout)) == k % B_SCALE_BOX
-        a_scale = gl.convert_layout(gl.sum(gl.where(gl.expand_dims(column, 0), boxes, 0.0), axis=1), rows_layout)
-    return a_scale
-
-
-@gluon.jit
-def _b_scale(b_scale_bufs, slot, k, SUB: gl.constexpr):
-    """The group's B scale of the tile's `SUB`-th 128 columns, from ring slot `slot` (its box of B_SCALE_BOX)."""
-    box_layout: gl.constexpr = gl.BlockedLayout([B_SCALE_BOX], [32], [1], [0])
-    b_box = b_scale_bufs.index(slot).slice(SUB * B_SCALE_BOX, B_SCALE_BOX).load(box_layout)
-    in_box = gl.arange(0, B_SCALE_BOX, layout=box_layout) == k % B_SCALE_BOX
-    return gl.sum(gl.where(in_box, b_box, 0.0), axis=0)
-
-
-@gluon.jit
-def _scale_partition(b_bufs, a_scale_bufs, b_scale_bufs, scale_bufs, ready, scaled, M, N, K, num_whole_tiles,
-                     splits):
-    """The scaler warp: once a ring slot's loads have landed, the group's scale of each tile row (a_scale *
-    b_scale) into `scale_bufs` (one fp32 per row and slot), then `scaled` (one arrival). The consumers read
-    that product with a plain shared load: computed in their K loop, ptxas placed the select and multiply
-    between a group's wgmma instructions, whose issue then stalled on the scale loads (5-6 % of the kernel's
-    time on an H100). A slot's products are rewritten only after its next loads landed, which needed both
-    consumers to release it, after their reads."""
-    BLOCK_M: gl.constexpr = scale_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    SUBS: gl.constexpr = 2 if BLOCK_N == 2 * SCALE_GROUP else 1  # sub-tiles
-    NUM_STAGES: gl.constexpr = scale_bufs.type.shape[0] // SUBS
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    num_k = gl.cdiv(K, SCALE_GROUP)
-    step = 0
-    for item in range(gl.program_id(0), num_whole_tiles + (num_tiles - num_whole_tiles) * splits, gl.num_programs(0)):
-        _, first_k, end_k, _ = _work_item(item, num_whole_tiles, splits, num_k)
-        for k in range(first_k, end_k):
-            slot = step % NUM_STAGES
-            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            a_scale = _row_scales(a_scale_bufs, slot, k)
-            scale_bufs.index(slot * SUBS).store(a_scale * _b_scale(b_scale_bufs, slot, k, 0))
-            if SUBS == 2:
-                scale_bufs.index(slot * SUBS + 1).store(a_scale * _b_scale(b_scale_bufs, slot, k, 1))
-            _barrier()  # every lane's products are stored before the single-thread arrival
-            mbarrier.arrive(scaled.index(slot))
-            step += 1
 
 
 @gluon.jit
@@ -442,11 +388,11 @@ def fp8_gluon_gemm_kernel(a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M,
     wait_args = (a_desc, c_desc, M, N, K, tile_row_offset, num_whole_tiles, splits, chunk_args, chunks_ok, chunks_free)
     if SPLIT_TAIL:  # partitions are chosen here: their constexpr arguments would arrive as runtime values
         gl.warp_specialize([(_mma_low, mma_args), (_mma_high, mma_args), (_load_partition, load_args),
-                            (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                            (counted_chunk_wait_partition, wait_args), (scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([(_mma_low_whole, mma_args), (_mma_high_whole, mma_args), (_load_partition, load_args),
-                            (counted_chunk_wait_partition, wait_args), (_scale_partition, scale_args)], [4, 1, 1, 1],
+                            (counted_chunk_wait_partition, wait_args), (scale_partition, scale_args)], [4, 1, 1, 1],
                            [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
     invalidate_ring(ready, empty)
     for i in gl.static_range(NUM_STAGES):

@@ -36,6 +36,9 @@ out["fp8 gluon, row-major A scales"] = clocked(compile_fp8_gluon_gemm(GemmBlocks
                                                                       a_scales_group_major=False))
 out["fp8 gluon, whole tiles"] = resource_usage(compile_fp8_gluon_gemm(GemmBlocks.parse("128x128x128w4s4gl"),
                                                                      split_tail=False))
+# two 128-column sub-tiles: 192 registers of accumulators and product (spilled while LLVM issued the second MMA first)
+out["fp8 gluon 256 wide"] = resource_usage(compile_fp8_gluon_gemm(GemmBlocks.parse("128x256x128w4s3gl"),
+                                                                 split_tail=False))
 out["fp8 chunk wait"] = resource_usage(compile_fp8_gemm(GemmBlocks.parse("128x128x128w8s4"), wait_chunks=True))
 out["bf16 stream-K"] = resource_usage(compile_gemm(GemmBlocks.parse("128x256x64w8s3sk1"), b_transposed=True))
 out["bf16 gluon kn"] = clocked(compile_gluon_gemm(GemmBlocks.parse("128x256x64w4s3gl"), b_transposed=False))
@@ -79,7 +82,7 @@ def test_new_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     usage = json.loads(lines[-1][len("RESULT "):])
     assert set(usage) == {"quantize_activation", "quantize_weight", "fp8 default (ws)", "fp8 gluon",
-                          "fp8 gluon, row-major A scales", "fp8 gluon, whole tiles", "fp8 chunk wait",
+                          "fp8 gluon, row-major A scales", "fp8 gluon, whole tiles", "fp8 gluon 256 wide", "fp8 chunk wait",
                           "bf16 stream-K", "bf16 gluon kn", "bf16 gluon nk", "bf16 gluon 192",
                           "bf16 gluon boxes 64x96 kn", "bf16 gluon boxes 128x96 nk", "bf16 gluon scatter kn",
                           "bf16 gluon scatter nk", "bf16 gluon scatter boxes 128x144 nk", "bf16 gluon reduce kn",
