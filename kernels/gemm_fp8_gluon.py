@@ -9,8 +9,8 @@ A [M, K] and B [N, K] e4m3, rows contiguous, read through host tensor descriptor
 too, into the same ring slot as the group's operands: the A scales group-major (their [cdiv(K, 128), M]
 storage, as `quantize_activation` makes them) in boxes [1, 128], the tile's rows of group g, or row-major
 (an AllGather pool's [M, groups padded to 4]) in boxes [128, 4]; the B scales [cdiv(N, 128), cdiv(K, 128)]
-in boxes [1, 4], the aligned four groups holding g. TMA reads zeros past M, N and K and clips the store, so
-tails need no masks.
+in boxes [1, 4] (a 256-wide tile's [2, 4]), the aligned four groups holding g. TMA reads zeros past M, N and K
+and clips the store, so tails need no masks.
 
     fp8_gluon_gemm_kernel[(num_programs,)](a_desc, b_desc, c_desc, a_scale_desc, b_scale_desc, M, N, K,
                                            tile_row_offset, num_whole_tiles, splits, workspace, counters,
@@ -30,24 +30,24 @@ lockstep, so the tensor cores idle meanwhile. Here warp-specialised partitions s
 
 * a producer warp: TMA loads into a ring of NUM_STAGES slots (``ready`` mbarrier per slot, tx-counted);
   it refills a slot once both consumers released it (``empty``, two arrivals);
-* a scaler warp: once a slot has landed, each tile row's scale of the group (a_scale * b_scale) into a
-  small shared array per slot, then ``scaled`` (one arrival);
+* a scaler warp (kernels/gemm_fp8_scaler.py): once a slot has landed, each tile row's scale of the group
+  (a_scale * b_scale) into a small shared array per slot, then ``scaled`` (one arrival);
 * two consumer warpgroups, each owning 64 rows of the 128-row tile: wait for the slot, MMA its 64 x BLOCK_N
   x 128 product into fresh registers, load its rows' scales from the scaler's array, release the slot,
   promote. Nothing synchronises the two consumers, so one promotes while the other's MMA runs (DeepGEMM's
   arrangement); each stores its half of C.
 
-Where the scales are combined is what the promotion costs. A global load in the K loop stalls it (ptxas
-multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA),
-so the scales come through the ring. Picked and multiplied in the consumers' K loop, ptxas placed that
-arithmetic between a group's four wgmma instructions, whose issue then waited on the shared loads: a build
-reading only the A scales ran 5-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
-not explained: a scaler computing nothing ran 2-4 % faster still, and starting the scaler before the operands
-land (the scale loads on a barrier of their own) did not help (the scaler probes in results/logs/one_gpu_184dd85).
-The kernel runs near the L2's throughput (ncu: 82 %) and feels shared-memory traffic: consumers reading their
-scales twice ran 1.3-2 % slower, yet storing them in the consumers' pair order (one 8-byte read instead of two)
-ran 1-4 % slower.
+Where the scales are combined is what the promotion costs: kernels/gemm_fp8_scaler.py.
 Row-major A scales are read four to a row (their 16-byte box) and the group's column picked in registers.
+
+Tiles 256 wide (BLOCK_N 256; whole tiles only, 3 stages): two 128-column sub-tiles with a B scale group each.
+Per K group a consumer MMAs the first sub-tile, promotes it into its accumulator, then MMAs and promotes the
+second, both into the same product registers: accumulators 2 x 64 + product 64 registers a thread (two products
+in flight would need 256). The tile reads A once for 256 columns, a fourth less L2 traffic per product than
+128x128 tiles, and the K step's fixed costs (waits, scale reads, the release) cover twice the MMA work: on an
+H100 the consumer ran at 0.998 of `_scaled_mm` (median of 18 shapes) where 128x128 tiles ran at 0.947, and its
+outputs are bitwise theirs (results/logs/one_gpu_a69dbb7/at_b6981be_fp8_256_probe.txt). 128x128 tiles stay
+where few waves of 256-wide ones would leave SMs idle (the table's choice).
 
 Registers: a kernel of 4 + 4 + 1 + 1 + 1 warps (producer, waiter, scaler) runs 384 threads, 168 registers a
 thread at launch; setmaxnreg lowers the three single warps' to 40 and raises the consumers' to 232 (their code

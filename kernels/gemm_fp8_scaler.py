@@ -2,9 +2,17 @@
 row's scale of the slot's K group, a_scale * b_scale, per 128-column sub-tile, into a small shared array the
 consumer warpgroups read with a plain shared load.
 
-Why a warp of its own: picked and multiplied in the consumers' K loop, ptxas placed that arithmetic between a
-group's four wgmma instructions, whose issue then waited on the shared loads (5-6 % of the kernel's time on an
-H100); the scaler warp recovered 1-3 % of it (results/logs/one_gpu_184dd85)."""
+Where the scales are combined is what the promotion costs. A global load in the K loop stalls it (ptxas
+multiplies the two scales right after the load, before the MMA wait, and an L2 round trip outlasts the MMA),
+so the scales come through the ring. Picked and multiplied in the consumers' K loop, ptxas placed that
+arithmetic between a group's four wgmma instructions, whose issue then waited on the shared loads: a build
+reading only the A scales ran 5-6 % faster on an H100, and the scaler warp recovered 1-3 % of it. The rest is
+not explained: a scaler computing nothing ran 2-4 % faster still, and starting the scaler before the operands
+land (the scale loads on a barrier of their own) did not help (the scaler probes in results/logs/one_gpu_184dd85).
+With 128x128 tiles the kernel ran near the L2's throughput (ncu: 82 %) and felt shared-memory traffic:
+consumers reading their scales twice ran 1.3-2 % slower, yet storing them in the consumers' pair order (one
+8-byte read instead of two) ran 1-4 % slower.
+"""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -1,6 +1,7 @@
 """The Gluon FP8 GEMM's place behind fp8_gemm (its numerics are checked on the GPU by
 tests/gpu/check_fp8_gluon.py: Gluon kernels do not run under the interpreter)."""
 
+import dataclasses
 import re
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from tp_overlap.launch.measure.tune import FP8_CANDIDATES
 from tp_overlap.gemm import fp8
-from tp_overlap.gemm.blocks import GemmBlocks
+from tp_overlap.gemm.blocks import GemmBlocks, load_block_table
 
 
 def test_the_gl_suffix_round_trips_and_is_not_plain():
@@ -142,14 +143,14 @@ def test_the_fp8_consumer_keeps_the_tables_gluon_entry_with_a_split_tail_and_the
 
 
 def test_plain_fp8_blocks_run_one_program_per_sm_where_the_table_measured_o2():
-    from tp_overlap.gemm.blocks import load_block_table
-    table = load_block_table("h100_fp8")
+    # tables written since gemm_bench's plain column holds one-program blocks only have none (the H100's)
+    table = load_block_table("h200_fp8")
     o2 = [e for e in table.entries if e.plain.programs_per_sm == 2]
-    assert o2, "the H100 FP8 table has o2 plain entries: the case this guards"
+    assert o2, "the H200 FP8 table has o2 plain entries: the case this guards"
     for e in o2:
-        got = fp8.choose_fp8_blocks(e.m, e.n, e.k, warp_specialize=False, gpu="h100")
+        got = fp8.choose_fp8_blocks(e.m, e.n, e.k, warp_specialize=False, gpu="h200")
         assert got.programs_per_sm == 1 and got.block_m == 128 and got.plain
-        assert fp8.choose_fp8_blocks(e.m, e.n, e.k, gpu="h100") == e.blocks
+        assert fp8.choose_fp8_blocks(e.m, e.n, e.k, gpu="h200") == e.blocks
 
 
 class _LaunchRecorder:
@@ -184,3 +185,33 @@ def test_only_a_launch_that_cuts_a_split_tail_runs_the_build_with_the_split_path
     ((grid, args, kwargs),) = recorder.launches
     assert (args[9], args[10]) == (whole_tiles, splits) and grid == (min(132, -(-m // 128) * (n // 128)),)
     assert kwargs["SPLIT_TAIL"] is (splits > 1)
+
+
+def test_a_256_wide_tile_reads_a_b_scale_row_per_128_columns_and_runs_whole():
+    import tp_overlap.kernels.gemm_fp8_gluon as kernel_module
+    from tp_overlap.gemm.fp8_gluon_launch import launch_fp8_gluon_gemm
+
+    recorder = _LaunchRecorder()
+    m, n, k = 1024, 7168, 4096
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_module, "fp8_gluon_gemm_kernel", recorder)
+        launch_fp8_gluon_gemm(a8=torch.zeros(m, k, dtype=torch.float8_e4m3fn), a_scales=torch.ones(k // 128, m),
+                              w8=torch.zeros(n, k, dtype=torch.float8_e4m3fn), w_scales=torch.ones(n // 128, k // 128),
+                              out=torch.empty(m, n, dtype=torch.bfloat16), blocks=GemmBlocks.parse("128x256x128w4s3gl"),
+                              num_programs=132, checked=True)
+    ((grid, args, kwargs),) = recorder.launches
+    assert grid == (132,) and (args[9], args[10]) == (8 * 28, 1) and kwargs["SPLIT_TAIL"] is False
+    assert list(args[1].block_shape) == [256, 128] and list(args[2].block_shape) == [64, 256]
+    assert list(args[4].block_shape) == [2, 4]  # the B scales of both 128-column sub-tiles
+
+
+def test_the_fp8_consumer_adds_a_split_tail_to_128_wide_tiles_only():
+    from tp_overlap.ops.ag_consumers import consumer_fp8_blocks
+
+    table = {(e.m, e.n, e.k): e.blocks for e in load_block_table("h100_fp8").entries}
+    wide = [key for key, blocks in table.items() if blocks.block_n == 256]
+    narrow = [key for key, blocks in table.items() if blocks.gluon and blocks.block_n == 128]
+    assert wide and narrow, "the H100 FP8 table names both widths: the cases this guards"
+    for (m, n, k), split in [(wide[0], 0), (narrow[0], 1)]:
+        blocks = consumer_fp8_blocks(m, n, k, device_type="cuda", gpu="h100")
+        assert blocks == dataclasses.replace(table[(m, n, k)], stream_k=split), (m, n, k, blocks)
