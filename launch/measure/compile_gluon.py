@@ -67,11 +67,12 @@ def compile_fp8_gluon_gemm(blocks: GemmBlocks, *, arch: int = 90, a_scales_group
     descriptors of A [128, 128], B [BLOCK_N, 128] e4m3, C [64, BLOCK_N] bf16 and the scale boxes fp32: A [1, 128]
     (group-major) or [128, 4] (row-major), B [1, 4] (a 256-wide tile's [2, 4]); `split_tail` False: the build of
     whole-tile launches (None: the split build where the blocks can cut a tail, i.e. up to 128 wide)."""
-    if split_tail is None:
-        split_tail = blocks.block_n <= 128
     from tp_overlap.kernels.gemm_fp8_gluon import fp8_gluon_gemm_kernel
-    from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, b_scale_box
+    from tp_overlap.gemm.fp8_gluon_launch import B_SCALE_BOX, b_scale_box, splits_tail
     from tp_overlap.gemm.launch import tma_shared_layout
+
+    if split_tail is None:
+        split_tail = splits_tail(blocks.block_n)
 
     def descriptor(dtype: str, block: list[int]) -> str:
         return _gluon_descriptor(tma_shared_layout, dtype, block)

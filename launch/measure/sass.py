@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 
 from tp_overlap.gemm import GemmBlocks
+from tp_overlap.gemm.fp8_gluon_launch import splits_tail
 
 from .compile_gluon import (compile_fp8_gluon_gemm, compile_gluon_gemm, compile_gluon_reduce_gemm,
                             compile_gluon_scatter_gemm)
@@ -41,7 +42,7 @@ def builds():
                             lambda n=name, t=nk: compile_gluon_reduce_gemm(GemmBlocks.parse(n), b_transposed=t)))
     for name in FP8_BUILDS:
         for group_major in (True, False):
-            for split in (True, False)[GemmBlocks.parse(name).block_n > 128:]:  # 256 wide: whole tiles only
+            for split in (True, False)[not splits_tail(GemmBlocks.parse(name).block_n):]:
                 out.append((f"fp8_{name}_{'group_major' if group_major else 'row_major'}{'' if split else '_whole'}",
                             lambda n=name, g=group_major, t=split: compile_fp8_gluon_gemm(
                                 GemmBlocks.parse(n), a_scales_group_major=g, split_tail=t)))

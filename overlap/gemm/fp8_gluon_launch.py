@@ -37,11 +37,17 @@ def gluon_block_problems(blocks: GemmBlocks) -> list[str]:
         value = getattr(blocks, name)
         if value not in allowed:
             out.append(f"gluon: {name} {value} not in {allowed}")
-    if blocks.block_n > SCALE_GROUP and blocks.stream_k:
+    if not splits_tail(blocks.block_n) and blocks.stream_k:
         out.append(f"gluon: block_n {blocks.block_n} runs whole tiles only (no sk1)")
-    if blocks.block_n > SCALE_GROUP and blocks.num_stages > GLUON_WIDE_MAX_STAGES:
+    if not splits_tail(blocks.block_n) and blocks.num_stages > GLUON_WIDE_MAX_STAGES:
         out.append(f"gluon: block_n {blocks.block_n} fits at most {GLUON_WIDE_MAX_STAGES} stages")
     return out
+
+
+def splits_tail(block_n: int) -> bool:
+    """Whether tiles `block_n` wide can cut a split tail (`sk1`): up to 128 wide; 256-wide tiles (two sub-tiles)
+    run whole."""
+    return block_n <= SCALE_GROUP
 
 
 def b_scale_box(block_n: int) -> tuple[int, int]:

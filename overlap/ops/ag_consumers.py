@@ -10,12 +10,13 @@ import dataclasses
 
 import torch
 
-from tp_overlap.kernels.constants import SCALE_GROUP, ag_tile_row_offset
+from tp_overlap.kernels.constants import ag_tile_row_offset
 
 from ..gemm import ChunkWait, choose_blocks, fp8_gemm, launch_gemm, sm_carveout
 from ..gemm.fused_blocks import fused_gluon_blocks
 from ..gemm.fp8 import choose_fp8_blocks, fp8_default_blocks
-from ..gemm.fp8_gluon_launch import gluon_operand_problems as fp8_operand_problems, launch_fp8_gluon_gemm
+from ..gemm.fp8_gluon_launch import (gluon_operand_problems as fp8_operand_problems, launch_fp8_gluon_gemm,
+                                     splits_tail)
 from ..gemm.gluon_launch import gluon_operand_problems, launch_gluon_gemm
 from ..gemm.launch import b_operand
 from .ag_chunks import ConsumerGemm, plan_consumer_gemms
@@ -35,7 +36,7 @@ def consumer_fp8_blocks(m: int, n: int, k: int, *, device_type: str, gpu: str | 
     table's choice (`fp8_default_blocks` with chunk waits), a Gluon one with a split tail (the op owns the
     buffers; `split_plan` keeps whole tiles where cutting does not pay) unless 256 wide (whole tiles only)."""
     blocks = fp8_default_blocks(m, n, k, chunk_wait=True, device_type=device_type, gpu=gpu)
-    return dataclasses.replace(blocks, stream_k=1) if blocks.gluon and blocks.block_n <= SCALE_GROUP else blocks
+    return dataclasses.replace(blocks, stream_k=1) if blocks.gluon and splits_tail(blocks.block_n) else blocks
 
 
 class AgConsumers:
